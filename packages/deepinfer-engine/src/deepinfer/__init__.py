@@ -1,0 +1,1 @@
+"""deepinfer: the user facade."""

@@ -1,0 +1,31 @@
+"""`python -m deepinfer_kernels`: which implementation each op resolves to on this machine, and why."""
+
+from __future__ import annotations
+
+import torch
+
+from . import ops  # noqa: F401  (registers every op)
+from .registry import REGISTRY
+
+
+def report() -> str:
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    lines = []
+    for dev in devices:
+        cap = torch.cuda.get_device_capability() if dev == "cuda" else None
+        name = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
+        lines.append(f"device {dev} ({name}), batch_invariant={REGISTRY.batch_invariant}")
+        for op in REGISTRY.ops():
+            chosen = None
+            notes = []
+            for impl in REGISTRY.implementations(op):
+                why = REGISTRY.static_reason(impl, dev, cap)
+                if why is None and chosen is None:
+                    chosen = impl.tier
+                notes.append(f"{impl.tier}: {why or 'ok'}")
+            lines.append(f"  {op:<24} -> {chosen or 'none':<9} [{'; '.join(notes)}]")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(report())

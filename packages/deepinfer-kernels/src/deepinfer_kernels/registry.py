@@ -1,0 +1,188 @@
+"""The op registry: one entry per hot op, implementations in tiers, chosen per call by capability.
+
+An implementation names its function as ``"module:function"`` and is imported only when first
+chosen, so importing deepinfer_kernels never imports triton, tilelang or a vendor library.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .settings import TIERS, KernelSettings
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """One way to compute an op.
+
+    `devices`: torch device types it runs on. `min_capability`: lowest CUDA compute capability.
+    `requires`: modules that must be importable (checked without importing them).
+    `supports`: optional ``"module:function"`` taking the op's arguments and returning ``None`` when
+    it can run them, else a short reason (dtype, shape limit, ...).
+    """
+
+    op: str
+    tier: str
+    target: str
+    devices: tuple[str, ...] = ("cpu", "cuda")
+    min_capability: tuple[int, int] | None = None
+    requires: tuple[str, ...] = ()
+    supports: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.tier not in TIERS:
+            raise ValueError(f"{self.op}: tier {self.tier!r} is not one of {', '.join(TIERS)}")
+
+
+def _load(target: str) -> Callable[..., Any]:
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _first_tensor(args: tuple[Any, ...]) -> torch.Tensor:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a
+    raise TypeError("an op needs at least one tensor argument")
+
+
+class OpRegistry:
+    """Maps op names to their implementations and picks one for each call."""
+
+    def __init__(self, settings: KernelSettings | None = None) -> None:
+        self._docs: dict[str, str] = {}
+        self._impls: dict[str, list[Implementation]] = {}
+        self._settings = settings
+        self._loaded: dict[str, Callable[..., Any]] = {}
+        # (op, device type, capability) -> implementations whose static checks pass, best first
+        self._static: dict[tuple[str, str, tuple[int, int] | None], list[Implementation]] = {}
+
+    # -- building ------------------------------------------------------------------------------
+    def declare(self, op: str, doc: str) -> None:
+        """Declare an op name with a one-line description (shapes, units)."""
+        if op in self._docs:
+            raise ValueError(f"op {op!r} is declared twice")
+        self._docs[op] = doc
+        self._impls[op] = []
+
+    def register(self, impl: Implementation) -> None:
+        if impl.op not in self._docs:
+            raise ValueError(f"register: op {impl.op!r} is not declared")
+        if any(i.tier == impl.tier for i in self._impls[impl.op]):
+            raise ValueError(f"op {impl.op!r} already has a {impl.tier!r} implementation")
+        self._impls[impl.op].append(impl)
+        self._impls[impl.op].sort(key=lambda i: TIERS.index(i.tier))
+        self._static.clear()
+
+    # -- settings ------------------------------------------------------------------------------
+    @property
+    def settings(self) -> KernelSettings:
+        if self._settings is None:
+            self.configure(KernelSettings.from_env())
+        assert self._settings is not None
+        return self._settings
+
+    def configure(self, settings: KernelSettings) -> None:
+        """Install settings (overrides are checked against the declared ops and tiers)."""
+        for op, tier in settings.overrides.items():
+            if op not in self._docs:
+                raise ValueError(
+                    f"DEEPINFER_KERNELS: unknown op {op!r}; ops are {', '.join(sorted(self._docs))}"
+                )
+            tiers = [i.tier for i in self._impls[op]]
+            if tier not in tiers:
+                raise ValueError(
+                    f"DEEPINFER_KERNELS: op {op!r} has no {tier!r} implementation; "
+                    f"it has {', '.join(tiers)}"
+                )
+        self._settings = settings
+        self._static.clear()
+
+    @property
+    def batch_invariant(self) -> bool:
+        return self.settings.batch_invariant
+
+    # -- choosing ------------------------------------------------------------------------------
+    def ops(self) -> list[str]:
+        return sorted(self._docs)
+
+    def doc(self, op: str) -> str:
+        return self._docs[op]
+
+    def implementations(self, op: str) -> list[Implementation]:
+        if op not in self._impls:
+            raise KeyError(f"unknown op {op!r}; ops are {', '.join(sorted(self._docs))}")
+        return list(self._impls[op])
+
+    def static_reason(
+        self, impl: Implementation, device_type: str, capability: tuple[int, int] | None
+    ) -> str | None:
+        """Why `impl` cannot run on this device regardless of arguments, or None."""
+        forced = self.settings.overrides.get(impl.op)
+        if forced is not None and forced != impl.tier:
+            return f"DEEPINFER_KERNELS selects {forced}"
+        if device_type not in impl.devices:
+            return f"runs on {'/'.join(impl.devices)}, not {device_type}"
+        if impl.min_capability is not None and (
+            capability is None or capability < impl.min_capability
+        ):
+            need = ".".join(map(str, impl.min_capability))
+            return f"needs compute capability >= {need}"
+        for mod in impl.requires:
+            if importlib.util.find_spec(mod) is None:
+                return f"{mod} is not installed"
+        return None
+
+    def _candidates(self, op: str, device: torch.device) -> list[Implementation]:
+        capability = None
+        if device.type == "cuda":
+            capability = torch.cuda.get_device_capability(device)
+        key = (op, device.type, capability)
+        found = self._static.get(key)
+        if found is None:
+            found = [
+                i
+                for i in self.implementations(op)
+                if self.static_reason(i, device.type, capability) is None
+            ]
+            self._static[key] = found
+        return found
+
+    def _target(self, target: str) -> Callable[..., Any]:
+        fn = self._loaded.get(target)
+        if fn is None:
+            fn = self._loaded[target] = _load(target)
+        return fn
+
+    def function(self, impl: Implementation) -> Callable[..., Any]:
+        """The implementation's function (imported on first use)."""
+        return self._target(impl.target)
+
+    def resolve(self, op: str, *args: Any, **kwargs: Any) -> Implementation:
+        """The implementation that a call of `op` with these arguments runs."""
+        device = _first_tensor(args).device
+        reasons = []
+        for impl in self._candidates(op, device):
+            if impl.supports is not None:
+                why = self._target(impl.supports)(*args, **kwargs)
+                if why is not None:
+                    reasons.append(f"{impl.tier}: {why}")
+                    continue
+            return impl
+        raise NotImplementedError(
+            f"no implementation of {op!r} runs these arguments on {device}: "
+            + ("; ".join(reasons) or "no tier is available on this device")
+        )
+
+    def call(self, op: str, *args: Any, **kwargs: Any) -> Any:
+        return self.function(self.resolve(op, *args, **kwargs))(*args, **kwargs)
+
+
+REGISTRY = OpRegistry()
+"""The process-wide registry that `deepinfer_kernels.ops` registers into and calls through."""

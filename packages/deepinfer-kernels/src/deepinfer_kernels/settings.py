@@ -1,0 +1,65 @@
+"""The kernel package's settings, read from the environment in this one place.
+
+`DEEPINFER_KERNELS`: per-op tier overrides, e.g. ``"fp8_gemm=ref,moe=triton"``.
+`DEEPINFER_BATCH_INVARIANT`: ``1`` makes every op's result for a row independent of the other
+rows in the call (no tile or split choice that depends on the number of rows).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+TIERS: tuple[str, ...] = ("vendor", "tilelang", "triton", "npu", "ref")
+"""Implementation tiers in default order of preference (first capable one wins)."""
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
+
+
+def parse_bool(name: str, value: str) -> bool:
+    """Parse a boolean env value; anything unrecognised is an error naming the variable."""
+    v = value.strip().lower()
+    if v in _TRUE:
+        return True
+    if v in _FALSE:
+        return False
+    raise ValueError(f"{name}={value!r}: expected one of {', '.join(_TRUE + _FALSE[:-1])}")
+
+
+def parse_overrides(value: str) -> dict[str, str]:
+    """Parse ``"op=tier,op=tier"`` into a dict. Op names are checked later by the registry."""
+    overrides: dict[str, str] = {}
+    for item in value.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        op, sep, tier = item.partition("=")
+        op, tier = op.strip(), tier.strip()
+        if not sep or not op or not tier:
+            raise ValueError(f"DEEPINFER_KERNELS: {item!r} is not of the form op=tier")
+        if tier not in TIERS:
+            raise ValueError(
+                f"DEEPINFER_KERNELS: tier {tier!r} for op {op!r} is not one of {', '.join(TIERS)}"
+            )
+        overrides[op] = tier
+    return overrides
+
+
+@dataclass(frozen=True)
+class KernelSettings:
+    """What the registry needs to pick implementations."""
+
+    overrides: Mapping[str, str] = field(default_factory=dict)
+    batch_invariant: bool = False
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> KernelSettings:
+        env = os.environ if environ is None else environ
+        return cls(
+            overrides=parse_overrides(env.get("DEEPINFER_KERNELS", "")),
+            batch_invariant=parse_bool(
+                "DEEPINFER_BATCH_INVARIANT", env.get("DEEPINFER_BATCH_INVARIANT", "0")
+            ),
+        )

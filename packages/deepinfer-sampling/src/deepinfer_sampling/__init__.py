@@ -1,0 +1,1 @@
+"""deepinfer_sampling."""
