@@ -1,4 +1,4 @@
-"""`python -m deepinfer_kernels`: which implementation each op resolves to on this machine, and why."""
+"""`python -m deepinfer_kernels`: which implementation each op resolves to here, and why."""
 
 from __future__ import annotations
 
