@@ -1,1 +1,1 @@
-"""deepinfer_parallel."""
+"""deepinfer_parallel: process groups, attention DP, CP, MoE EP, and EPLB (``.eplb``)."""

@@ -1,0 +1,76 @@
+"""Print how well EPLB balances a skewed (Zipf) expert load, before and after rebalancing.
+
+For 384 logical experts spread over 8, 16 and 64 GPUs with 0, 32 and 64 redundant slots, prints
+the busiest GPU's load over the mean GPU load (1.00 = perfect) for the identity placement
+(expert e on GPU e // (384 / gpus)) and for EPLB's global and hierarchical policies. Each layer's
+load is Zipf over the experts (load of the r-th most popular expert ~ 1 / r**s) with the ranks
+shuffled per layer, so hot experts are scattered the way real routers scatter them. Values are the
+mean over layers. Runs on CPU in seconds:
+
+    uv run --frozen python tools/eplb_report.py [--zipf-s 1.0] [--layers 8] [--seed 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from deepinfer_parallel.eplb import identity_gpu_load, rebalance_experts
+
+NUM_EXPERTS = 384
+GPU_COUNTS = (8, 16, 64)
+REDUNDANT = (0, 32, 64)
+GPUS_PER_NODE = 8
+NUM_GROUPS = 8  # expert groups for the hierarchical policy (384 / 8 = 48 experts per group)
+
+
+def zipf_load(num_layers: int, num_experts: int, s: float, seed: int) -> torch.Tensor:
+    """``[num_layers, num_experts]`` float64 Zipf loads, ranks shuffled per layer."""
+    g = torch.Generator().manual_seed(seed)
+    base = 1.0 / torch.arange(1, num_experts + 1, dtype=torch.float64) ** s
+    base = base / base.sum() * 1e6  # tokens per layer
+    return torch.stack([base[torch.randperm(num_experts, generator=g)] for _ in range(num_layers)])
+
+
+def imbalance(gpu_load: torch.Tensor) -> float:
+    """Mean over layers of (max GPU load / mean GPU load) for ``gpu_load [layers, gpus]``."""
+    return float((gpu_load.max(dim=1).values / gpu_load.mean(dim=1)).mean())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--zipf-s", type=float, default=1.0, help="Zipf exponent (default 1.0)")
+    parser.add_argument("--layers", type=int, default=8, help="MoE layers to average over")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    load = zipf_load(args.layers, NUM_EXPERTS, args.zipf_s, args.seed)
+    print(
+        f"EPLB balance, {NUM_EXPERTS} experts, Zipf s={args.zipf_s}, {args.layers} layers, "
+        f"max/mean GPU load (1.00 = perfect); hierarchical: {NUM_GROUPS} groups, "
+        f"{GPUS_PER_NODE} GPUs/node"
+    )
+    header = f"{'gpus':>5} {'redundant':>9} {'slots':>6} {'identity':>9} {'global':>8} {'hier':>8}"
+    print(header)
+    print("-" * len(header))
+    for gpus in GPU_COUNTS:
+        before = imbalance(identity_gpu_load(load, gpus))
+        nodes = max(1, gpus // GPUS_PER_NODE)
+        for redundant in REDUNDANT:
+            slots = NUM_EXPERTS + redundant
+            cells = []
+            for policy in ("global", "hierarchical"):
+                try:
+                    p = rebalance_experts(load, slots, NUM_GROUPS, nodes, gpus, policy)
+                    cells.append(f"{imbalance(p.gpu_load(load)):8.2f}")
+                except ValueError as err:
+                    cells.append(f"{'n/a':>8}")
+                    reason = str(err)
+            line = f"{gpus:>5} {redundant:>9} {slots:>6} {before:>9.2f} {cells[0]} {cells[1]}"
+            if "n/a" in line:
+                line += f"   ({reason.split(' so that')[0]})"
+            print(line)
+
+
+if __name__ == "__main__":
+    main()
