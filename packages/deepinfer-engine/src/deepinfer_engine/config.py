@@ -1,0 +1,193 @@
+"""Engine configuration: one typed dataclass, and the ONE place the engine reads the environment.
+
+The environment variables are the names users know from DeepInfer; `LLM(...)` keyword arguments
+are a second view of the same fields. An argument that is not None wins over the variable. A bad
+value (in either) raises `ValueError` naming the variable or argument and the allowed values; there
+are no silent defaults for malformed input.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+ACCELERATORS = ("nvidia", "ascend", "cpu")
+TRUNCATION_MODES = ("off", "compact")
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+# Environment variable -> EngineConfig field.
+ENV_FIELDS: dict[str, str] = {
+    "DEEPINFER_ACCELERATOR": "accelerator",
+    "DEEPINFER_HF_MODEL_DIR": "model",
+    "DEEPINFER_ASYNC_SCHEDULING": "async_scheduling",
+    "DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE": "yoco_prefill_truncation_mode",
+    "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS": "yoco_prefill_keep_tokens",
+    "DEEPINFER_USE_NEXTN_DECODE": "use_nextn_decode",
+    "DEEPINFER_ENABLE_MTP_VARLEN": "enable_mtp_varlen",
+    "DEEPINFER_BATCH_INVARIANT": "batch_invariant",
+}
+
+
+def _parse_bool(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        v = value.strip().lower()
+        if v in _TRUE:
+            return True
+        if v in _FALSE:
+            return False
+    raise ValueError(f"{name}={value!r} is not a boolean; allowed values: {_TRUE + _FALSE}")
+
+
+def _parse_int(name: str, value: Any, minimum: int) -> int:
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        out = int(value)
+        if isinstance(value, float) and out != value:
+            raise TypeError
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}={value!r} is not an integer >= {minimum}") from None
+    if out < minimum:
+        raise ValueError(f"{name}={value!r} must be an integer >= {minimum}")
+    return out
+
+
+def _parse_choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
+    v = str(value).strip().lower()
+    if v not in allowed:
+        raise ValueError(f"{name}={value!r} is not allowed; allowed values: {', '.join(allowed)}")
+    return v
+
+
+@dataclass
+class EngineConfig:
+    """Every knob of the offline engine.
+
+    Memory: on CUDA the KV cache gets `gpu_memory_utilization` of the device memory minus what is
+    in use after loading the model; on CPU it gets `kv_cache_bytes`. Capacity is logged in tokens.
+    `max_model_len` None means the model's `max_position_embeddings`, capped by the KV capacity.
+    """
+
+    model: str | None = None
+    accelerator: str | None = None  # nvidia | ascend | cpu; None = detect
+    dtype: str = "bfloat16"  # activation/cache dtype name; "float32" is used by tests
+    seed: int = 0
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None
+    block_size: int = 64
+    gpu_memory_utilization: float = 0.9
+    kv_cache_bytes: int = 1 << 30  # CPU byte budget for the KV cache
+    async_scheduling: bool = True
+    yoco_prefill_truncation_mode: str = "off"
+    yoco_prefill_keep_tokens: int = 140
+    use_nextn_decode: int = 5  # maximum draft length (spec decoding); 0 = off
+    enable_mtp_varlen: bool = False
+    batch_invariant: bool = False
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Normalise and check every field; errors name the field and the allowed values."""
+        if self.accelerator is not None:
+            self.accelerator = _parse_choice("accelerator", self.accelerator, ACCELERATORS)
+        if self.dtype not in ("bfloat16", "float16", "float32"):
+            raise ValueError(
+                f"dtype={self.dtype!r} is not allowed; allowed values: bfloat16, float16, float32"
+            )
+        self.seed = _parse_int("seed", self.seed, 0)
+        self.max_num_seqs = _parse_int("max_num_seqs", self.max_num_seqs, 1)
+        self.max_num_batched_tokens = _parse_int(
+            "max_num_batched_tokens", self.max_num_batched_tokens, 1
+        )
+        if self.max_model_len is not None:
+            self.max_model_len = _parse_int("max_model_len", self.max_model_len, 2)
+        self.block_size = _parse_int("block_size", self.block_size, 1)
+        if not (0.0 < float(self.gpu_memory_utilization) <= 1.0):
+            raise ValueError(
+                f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]"
+            )
+        self.kv_cache_bytes = _parse_int("kv_cache_bytes", self.kv_cache_bytes, 1)
+        self.async_scheduling = _parse_bool("async_scheduling", self.async_scheduling)
+        self.yoco_prefill_truncation_mode = _parse_choice(
+            "yoco_prefill_truncation_mode", self.yoco_prefill_truncation_mode, TRUNCATION_MODES
+        )
+        self.yoco_prefill_keep_tokens = _parse_int(
+            "yoco_prefill_keep_tokens", self.yoco_prefill_keep_tokens, 1
+        )
+        self.use_nextn_decode = _parse_int("use_nextn_decode", self.use_nextn_decode, 0)
+        self.enable_mtp_varlen = _parse_bool("enable_mtp_varlen", self.enable_mtp_varlen)
+        self.batch_invariant = _parse_bool("batch_invariant", self.batch_invariant)
+
+    @property
+    def max_backtrack(self) -> int:
+        """Tokens a verify step can roll back: max draft length + 1 (spec-and-parallel.md §3.3)."""
+        return self.use_nextn_decode + 1
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> EngineConfig:
+        """Build a config from the environment, then apply `overrides` (argument wins).
+
+        `env` defaults to `os.environ`. An override of None means "not given". Unknown override
+        names raise `ValueError` listing the accepted ones.
+        """
+        env = os.environ if env is None else env
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - names)
+        if unknown:
+            raise ValueError(
+                f"unknown engine argument(s) {unknown}; accepted: {', '.join(sorted(names))}"
+            )
+        values: dict[str, Any] = {}
+        for var, field in ENV_FIELDS.items():
+            raw = env.get(var)
+            if raw is None or raw == "":
+                continue
+            values[field] = _parse_env(var, field, raw)
+        for k, v in overrides.items():
+            if v is not None:
+                values[k] = v
+        return cls(**values)
+
+
+def _parse_env(var: str, field: str, raw: str) -> Any:
+    """Parse one environment variable; the error names the variable, not the field."""
+    if field in ("async_scheduling", "enable_mtp_varlen", "batch_invariant"):
+        return _parse_bool(var, raw)
+    if field == "accelerator":
+        return _parse_choice(var, raw, ACCELERATORS)
+    if field == "yoco_prefill_truncation_mode":
+        return _parse_choice(var, raw, TRUNCATION_MODES)
+    if field == "yoco_prefill_keep_tokens":
+        return _parse_int(var, raw, 1)
+    if field == "use_nextn_decode":
+        return _parse_int(var, raw, 0)
+    return raw  # the model directory
+
+
+def resolve_device(accelerator: str | None) -> str:
+    """Map an accelerator name (or None = detect) to a torch device string."""
+    import torch
+
+    if accelerator is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if accelerator == "nvidia":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                "accelerator='nvidia' (DEEPINFER_ACCELERATOR) but CUDA is not available"
+            )
+        return "cuda"
+    if accelerator == "ascend":
+        raise NotImplementedError(
+            "accelerator='ascend': the engine's NPU device path (torch_npu) is not built yet"
+        )
+    return "cpu"

@@ -1,0 +1,51 @@
+"""What `LLM.generate` returns, with vLLM's field names so existing user code keeps working."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    """One token's log-probability (natural log, after the sampler's processing).
+
+    `rank` is 1 for the most likely token; None when the sampler did not report it.
+    """
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    """One of the `n` completions of a request.
+
+    finish_reason: "stop" (EOS, a stop string/id, or the grammar ended), "length" (`max_tokens`
+    or `max_model_len`), "error" (a mid-run failure of this request alone; see `error`), or None
+    while unfinished. stop_reason: the stop string or stop token id that ended it, else None.
+    logprobs: per generated token, {token_id: Logprob} (sampled token + top-N) when requested.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """The result of one prompt: its `n` completions, in index order."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = False

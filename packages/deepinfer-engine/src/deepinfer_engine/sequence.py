@@ -1,0 +1,90 @@
+"""A sequence: one of the `n` completions of a request, and all the host state it carries.
+
+Token accounting (the invariant the scheduler keeps):
+    num_tokens = len(prompt_token_ids) + len(output_token_ids) + num_inflight
+    0 <= num_computed_tokens <= num_tokens
+`num_inflight` counts tokens sampled on the device whose ids the host does not know yet (async
+scheduling's placeholders). `num_computed_tokens` counts tokens whose KV is written (or queued to
+be written by an already-launched step) into this sequence's slot and pages.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from deepinfer_engine.detokenizer import IncrementalDetokenizer
+from deepinfer_engine.outputs import Logprob
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Host state of one completion. `params` is a `deepinfer_sampling.SamplingParams`."""
+
+    seq_id: int
+    request_id: str
+    index: int  # which of the request's n completions
+    prompt_token_ids: list[int]
+    params: Any
+    detokenizer: IncrementalDetokenizer | None = None
+    seed: int | None = None  # per-completion seed (request seed + index), None = unseeded
+    grammar: Any = None  # the sampler's per-request grammar matcher, or None
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_inflight: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    slot: int = -1
+    block_table: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Generated tokens, including those still in flight."""
+        return len(self.output_token_ids) + self.num_inflight
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_inflight
+
+    @property
+    def num_known_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def token_id(self, pos: int) -> int:
+        """Token at absolute position `pos`; -1 for a position still in flight."""
+        p = len(self.prompt_token_ids)
+        if pos < p:
+            return self.prompt_token_ids[pos]
+        if pos - p < len(self.output_token_ids):
+            return self.output_token_ids[pos - p]
+        if pos < self.num_tokens:
+            return -1
+        raise IndexError(f"position {pos} >= num_tokens {self.num_tokens}")
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens at positions [start, end); in-flight positions are -1."""
+        return [self.token_id(i) for i in range(start, end)]
+
+    @property
+    def text(self) -> str:
+        return self.detokenizer.text if self.detokenizer is not None else ""

@@ -1,0 +1,92 @@
+"""EngineConfig (env vs arguments) and request validation."""
+
+from __future__ import annotations
+
+import pytest
+from deepinfer_engine.config import EngineConfig
+from deepinfer_engine.validation import validate_requests
+from deepinfer_sampling.params import SamplingParams
+
+
+def test_env_is_read_and_argument_wins():
+    env = {
+        "DEEPINFER_ASYNC_SCHEDULING": "0",
+        "DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE": "compact",
+        "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS": "200",
+        "DEEPINFER_USE_NEXTN_DECODE": "3",
+        "DEEPINFER_BATCH_INVARIANT": "true",
+        "DEEPINFER_ACCELERATOR": "cpu",
+        "DEEPINFER_HF_MODEL_DIR": "/models/v41",
+    }
+    cfg = EngineConfig.from_env(env)
+    assert (cfg.async_scheduling, cfg.yoco_prefill_truncation_mode) == (False, "compact")
+    assert (cfg.yoco_prefill_keep_tokens, cfg.use_nextn_decode) == (200, 3)
+    assert (cfg.batch_invariant, cfg.accelerator, cfg.model) == (True, "cpu", "/models/v41")
+    cfg = EngineConfig.from_env(env, async_scheduling=True, model="/other")
+    assert cfg.async_scheduling is True and cfg.model == "/other"
+    assert EngineConfig.from_env({}).async_scheduling is True
+
+
+@pytest.mark.parametrize(
+    ("var", "value", "match"),
+    [
+        ("DEEPINFER_ASYNC_SCHEDULING", "maybe", "DEEPINFER_ASYNC_SCHEDULING='maybe'.*allowed"),
+        ("DEEPINFER_ACCELERATOR", "tpu", "DEEPINFER_ACCELERATOR='tpu'.*nvidia, ascend, cpu"),
+        ("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", "on", "off, compact"),
+        ("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS", "-3", "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS"),
+        ("DEEPINFER_USE_NEXTN_DECODE", "x", "DEEPINFER_USE_NEXTN_DECODE"),
+    ],
+)
+def test_bad_env_value_names_the_variable(var, value, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig.from_env({var: value})
+
+
+def test_bad_argument_names_the_argument():
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        EngineConfig.from_env({}, max_num_seqs=0)
+    with pytest.raises(ValueError, match="unknown engine argument"):
+        EngineConfig.from_env({}, max_num_sequences=3)
+
+
+def encode(text: str) -> list[int]:
+    return [ord(c) % 100 for c in text]
+
+
+@pytest.mark.parametrize(
+    ("prompts", "match"),
+    [
+        (["ok", ""], "prompt 1: empty prompt"),
+        (["ok", [1, 2], []], "prompt 2: empty prompt"),
+        ([[1, 2], "x" * 40], "prompt 1: prompt has 40 tokens"),
+        ([[1, 100]], "prompt 0: token id 100 is outside the vocabulary"),
+        ([{"prompt_token_ids": [1, -1]}], "prompt 0: token id -1"),
+        (["a", 3.5], "prompt 1: must be a string"),
+    ],
+)
+def test_bad_prompts_name_their_index(prompts, match):
+    with pytest.raises(ValueError, match=match):
+        validate_requests(prompts, None, encode, vocab_size=100, max_model_len=32)
+
+
+def test_bad_params_name_their_index():
+    sp = SamplingParams()
+    object.__setattr__(sp, "n", 0)  # bypass the frozen dataclass: generate re-checks
+    with pytest.raises(ValueError, match="prompt 1: invalid SamplingParams: n must be"):
+        validate_requests(["a", "b"], [SamplingParams(), sp], encode, 100, 32)
+    with pytest.raises(ValueError, match="2 entries for 3 prompts"):
+        validate_requests(["a", "b", "c"], [sp, sp], encode, 100, 32)
+    with pytest.raises(ValueError, match="prompt 0: stop_token_ids has 500"):
+        validate_requests(["a"], SamplingParams(stop_token_ids=[500]), encode, 100, 32)
+
+
+def test_prompt_forms():
+    reqs = validate_requests(["ab", [3, 4], {"prompt_token_ids": [5]}], None, encode, 100, 32)
+    assert [(r.prompt, r.prompt_token_ids) for r in reqs] == [
+        ("ab", [97, 98]),
+        (None, [3, 4]),
+        (None, [5]),
+    ]
+    assert [r.prompt_token_ids for r in validate_requests([7, 8], None, encode, 100, 32)] == [
+        [7, 8]
+    ]
