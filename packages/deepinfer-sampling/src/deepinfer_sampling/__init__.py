@@ -1,1 +1,54 @@
-"""deepinfer_sampling."""
+"""deepinfer_sampling: deterministic, grammar-constrained sampling of next tokens from logits.
+
+Stands alone (torch + xgrammar). xgrammar is imported only when a grammar is used.
+"""
+
+from .batch import CANDIDATE_CAP, SamplingBatch, SamplingRow
+from .grammar import (
+    GrammarCache,
+    GrammarMatcher,
+    allocate_token_bitmask,
+    apply_token_bitmask,
+    bitmask_width,
+    tokenizer_info_from_tokenizer,
+    tokenizer_info_from_vocab,
+)
+from .params import SCHEMA_TYPES, SamplingParams, StructuredOutput, parse_grammar
+from .rng import (
+    STREAM_DRAFT,
+    STREAM_SAMPLE,
+    STREAM_SPEC_ACCEPT,
+    STREAM_SPEC_RESIDUAL,
+    counter_uniform,
+    row_keys,
+    uniform_from_keys,
+)
+from .sampler import Sampler, SamplerOutput
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CANDIDATE_CAP",
+    "SCHEMA_TYPES",
+    "STREAM_DRAFT",
+    "STREAM_SAMPLE",
+    "STREAM_SPEC_ACCEPT",
+    "STREAM_SPEC_RESIDUAL",
+    "GrammarCache",
+    "GrammarMatcher",
+    "Sampler",
+    "SamplerOutput",
+    "SamplingBatch",
+    "SamplingParams",
+    "SamplingRow",
+    "StructuredOutput",
+    "allocate_token_bitmask",
+    "apply_token_bitmask",
+    "bitmask_width",
+    "counter_uniform",
+    "parse_grammar",
+    "row_keys",
+    "tokenizer_info_from_tokenizer",
+    "tokenizer_info_from_vocab",
+    "uniform_from_keys",
+]

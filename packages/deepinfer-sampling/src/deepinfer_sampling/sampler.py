@@ -1,0 +1,190 @@
+"""Sampler: logits [R, V] + SamplingBatch -> next token ids (+ logprobs).
+
+Order of operations on each row (float32 working copy of the logits):
+    1. penalties on the row's generated tokens: repetition (positive logits / r, negative * r),
+       then frequency (- f * count) and presence (- p)
+    2. logit_bias (added)
+    3. min_tokens: EOS and stop_token_ids -> -inf while the output is shorter than min_tokens
+    4. grammar bitmask: disallowed tokens -> -inf
+    5. temperature == 0: argmax (first index on ties). Otherwise, in float64 on v = logits / T:
+    6. min-p: keep v >= max(v) + log(min_p)   (p >= min_p * p_max)
+    7. top-k: keep the k largest
+    8. top-p: keep the shortest prefix of the kept tokens, sorted by probability, whose mass
+       (renormalised over the kept tokens) reaches top_p
+    9. draw: argmax over kept tokens of v + Gumbel(u), u = counter_uniform(seed, position, token
+       id, stream 0) for seeded rows (so the token is a pure function of seed, position and the
+       row's logits, identical on CPU and CUDA up to float rounding of the logits themselves),
+       u from fresh random keys otherwise. Gumbel-max samples exactly softmax over the kept set.
+
+Logprobs are those of the raw model distribution (log_softmax of the input logits, before
+penalties, temperature and filters), as vLLM returns by default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .batch import SamplingBatch
+from .grammar import apply_token_bitmask
+from .rng import uniform_from_keys
+
+__all__ = ["Sampler", "SamplerOutput"]
+
+
+@dataclass
+class SamplerOutput:
+    """Result of one Sampler call for R rows.
+
+    token_ids: int64 [R].
+    logprobs: float32 [R], logprob of each sampled token (None unless some row asked).
+    top_logprobs: float32 [R, N], top_token_ids: int64 [R, N]: the N = batch.num_logprobs most
+        likely tokens of every row, most likely first (None unless some row asked; rows that
+        asked fewer use a prefix).
+    """
+
+    token_ids: torch.Tensor
+    logprobs: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+    top_token_ids: torch.Tensor | None = None
+
+
+class Sampler:
+    """Stateless sampler; `Sampler()(logits, batch)` gives a SamplerOutput."""
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        batch: SamplingBatch,
+        generator: torch.Generator | None = None,
+    ) -> SamplerOutput:
+        """Sample one token per row.
+
+        logits: [R, V] any float dtype, on batch.device; not modified.
+        generator: source of fresh randomness for rows without a seed (must live on the CPU or
+            on the logits' device); None uses torch's default generator of that device.
+        """
+        if logits.dim() != 2 or logits.shape != (batch.num_rows, batch.vocab_size):
+            raise ValueError(
+                f"logits must be [num_rows={batch.num_rows}, vocab={batch.vocab_size}], got "
+                f"{tuple(logits.shape)}"
+            )
+        if not logits.is_floating_point():
+            raise ValueError(f"logits must be a float tensor, got {logits.dtype}")
+        x = logits.to(torch.float32, copy=True)
+        _apply_penalties(x, batch)
+        if batch.logit_bias is not None:
+            rows, cols, values = batch.logit_bias
+            x.index_put_((rows, cols), values, accumulate=True)
+        if batch.stop_mask is not None:
+            rows, cols = batch.stop_mask
+            x.index_put_((rows, cols), torch.tensor(float("-inf"), device=x.device))
+        if batch.grammar_bitmask is not None:
+            apply_token_bitmask(x, batch.grammar_bitmask, batch.grammar_rows)
+
+        keys = _rng_keys(batch, generator)
+        token_ids = torch.empty(batch.num_rows, dtype=torch.int64, device=x.device)
+        if batch.greedy_rows is not None:
+            rows = batch.greedy_rows
+            token_ids[rows] = x[rows].argmax(dim=1)
+        if batch.topk_rows is not None:
+            rows = batch.topk_rows
+            values, ids = torch.topk(x[rows], batch.max_top_k, dim=1, sorted=True)
+            token_ids[rows] = _sample_candidates(values, ids, batch, rows, keys[:, rows])
+        if batch.full_rows is not None:
+            rows = batch.full_rows
+            xr = x[rows]
+            if batch.full_rows_need_sort:
+                values, ids = torch.sort(xr, dim=1, descending=True, stable=True)
+            else:
+                values, ids = xr, None
+            token_ids[rows] = _sample_candidates(values, ids, batch, rows, keys[:, rows])
+
+        out = SamplerOutput(token_ids=token_ids)
+        if batch.num_logprobs >= 0:
+            raw = logits.to(torch.float32)
+            lse = torch.logsumexp(raw, dim=1, keepdim=True)
+            out.logprobs = (raw.gather(1, token_ids[:, None]) - lse).squeeze(1)
+            top_values, out.top_token_ids = torch.topk(raw, batch.num_logprobs, dim=1)
+            out.top_logprobs = top_values - lse
+        return out
+
+
+def _rng_keys(batch: SamplingBatch, generator: torch.Generator | None) -> torch.Tensor:
+    """int64 [4, R]: the batch's seeded keys, fresh random keys for unseeded rows."""
+    if batch.all_seeded:
+        return batch.rng_keys
+    gen_device = generator.device if generator is not None else batch.device
+    fresh = torch.randint(
+        0, 1 << 32, (4, batch.num_rows), dtype=torch.int64, generator=generator, device=gen_device
+    ).to(batch.device)
+    return torch.where(batch.seeded, batch.rng_keys, fresh)
+
+
+def _apply_penalties(x: torch.Tensor, batch: SamplingBatch) -> None:
+    """Presence, frequency and repetition penalties on x [R, V] in place, touching only the
+    [R, L] generated tokens (no full-vocabulary pass)."""
+    tokens = batch.output_token_ids
+    if tokens is None:
+        return
+    sorted_tokens, _ = torch.sort(tokens, dim=1)
+    valid = sorted_tokens >= 0
+    # Occurrences of each token: the width of its run in the sorted row.
+    counts = torch.searchsorted(sorted_tokens, sorted_tokens, right=True) - torch.searchsorted(
+        sorted_tokens, sorted_tokens, right=False
+    )
+    first = valid.clone()
+    first[:, 1:] &= sorted_tokens[:, 1:] != sorted_tokens[:, :-1]
+    cols = sorted_tokens.clamp(min=0)
+    old = x.gather(1, cols)
+    rep = batch.repetition_penalty[:, None]
+    new = torch.where(old > 0, old / rep, old * rep)
+    new = new - batch.frequency_penalty[:, None] * counts.to(torch.float32)
+    new = new - batch.presence_penalty[:, None]
+    # One non-zero delta per (row, token), zeros elsewhere: scatter_add is then exact and
+    # order-independent. -inf logits stay -inf.
+    delta = torch.where(first & torch.isfinite(old), new - old, 0.0)
+    x.scatter_add_(1, cols, delta)
+
+
+def _sample_candidates(
+    values: torch.Tensor,
+    ids: torch.Tensor | None,
+    batch: SamplingBatch,
+    rows: torch.Tensor,
+    keys: torch.Tensor,
+) -> torch.Tensor:
+    """Filter and draw among candidates.
+
+    values: float [r, C] logits of the candidates; sorted descending when top-k/top-p may apply
+        (ids given), else the whole vocabulary in id order (ids None, no top-k/top-p).
+    ids: int64 [r, C] token ids of the candidates, or None (column = token id).
+    rows: int64 [r] batch rows; keys: int64 [4, r] counter-RNG keys.
+    Returns int64 [r] token ids.
+    """
+    num_cols = values.shape[1]
+    v = values.to(torch.float64) / batch.temperature[rows, None]
+    if ids is not None:
+        v_max = v[:, :1]
+    else:
+        v_max = v.max(dim=1, keepdim=True).values
+    keep = torch.isfinite(v)
+    if batch.use_min_p:
+        keep &= v >= v_max + torch.log(batch.min_p[rows, None])
+    if ids is not None:
+        top_k = batch.top_k[rows, None]
+        position = torch.arange(num_cols, device=v.device)
+        keep &= (top_k == 0) | (position < top_k)
+        if batch.use_top_p:
+            weight = torch.where(keep, torch.exp(v - v_max), 0.0)
+            cumulative = torch.cumsum(weight, dim=1)
+            mass_before = cumulative - weight
+            keep &= mass_before < batch.top_p[rows, None] * cumulative[:, -1:]
+    u = uniform_from_keys(keys, ids if ids is not None else num_cols)
+    # Gumbel-max: argmax(v - log(-log u)) ~ softmax(v) over the kept tokens.
+    score = torch.where(keep, v - torch.log(-torch.log(u)), float("-inf"))
+    choice = score.argmax(dim=1)
+    if ids is None:
+        return choice
+    return ids.gather(1, choice[:, None]).squeeze(1)
