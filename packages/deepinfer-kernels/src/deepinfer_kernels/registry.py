@@ -168,7 +168,14 @@ class OpRegistry:
         """The implementation that a call of `op` with these arguments runs."""
         device = _first_tensor(args).device
         reasons = []
-        for impl in self._candidates(op, device):
+        candidates = self._candidates(op, device)
+        if not candidates:
+            capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+            reasons = [
+                f"{i.tier}: {self.static_reason(i, device.type, capability)}"
+                for i in self.implementations(op)
+            ]
+        for impl in candidates:
             if impl.supports is not None:
                 why = self._target(impl.supports)(*args, **kwargs)
                 if why is not None:

@@ -1,0 +1,87 @@
+"""Dense FP8 linear ops: 32x32-block FP8 e4m3 weights (UE8M0 scales) times per-32 FP8 activations,
+fp32 accumulation. `fp8_linear` takes bf16/fp32 activations and quantises them; `fp8_gemm` takes
+activations already quantised (e.g. by `ops.rms_norm_act_quant_fp8`)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..quant import FP8_BLOCK
+from ..registry import REGISTRY, Implementation
+from ._checks import FLOAT_DTYPES, need, need_dtype
+
+REGISTRY.declare(
+    "fp8_gemm",
+    "x_fp8 [M, K] e4m3, x_scale [M, K/32] fp32, w [N, K] e4m3, w_scale [N/32, K/32] e8m0 -> [M, N]",
+)
+REGISTRY.declare(
+    "fp8_linear", "x [..., K] float, w [N, K] e4m3, w_scale [N/32, K/32] e8m0 -> [..., N] x.dtype"
+)
+
+for _op in ("fp8_gemm", "fp8_linear"):
+    REGISTRY.register(Implementation(_op, "ref", f"deepinfer_kernels.ref.linear:{_op}"))
+    REGISTRY.register(
+        Implementation(
+            _op,
+            "triton",
+            f"deepinfer_kernels.triton.linear:{_op}",
+            devices=("cuda",),
+            min_capability=(8, 9),
+            requires=("triton",),
+            supports="deepinfer_kernels.ops.linear:gpu_supports",
+        )
+    )
+
+
+def gpu_supports(x: torch.Tensor, *args: object, **kwargs: object) -> str | None:
+    if x.device.type != "cuda":
+        return f"input on {x.device.type}"
+    return None
+
+
+def _check_weight(w: torch.Tensor, w_scale: torch.Tensor, k: int) -> None:
+    need_dtype(w, "w", torch.float8_e4m3fn)
+    need(w.dim() == 2 and w.shape[1] == k, f"w must be [N, {k}], got {list(w.shape)}")
+    want = [-(-w.shape[0] // FP8_BLOCK), -(-k // FP8_BLOCK)]
+    need(list(w_scale.shape) == want, f"w_scale must be {want}, got {list(w_scale.shape)}")
+    need_dtype(w_scale, "w_scale", torch.float8_e8m0fnu, torch.float32)
+
+
+def fp8_gemm(
+    x_fp8: torch.Tensor,
+    x_scale: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """``(x_fp8 * x_scale) @ (w * w_scale)^T`` with fp32 accumulation.
+
+    x_fp8 [M, K] e4m3 (K % 32 == 0), x_scale [M, K/32] fp32 powers of two, w [N, K] e4m3,
+    w_scale [ceil(N/32), K/32] e8m0 (or fp32 powers of two) -> [M, N] out_dtype.
+    """
+    need_dtype(x_fp8, "x_fp8", torch.float8_e4m3fn)
+    need(x_fp8.dim() == 2, f"x_fp8 must be [M, K], got {list(x_fp8.shape)}")
+    m, k = x_fp8.shape
+    need(k % FP8_BLOCK == 0, f"x_fp8: K must be a multiple of {FP8_BLOCK}, got {k}")
+    need(
+        list(x_scale.shape) == [m, k // FP8_BLOCK] and x_scale.dtype == torch.float32,
+        f"x_scale must be [{m}, {k // FP8_BLOCK}] fp32, got {list(x_scale.shape)} {x_scale.dtype}",
+    )
+    _check_weight(w, w_scale, k)
+    need(out_dtype in FLOAT_DTYPES, f"out_dtype must be one of {FLOAT_DTYPES}, got {out_dtype}")
+    return REGISTRY.call(
+        "fp8_gemm", x_fp8, x_scale, w, w_scale, out_dtype, batch_invariant=REGISTRY.batch_invariant
+    )
+
+
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """x [..., K] (bf16/fp16/fp32, K % 32 == 0) -> [..., N] x.dtype.
+
+    x is quantised per 32 channels to FP8 e4m3 with UE8M0 scales (as the reference), multiplied by
+    the block-scaled FP8 weight w [N, K] / w_scale [ceil(N/32), K/32] with fp32 accumulation.
+    """
+    need_dtype(x, "x", *FLOAT_DTYPES)
+    k = x.shape[-1]
+    need(k % FP8_BLOCK == 0, f"x: last dimension must be a multiple of {FP8_BLOCK}, got {k}")
+    _check_weight(w, w_scale, k)
+    return REGISTRY.call("fp8_linear", x, w, w_scale, batch_invariant=REGISTRY.batch_invariant)

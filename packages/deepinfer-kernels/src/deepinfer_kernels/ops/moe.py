@@ -1,0 +1,154 @@
+"""MoE ops: the router gate (sqrt-softplus + bias, top-k, normalised weights x route_scale) and the
+routed FP4 experts (permute, W1/W3, clamped SwiGLU x routing weight, W2, weighted combine).
+
+The shared expert is not here: it is a dense FP8 MLP the model computes with `ops.fp8_linear`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..quant import FP4_BLOCK
+from ..registry import REGISTRY, Implementation
+from ._checks import FLOAT_DTYPES, need, need_dtype
+
+REGISTRY.declare(
+    "moe_gate",
+    "x [T, D], weight [E, D], bias [E] -> (topk_weights [T, k] fp32, topk_ids [T, k] int64)",
+)
+REGISTRY.declare(
+    "moe_experts",
+    "x [T, D], topk weights/ids [T, k], FP4 w1/w3 [E, I, D/2], w2 [E, D, I/2] + scales -> [T, D]",
+)
+
+for _op in ("moe_gate", "moe_experts"):
+    REGISTRY.register(Implementation(_op, "ref", f"deepinfer_kernels.ref.moe:{_op}"))
+    REGISTRY.register(
+        Implementation(
+            _op,
+            "triton",
+            f"deepinfer_kernels.triton.moe:{_op}",
+            devices=("cuda",),
+            min_capability=(8, 9),
+            requires=("triton",),
+            supports="deepinfer_kernels.ops.moe:gpu_supports",
+        )
+    )
+
+
+def gpu_supports(x: torch.Tensor, *args: object, **kwargs: object) -> str | None:
+    if x.device.type != "cuda":
+        return f"input on {x.device.type}"
+    return None
+
+
+def moe_gate(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    topk: int,
+    route_scale: float,
+    gate_temp: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Route tokens to experts.
+
+    ``s = sqrt(softplus(x W^T / gate_temp))`` in fp32; ``ids = topk(s + bias)`` (bias [E] or
+    [T, E] fp32, used only for choosing); ``weights = s[ids] / (sum s[ids] + 1e-20) * route_scale``.
+    x [T, D], weight [E, D] -> (topk_weights [T, topk] fp32, topk_ids [T, topk] int64).
+    """
+    need_dtype(x, "x", *FLOAT_DTYPES)
+    need(x.dim() == 2, f"x must be [T, D], got {list(x.shape)}")
+    need(
+        weight.dim() == 2 and weight.shape[1] == x.shape[1],
+        f"weight must be [E, {x.shape[1]}], got {list(weight.shape)}",
+    )
+    e = weight.shape[0]
+    need(1 <= topk <= e, f"topk must be in 1..{e}, got {topk}")
+    need(gate_temp > 0, f"gate_temp must be > 0, got {gate_temp}")
+    if bias is not None:
+        need(
+            list(bias.shape) in ([e], [x.shape[0], e]),
+            f"bias must be [{e}] or [{x.shape[0]}, {e}], got {list(bias.shape)}",
+        )
+    return REGISTRY.call(
+        "moe_gate",
+        x,
+        weight,
+        bias,
+        int(topk),
+        float(route_scale),
+        float(gate_temp),
+        batch_invariant=REGISTRY.batch_invariant,
+    )
+
+
+def moe_experts(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w1: torch.Tensor,
+    s1: torch.Tensor,
+    w3: torch.Tensor,
+    s3: torch.Tensor,
+    w2: torch.Tensor,
+    s2: torch.Tensor,
+    swiglu_limit: float,
+) -> torch.Tensor:
+    """Routed FP4 experts, summed with their routing weights.
+
+    For each (token, slot): ``W2 (swiglu(W1 x, W3 x) * weight)`` with V4.1's clamp (limit <= 0: no
+    clamp); every linear quantises its input per 32 to FP8 (UE8M0) and expands FP4 e2m1 weights.
+    x [T, D]; topk_weights [T, k] fp32; topk_ids [T, k] int64 (negative: not on this rank, skipped);
+    w1, w3 [E, I, D/2] int8 with s1, s3 [E, I, D/32] e8m0; w2 [E, D, I/2] int8 with s2
+    [E, D, I/32] e8m0 -> [T, D] x.dtype (expert outputs summed in fp32).
+    """
+    need_dtype(x, "x", *FLOAT_DTYPES)
+    need(x.dim() == 2, f"x must be [T, D], got {list(x.shape)}")
+    t, d = x.shape
+    need(
+        topk_ids.dim() == 2 and topk_ids.shape[0] == t,
+        f"topk_ids must be [{t}, k], got {list(topk_ids.shape)}",
+    )
+    need(
+        topk_weights.shape == topk_ids.shape,
+        f"topk_weights must be {list(topk_ids.shape)}, got {list(topk_weights.shape)}",
+    )
+    need(
+        topk_ids.dtype in (torch.int64, torch.int32),
+        f"topk_ids must be int64/int32, got {topk_ids.dtype}",
+    )
+    for name, w in (("w1", w1), ("w3", w3), ("w2", w2)):
+        need_dtype(w, name, torch.int8)
+    need(
+        w1.dim() == 3 and w1.shape[2] * 2 == d and d % FP4_BLOCK == 0,
+        f"w1 must be [E, I, {d // 2}] (D={d} a multiple of {FP4_BLOCK}), got {list(w1.shape)}",
+    )
+    e, i = w1.shape[0], w1.shape[1]
+    need(i % FP4_BLOCK == 0, f"w1: I must be a multiple of {FP4_BLOCK}, got {i}")
+    need(list(w3.shape) == [e, i, d // 2], f"w3 must be {[e, i, d // 2]}, got {list(w3.shape)}")
+    need(list(w2.shape) == [e, d, i // 2], f"w2 must be {[e, d, i // 2]}, got {list(w2.shape)}")
+    for name, s, want in (
+        ("s1", s1, [e, i, d // 32]),
+        ("s3", s3, [e, i, d // 32]),
+        ("s2", s2, [e, d, i // 32]),
+    ):
+        need(list(s.shape) == want, f"{name} must be {want}, got {list(s.shape)}")
+        need_dtype(s, name, torch.float8_e8m0fnu, torch.float32)
+    need(
+        bool((topk_ids < e).all()) if topk_ids.numel() and not topk_ids.is_cuda else True,
+        f"topk_ids must be < E={e}",
+    )
+    return REGISTRY.call(
+        "moe_experts",
+        x,
+        topk_weights,
+        topk_ids,
+        w1,
+        s1,
+        w3,
+        s3,
+        w2,
+        s2,
+        float(swiglu_limit),
+        batch_invariant=REGISTRY.batch_invariant,
+    )

@@ -1,0 +1,15 @@
+"""Shared fixtures for the kernels helper's tests."""
+
+from __future__ import annotations
+
+import pytest
+from deepinfer_kernels import REGISTRY, KernelSettings
+
+
+@pytest.fixture
+def batch_invariant():
+    """Run the test with DEEPINFER_BATCH_INVARIANT=1 semantics, restoring the settings after."""
+    before = REGISTRY.settings
+    REGISTRY.configure(KernelSettings(overrides=dict(before.overrides), batch_invariant=True))
+    yield
+    REGISTRY.configure(before)

@@ -1,0 +1,202 @@
+"""The op registry: selection by tier order and capability, overrides and their errors, supports()
+fallbacks, settings parsing, the report, and lazy imports (no triton on import)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+from deepinfer_kernels import REGISTRY, TIERS, Implementation, KernelSettings, OpRegistry
+from deepinfer_kernels.settings import parse_bool, parse_overrides
+
+# A throwaway module the test registries point their targets at.
+_mod = types.ModuleType("_registry_test_targets")
+_mod.calls = []
+
+
+def _make(tag):
+    def fn(*args, **kwargs):
+        _mod.calls.append(tag)
+        return tag
+
+    return fn
+
+
+for _tag in ("vendor", "tilelang", "triton", "ref"):
+    setattr(_mod, f"impl_{_tag}", _make(_tag))
+_mod.refuse_small = lambda x, *a, **k: "too small" if x.shape[0] < 4 else None
+_mod.refuse_all = lambda x, *a, **k: "never"
+sys.modules["_registry_test_targets"] = _mod
+T = "_registry_test_targets"
+
+
+def _registry(*impls: Implementation, overrides=None) -> OpRegistry:
+    reg = OpRegistry(KernelSettings(overrides=overrides or {}))
+    reg.declare("op", "test op")
+    reg.declare("other", "second op")
+    for impl in impls:
+        reg.register(impl)
+    if overrides:
+        reg.configure(KernelSettings(overrides=overrides))
+    return reg
+
+
+def _impl(tier, **kw):
+    return Implementation("op", tier, f"{T}:impl_{tier}", **kw)
+
+
+def test_first_capable_tier_in_tier_order_wins():
+    reg = _registry(_impl("ref"), _impl("triton"), _impl("tilelang"))
+    assert [i.tier for i in reg.implementations("op")] == ["tilelang", "triton", "ref"]
+    assert reg.call("op", torch.zeros(1)) == "tilelang"
+
+
+def test_device_filter():
+    reg = _registry(_impl("ref"), _impl("triton", devices=("cuda",)))
+    assert reg.resolve("op", torch.zeros(1)).tier == "ref"
+    assert reg.static_reason(reg.implementations("op")[0], "cpu", None) == "runs on cuda, not cpu"
+
+
+def test_capability_filter():
+    reg = _registry(_impl("ref"), _impl("triton", devices=("cuda",), min_capability=(9, 0)))
+    triton = reg.implementations("op")[0]
+    assert reg.static_reason(triton, "cuda", (8, 0)) == "needs compute capability >= 9.0"
+    assert reg.static_reason(triton, "cuda", (9, 0)) is None
+    assert reg.static_reason(triton, "cuda", (10, 0)) is None
+
+
+def test_requires_filter_does_not_import():
+    reg = _registry(_impl("ref"), _impl("vendor", requires=("surely_not_installed_mod_xyz",)))
+    vendor = reg.implementations("op")[0]
+    assert reg.static_reason(vendor, "cpu", None) == "surely_not_installed_mod_xyz is not installed"
+    assert reg.call("op", torch.zeros(1)) == "ref"
+
+
+def test_supports_fallback_per_call():
+    reg = _registry(_impl("ref"), _impl("triton", supports=f"{T}:refuse_small"))
+    assert reg.call("op", torch.zeros(8)) == "triton"
+    assert reg.call("op", torch.zeros(2)) == "ref"
+
+
+def test_no_tier_left_lists_the_reasons():
+    reg = _registry(_impl("triton", supports=f"{T}:refuse_all"))
+    with pytest.raises(NotImplementedError, match="triton: never"):
+        reg.call("op", torch.zeros(1))
+    reg = _registry(_impl("triton", devices=("cuda",)))
+    with pytest.raises(NotImplementedError, match="triton: runs on cuda, not cpu"):
+        reg.call("op", torch.zeros(1))
+
+
+def test_override_selects_a_lower_tier():
+    reg = _registry(_impl("ref"), _impl("triton"), overrides={"op": "ref"})
+    assert reg.call("op", torch.zeros(1)) == "ref"
+    assert reg.static_reason(reg.implementations("op")[0], "cpu", None) == (
+        "DEEPINFER_KERNELS selects ref"
+    )
+
+
+def test_override_of_unavailable_tier_is_not_silently_replaced():
+    reg = _registry(_impl("ref"), _impl("triton", devices=("cuda",)), overrides={"op": "triton"})
+    with pytest.raises(NotImplementedError, match="runs on cuda"):
+        reg.call("op", torch.zeros(1))
+
+
+def test_bad_override_names_list_the_choices():
+    reg = _registry(_impl("ref"), _impl("triton"))
+    with pytest.raises(ValueError, match="unknown op 'nope'; ops are op, other"):
+        reg.configure(KernelSettings(overrides={"nope": "ref"}))
+    with pytest.raises(ValueError, match="has no 'vendor' implementation; it has triton, ref"):
+        reg.configure(KernelSettings(overrides={"op": "vendor"}))
+    with pytest.raises(ValueError, match="is not one of " + ", ".join(TIERS)):
+        parse_overrides("op=cuda")
+    with pytest.raises(ValueError, match="not of the form op=tier"):
+        parse_overrides("op")
+
+
+def test_parse_overrides_and_bools():
+    assert parse_overrides(" fp8_linear=ref , moe_experts=triton,") == {
+        "fp8_linear": "ref",
+        "moe_experts": "triton",
+    }
+    assert parse_bool("X", "1") and parse_bool("X", "On") and not parse_bool("X", "")
+    with pytest.raises(ValueError, match="DEEPINFER_BATCH_INVARIANT='maybe'"):
+        KernelSettings.from_env({"DEEPINFER_BATCH_INVARIANT": "maybe"})
+    s = KernelSettings.from_env({"DEEPINFER_KERNELS": "a=ref", "DEEPINFER_BATCH_INVARIANT": "1"})
+    assert s.batch_invariant and dict(s.overrides) == {"a": "ref"}
+
+
+def test_registration_errors():
+    reg = _registry(_impl("ref"))
+    with pytest.raises(ValueError, match="declared twice"):
+        reg.declare("op", "again")
+    with pytest.raises(ValueError, match="already has a 'ref'"):
+        reg.register(_impl("ref"))
+    with pytest.raises(ValueError, match="not declared"):
+        reg.register(Implementation("ghost", "ref", f"{T}:impl_ref"))
+    with pytest.raises(ValueError, match="tier 'gpu' is not one of"):
+        Implementation("op", "gpu", f"{T}:impl_ref")
+    with pytest.raises(KeyError, match="unknown op 'ghost'"):
+        reg.implementations("ghost")
+
+
+def test_target_is_imported_only_when_chosen():
+    reg = _registry(_impl("ref"))
+    reg.register(Implementation("other", "ref", "surely_missing_module_abc:fn"))
+    assert reg.call("op", torch.zeros(1)) == "ref"  # the missing module was never imported
+    with pytest.raises(ModuleNotFoundError):
+        reg.call("other", torch.zeros(1))
+
+
+def test_real_registry_resolves_ref_on_cpu():
+    from deepinfer_kernels import ops  # noqa: F401
+
+    for op in ("fp8_linear", "fp8_gemm", "moe_gate", "moe_experts", "act_quant_fp8"):
+        impls = REGISTRY.implementations(op)
+        assert {"ref", "triton"} <= {i.tier for i in impls}
+        assert REGISTRY.resolve(op, torch.zeros(1)).tier == "ref"
+
+
+def _python(code: str, env: dict[str, str] | None = None) -> str:
+    import os
+
+    run_env = dict(os.environ)
+    run_env.update(env or {})
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=run_env, check=False
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_importing_never_imports_triton_or_tilelang():
+    code = (
+        "import sys, torch\n"
+        "import deepinfer_kernels\n"
+        "from deepinfer_kernels import ops, quant\n"
+        "from deepinfer_kernels.__main__ import report\n"
+        "report()\n"
+        "w, s = quant.quantize_fp8_blocks(torch.randn(32, 32))\n"
+        "ops.fp8_linear(torch.randn(2, 32), w, s)\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('triton', 'tilelang', 'deep_gemm', 'tile_kernels', 'torch_npu')))\n"
+    )
+    assert _python(code).strip() == "[]"
+
+
+def test_report_and_env_override():
+    out = _python(
+        "from deepinfer_kernels.__main__ import report; print(report())",
+        {"DEEPINFER_KERNELS": "fp8_linear=ref"},
+    )
+    assert "fp8_linear" in out and "-> ref" in out
+    bad = subprocess.run(
+        [sys.executable, "-m", "deepinfer_kernels"],
+        capture_output=True,
+        text=True,
+        env={**__import__("os").environ, "DEEPINFER_KERNELS": "fp8_linaer=ref"},
+        check=False,
+    )
+    assert bad.returncode != 0 and "unknown op 'fp8_linaer'; ops are" in bad.stderr
