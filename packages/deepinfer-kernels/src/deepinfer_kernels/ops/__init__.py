@@ -2,3 +2,8 @@
 
 Call these (never a tier directly): ``from deepinfer_kernels import ops; ops.rms_norm(x, w, eps)``.
 """
+
+# kernels helper: quantisation, dense FP8 linear, MoE
+from .linear import fp8_gemm, fp8_linear
+from .moe import moe_experts, moe_gate
+from .quant import act_quant_fp8, rms_norm_act_quant_fp8, swiglu_act_quant_fp8
