@@ -23,7 +23,7 @@ class BytesTokenizer:
 
 # A token is either whole characters, or one byte of a multi-byte character (so a character can
 # be cut across tokens, as byte-level BPE does).
-_chars = st.sampled_from(list("ab c\n.") + ["é", "中", "😀"])
+_chars = st.sampled_from([*list("ab c\n."), "é", "中", "😀"])
 
 
 @st.composite

@@ -99,7 +99,7 @@ def run_all(
             inflight = (out, results) if not out.is_empty else None
         else:
             sched.update(out, results)
-        sampled = {c.seq.seq_id: r.token_id for c, r in zip(out.chunks, results) if r}
+        sampled = {c.seq.seq_id: r.token_id for c, r in zip(out.chunks, results, strict=False) if r}
     return seqs, sched
 
 
@@ -124,7 +124,7 @@ def test_outputs_equal_plain_loop(
     seqs, _ = run_all(
         prompts, max_tokens, num_blocks, block_size, budget, max_seqs, async_mode, max_model_len
     )
-    for s, p in zip(seqs, prompts):
+    for s, p in zip(seqs, prompts, strict=False):
         assert s.output_token_ids == reference(p, max_tokens, max_model_len)
         assert s.finish_reason in ("stop", "length")
 
@@ -135,7 +135,7 @@ def test_tiny_budget_preempts_and_keeps_tokens():
         prompts, 20, num_blocks=16, block_size=4, budget=64, max_seqs=4, async_mode=True
     )
     assert sched.num_preemptions > 0
-    for s, p in zip(seqs, prompts):
+    for s, p in zip(seqs, prompts, strict=False):
         assert s.output_token_ids == reference(p, 20, 64)
 
 

@@ -1,1 +1,11 @@
-"""deepinfer_engine."""
+"""deepinfer_engine: the offline engine (LLM API, scheduler, KV cache manager, model runner).
+
+Users import the facade `deepinfer` (LLM, SamplingParams, RequestOutput); the modules here are for
+tools and tests: `config.EngineConfig`, `engine.Engine`, `scheduler.Scheduler`,
+`kv_cache_manager.KVCacheManager`, `model_runner.ModelRunner`/`ModelBundle`.
+"""
+
+from deepinfer_engine.config import EngineConfig
+from deepinfer_engine.outputs import CompletionOutput, Logprob, RequestOutput
+
+__all__ = ["CompletionOutput", "EngineConfig", "Logprob", "RequestOutput"]

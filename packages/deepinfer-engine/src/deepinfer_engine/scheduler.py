@@ -88,6 +88,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order
         self.num_preemptions = 0
+        self.num_generated = 0  # tokens appended to outputs
 
     # ---- queue -------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -192,6 +193,7 @@ class Scheduler:
 
     def _append(self, seq: Sequence, res: RowResult) -> None:
         seq.output_token_ids.append(res.token_id)
+        self.num_generated += 1
         if res.logprob is not None:
             seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + res.logprob
         if res.top_logprobs is not None:
@@ -207,6 +209,20 @@ class Scheduler:
         """
         p = seq.params
         n_out = len(seq.output_token_ids)
+        if seq.grammar is not None:
+            # The token was sampled under this grammar's mask, so a rejection is an engine or
+            # grammar bug; it ends this request alone. A grammar that has matched to its end
+            # (its stop token accepted) ends the output.
+            if not seq.grammar.accept_token(token):
+                self.finish(
+                    seq, "error", error=f"structured output: grammar rejected token {token}"
+                )
+                return True
+            if seq.grammar.is_terminated():
+                if seq.detokenizer is not None:
+                    seq.detokenizer.add_token(token, check_stop=False)
+                self.finish(seq, "stop")
+                return True
         may_stop = n_out >= (getattr(p, "min_tokens", 0) or 0)
         stop_str = None
         if seq.detokenizer is not None:

@@ -1,0 +1,253 @@
+"""The engine: requests in, one scheduled model step at a time, finished sequences out.
+
+Step loop, synchronous (`async_scheduling=False`):
+    schedule(n) -> launch forward(n) -> sample(n) -> wait -> update(n)
+Async scheduling (the default) runs one step ahead, using placeholders for the tokens in flight
+(SGLang's "future tokens", vLLM's "output placeholders"; see reference/peers.md §5):
+    schedule(n+1) -> launch forward(n+1) -> wait for step n's tokens -> update(n) (stops,
+    detokenize, grammar accept) -> fill bitmasks + sample(n+1), copy to host without waiting
+so the host's scheduling, input building, detokenizing and bitmask filling of one step overlap
+the device's forward of the next. Outputs are identical either way: a row's token depends only on
+the tokens before it (and its seed and position), never on which step or batch computed it. The
+price of running ahead is that a sequence that stopped at step n is computed once more in step
+n+1; that row is dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from deepinfer_engine.config import EngineConfig, resolve_device
+from deepinfer_engine.detokenizer import IncrementalDetokenizer
+from deepinfer_engine.kv_cache_manager import KVCacheManager, plan_cache
+from deepinfer_engine.model_runner import LaunchedStep, ModelBundle, ModelRunner, SampledStep
+from deepinfer_engine.outputs import CompletionOutput, RequestOutput
+from deepinfer_engine.scheduler import Scheduler
+from deepinfer_engine.sequence import Sequence
+from deepinfer_engine.validation import ValidatedRequest
+
+logger = logging.getLogger("deepinfer.engine")
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_MAX_SEED = (1 << 63) - 1
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[Sequence] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+    def to_output(self) -> RequestOutput:
+        outs = [
+            CompletionOutput(
+                index=s.index,
+                text=s.text,
+                token_ids=list(s.output_token_ids),
+                cumulative_logprob=s.cumulative_logprob,
+                logprobs=s.logprobs,
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+                error=s.error,
+            )
+            for s in self.seqs
+        ]
+        return RequestOutput(
+            self.request_id, self.prompt, list(self.prompt_token_ids), outs, self.finished
+        )
+
+
+@dataclass
+class StepStats:
+    """Counters for progress bars and benchmarks (host seconds measured with perf_counter)."""
+
+    steps: int = 0
+    tokens_generated: int = 0
+    preemptions: int = 0
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, bundle: ModelBundle) -> None:
+        self.config = config
+        self.bundle = bundle
+        self.tokenizer = bundle.tokenizer
+        self.device = torch.device(resolve_device(config.accelerator))
+        self.dtype = _DTYPES[config.dtype]
+        spec = bundle.cache_spec(config.block_size, self.dtype)
+        budget = self._kv_budget_bytes()
+        max_model_len = config.max_model_len or bundle.max_position_embeddings
+        plan = plan_cache(
+            budget,
+            spec.bytes_per_slot,
+            spec.bytes_per_block,
+            spec.block_size,
+            config.max_num_seqs,
+            max_model_len,
+        )
+        self.max_model_len = plan.max_model_len
+        logger.info(
+            "KV cache: %d slots, %d blocks of %d tokens = %d tokens (%.1f MiB on %s)",
+            plan.num_slots,
+            plan.num_blocks,
+            plan.block_size,
+            plan.capacity_tokens,
+            (plan.num_slots * spec.bytes_per_slot + plan.num_blocks * spec.bytes_per_block) / 2**20,
+            self.device,
+        )
+        keep = self._check_truncation(config, bundle)
+        self.kv = KVCacheManager(plan.num_slots, plan.num_blocks, plan.block_size)
+        self.scheduler = Scheduler(
+            self.kv,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            self.max_model_len,
+            bundle.eos_token_id,
+        )
+        self.runner = ModelRunner(
+            bundle,
+            plan.num_blocks,
+            plan.num_slots,
+            plan.block_size,
+            self.device,
+            self.dtype,
+            config.seed,
+            keep_tokens=keep,
+        )
+        self.eos_ids: tuple[int, ...] = (
+            (bundle.eos_token_id,) if bundle.eos_token_id is not None else ()
+        )
+        self._grammar_cache = None
+        self._inflight: tuple[LaunchedStep, SampledStep | None] | None = None
+        self._next_seq_id = 0
+        self._next_request_id = 0
+        self.stats = StepStats()
+
+    # ---- set-up ------------------------------------------------------------------------------
+    def _kv_budget_bytes(self) -> int:
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = int(total * self.config.gpu_memory_utilization) - (total - free)
+            if budget <= 0:
+                raise ValueError(
+                    f"gpu_memory_utilization={self.config.gpu_memory_utilization} leaves no memory "
+                    f"for the KV cache ({(total - free) / 2**30:.1f} GiB of "
+                    f"{total / 2**30:.1f} GiB already in use)"
+                )
+            return budget
+        return self.config.kv_cache_bytes
+
+    @staticmethod
+    def _check_truncation(config: EngineConfig, bundle: ModelBundle) -> int | None:
+        """SWA bounded replay (YOCO prefill truncation): returns K in compact mode, else None."""
+        if config.yoco_prefill_truncation_mode == "off":
+            return None
+        k = config.yoco_prefill_keep_tokens
+        need = bundle.sliding_window + config.max_backtrack
+        if k < need:
+            raise ValueError(
+                f"yoco_prefill_keep_tokens (DEEPINFER_YOCO_PREFILL_KEEP_TOKENS)={k} is smaller than "
+                f"the window ({bundle.sliding_window}) + maximum backtracking "
+                f"(DEEPINFER_USE_NEXTN_DECODE {config.use_nextn_decode} + 1) = {need}: the decoder "
+                "layers' SWA rings would not be full after a truncated prefill"
+            )
+        if not bundle.supports_keep_tokens:
+            raise NotImplementedError(
+                "yoco_prefill_truncation_mode='compact' needs the model to run decoder layers "
+                "only on each prompt's last K tokens (ForwardBatch.keep_tokens in "
+                "deepinfer_model); this model's forward does not support it. Use 'off'."
+            )
+        return k
+
+    def _grammars(self):
+        if self._grammar_cache is None:
+            from deepinfer_sampling.grammar import GrammarCache, tokenizer_info_from_tokenizer
+
+            info = tokenizer_info_from_tokenizer(
+                self.tokenizer.backend,
+                stop_token_ids=list(self.eos_ids),
+                vocab_size=self.bundle.vocab_size,
+            )
+            self._grammar_cache = GrammarCache(info)
+        return self._grammar_cache
+
+    # ---- requests ----------------------------------------------------------------------------
+    def check_requests(self, reqs: list[ValidatedRequest]) -> None:
+        """Compile every structured-output grammar up front, so a bad one fails before work."""
+        for i, r in enumerate(reqs):
+            if r.params.so_args is not None:
+                try:
+                    self._grammars().compile(r.params.so_args)
+                except ValueError as e:
+                    raise ValueError(f"prompt {i}: {e}") from None
+
+    def add_request(self, req: ValidatedRequest) -> Request:
+        """Queue one validated request as `n` sequences (seeded ones get seed + index)."""
+        rid = str(self._next_request_id)
+        self._next_request_id += 1
+        request = Request(rid, req.prompt, req.prompt_token_ids)
+        p = req.params
+        for i in range(p.n):
+            params = p
+            if p.seq_seed is not None and p.n > 1:
+                # Distinct, reproducible streams per completion.
+                params = p.replace(seq_seed=(p.seq_seed + i) % _MAX_SEED, seed=None)
+            seq = Sequence(
+                seq_id=self._next_seq_id,
+                request_id=rid,
+                index=i,
+                prompt_token_ids=list(req.prompt_token_ids),
+                params=params,
+                detokenizer=IncrementalDetokenizer(
+                    self.tokenizer, req.prompt_token_ids, stop=list(p.stop)
+                ),
+                seed=params.seq_seed,
+                grammar=self._grammars().matcher(p.so_args) if p.so_args is not None else None,
+            )
+            self._next_seq_id += 1
+            request.seqs.append(seq)
+            self.scheduler.add(seq)
+        return request
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or self._inflight is not None
+
+    # ---- the step ----------------------------------------------------------------------------
+    def step(self) -> list[Sequence]:
+        """Run one engine iteration; return the sequences that finished in it."""
+        finished: list[Sequence] = []
+        out = self.scheduler.schedule()
+        prev_sampled = self._inflight[1] if self._inflight is not None else None
+        launched = self.runner.launch(out, prev_sampled) if not out.is_empty else None
+        if self._inflight is not None:
+            # While the device runs `launched`, resolve the previous step on the host.
+            prev_launched, prev = self._inflight
+            self._inflight = None
+            finished += self._update(prev_launched, prev)
+        elif launched is None and self.scheduler.has_unfinished():
+            raise RuntimeError(
+                "scheduler made no progress with nothing in flight (waiting: "
+                f"{len(self.scheduler.waiting)}, running: {len(self.scheduler.running)})"
+            )
+        if launched is not None:
+            sampled = self.runner.sample(launched, self.eos_ids)
+            if self.config.async_scheduling:
+                self._inflight = (launched, sampled)
+            else:
+                finished += self._update(launched, sampled)
+        self.stats.steps += 1
+        self.stats.preemptions = self.scheduler.num_preemptions
+        return finished
+
+    def _update(self, launched: LaunchedStep, sampled: SampledStep | None) -> list[Sequence]:
+        results = self.runner.resolve(sampled, launched)
+        finished = self.scheduler.update(launched.out, results)
+        self.stats.tokens_generated = self.scheduler.num_generated
+        return finished

@@ -1,0 +1,288 @@
+"""ModelRunner: turns a scheduled step into one `Model.forward` and one `Sampler` call.
+
+A step is split in two so that async scheduling can overlap host work with the device:
+  * `launch(out, prev)` builds the flat `ForwardBatch` (token ids, positions, `cu_seqlens`,
+    context lengths, slots, block tables, logits rows) and enqueues the forward. Tokens still in
+    flight (placeholders, -1 on the host) are copied on the device from `prev`, the previous
+    step's sampled-id tensor, so launching never waits for the previous step's result.
+  * `sample(step, rows)` runs the sampler on the step's logits (after the host has filled the
+    grammar bitmasks, which needs the previous tokens) and starts a non-blocking copy of the
+    results to the host; `resolve(sample)` waits for that copy only.
+On CPU everything is synchronous and the same code runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from deepinfer_engine.outputs import Logprob
+from deepinfer_engine.scheduler import RowResult, ScheduledChunk, SchedulerOutput
+
+
+@dataclass
+class ModelBundle:
+    """Everything the engine needs from a model, whatever produced it.
+
+    model.forward(ForwardBatch, cache) -> ForwardOutput(logits [R, vocab] fp32, hidden | None).
+    make_cache(num_blocks, num_slots, device, dtype) -> an object with `reset_slot(slot)`, passed
+    to every forward. cache_spec(block_size, dtype) -> (block_size, bytes_per_block,
+    bytes_per_slot) via an object with those attributes.
+    """
+
+    model: Any
+    tokenizer: Any
+    vocab_size: int
+    eos_token_id: int | None
+    max_position_embeddings: int
+    sliding_window: int
+    cache_spec: Callable[[int, torch.dtype], Any]
+    make_cache: Callable[[Any, int, int, torch.device, torch.dtype], Any]
+    supports_keep_tokens: bool = False
+    name: str = "model"
+
+    @classmethod
+    def from_loaded(cls, loaded: Any) -> ModelBundle:
+        """Wrap a `deepinfer_model.loader.LoadedModel`."""
+        from deepinfer_model.cache import CacheSpec, KVCache
+
+        cfg = loaded.config
+
+        def spec(block_size: int, dtype: torch.dtype) -> Any:
+            return CacheSpec.from_config(cfg, block_size=block_size, dtype=dtype)
+
+        def make(spec_: Any, num_blocks: int, num_slots: int, device, dtype) -> Any:
+            return KVCache(cfg, spec_, num_blocks, num_slots, device=device, dtype=dtype)
+
+        import inspect
+
+        fwd_params = inspect.signature(loaded.model.forward).parameters
+        doc = loaded.model.forward.__doc__ or ""
+        return cls(
+            model=loaded.model,
+            tokenizer=loaded.tokenizer,
+            vocab_size=cfg.vocab_size,
+            eos_token_id=cfg.eos_token_id,
+            max_position_embeddings=cfg.max_position_embeddings,
+            sliding_window=cfg.sliding_window,
+            cache_spec=spec,
+            make_cache=make,
+            supports_keep_tokens="keep_tokens" in doc or "keep_tokens" in fwd_params,
+            name=str(loaded.path),
+        )
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose forward has been enqueued.
+
+    logits: [R, vocab] for the sampled chunks (R = number of chunks with `sample`), in chunk
+    order; `sample_chunks[i]` is the chunk of logits row i.
+    """
+
+    out: SchedulerOutput
+    logits: torch.Tensor | None
+    sample_chunks: list[ScheduledChunk]
+
+
+@dataclass
+class SampledStep:
+    """Sampled ids on the device plus their pending host copies.
+
+    row_of_seq: seq_id -> row in `token_ids` (for placeholders of the next step).
+    """
+
+    launched: LaunchedStep
+    token_ids: torch.Tensor  # [S] int64 on the device, S = rows actually sampled
+    row_of_seq: dict[int, int]
+    host: dict[str, torch.Tensor]
+    event: torch.cuda.Event | None
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        bundle: ModelBundle,
+        num_blocks: int,
+        num_slots: int,
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        seed: int,
+        keep_tokens: int | None = None,
+    ) -> None:
+        from deepinfer_sampling.sampler import Sampler
+
+        self.bundle = bundle
+        self.device = device
+        self.dtype = dtype
+        self.block_size = block_size
+        self.spec = bundle.cache_spec(block_size, dtype)
+        self.cache = bundle.make_cache(self.spec, num_blocks, num_slots, device, dtype)
+        self.sampler = Sampler()
+        # Fresh randomness for unseeded rows; seeded from the engine seed so whole runs repeat.
+        gen_device = device if device.type == "cuda" else torch.device("cpu")
+        self.generator = torch.Generator(device=gen_device)
+        self.generator.manual_seed(seed)
+        self.keep_tokens = keep_tokens  # YOCO compact prefill: decoder runs on the last K only
+
+    # ---- forward -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput, prev: SampledStep | None) -> LaunchedStep:
+        """Build the flat batch of `out` and enqueue the model's forward."""
+        from deepinfer_model.forward_batch import ForwardBatch
+
+        for slot in out.new_slots:
+            self.cache.reset_slot(slot)
+        ids: list[int] = []
+        pos: list[int] = []
+        cu = [0]
+        ph_dst: list[int] = []
+        ph_src: list[int] = []
+        logits_rows: list[int] = []
+        sample_chunks: list[ScheduledChunk] = []
+        for c in out.chunks:
+            base = len(ids)
+            for j, t in enumerate(c.token_ids):
+                if t < 0:
+                    if prev is None or c.seq.seq_id not in prev.row_of_seq:
+                        raise RuntimeError(
+                            f"placeholder for sequence {c.seq.seq_id} without a previous sample"
+                        )
+                    ph_dst.append(base + j)
+                    ph_src.append(prev.row_of_seq[c.seq.seq_id])
+                    t = 0
+                ids.append(t)
+            pos.extend(range(c.start, c.start + c.num_tokens))
+            cu.append(len(ids))
+            if c.sample:
+                logits_rows.append(len(ids) - 1)
+                sample_chunks.append(c)
+        width = max(1, max(len(c.seq.block_table) for c in out.chunks))
+        bt = torch.full((len(out.chunks), width), -1, dtype=torch.int32)
+        for i, c in enumerate(out.chunks):
+            if c.seq.block_table:
+                bt[i, : len(c.seq.block_table)] = torch.tensor(c.seq.block_table, dtype=torch.int32)
+        dev = self.device
+
+        def t64(x: list[int]) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.int64).to(dev, non_blocking=True)
+
+        input_ids = t64(ids)
+        if ph_dst:
+            assert prev is not None
+            input_ids[t64(ph_dst)] = prev.token_ids[t64(ph_src)]
+        batch = ForwardBatch(
+            input_ids=input_ids,
+            positions=t64(pos),
+            cu_seqlens=torch.tensor(cu, dtype=torch.int32).to(dev, non_blocking=True),
+            context_lens=t64([c.start for c in out.chunks]),
+            slots=t64([c.seq.slot for c in out.chunks]),
+            block_tables=bt.to(dev, non_blocking=True),
+            logits_indices=t64(logits_rows),
+        )
+        if self.keep_tokens is not None:
+            batch.keep_tokens = t64([self._keep(c) for c in out.chunks])
+        # Prefill chunks that sample nothing still run: they write their KV into the cache.
+        res = self.bundle.model.forward(batch, self.cache)
+        return LaunchedStep(out, res.logits if logits_rows else None, sample_chunks)
+
+    def _keep(self, c: ScheduledChunk) -> int:
+        """YOCO compact: how many trailing prompt tokens the decoder layers run on (see Engine)."""
+        assert self.keep_tokens is not None
+        return self.keep_tokens if c.seq.num_prompt_tokens > self.keep_tokens else 0
+
+    # ---- sampling ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def sample(self, step: LaunchedStep, eos_token_ids: tuple[int, ...]) -> SampledStep | None:
+        """Sample the step's rows whose sequences are still live; start the copy to the host.
+
+        Must be called after the previous step's tokens were resolved (grammar matchers,
+        penalties and min_tokens read the sequences' output tokens). Fills grammar bitmasks here.
+        """
+        from deepinfer_sampling.batch import SamplingBatch, SamplingRow
+
+        live = [i for i, c in enumerate(step.sample_chunks) if not c.seq.is_finished]
+        if not live or step.logits is None:
+            return None
+        rows = []
+        for i in live:
+            c = step.sample_chunks[i]
+            seq = c.seq
+            position = c.start + c.num_tokens
+            assert position == seq.num_known_tokens, "sampling before the last token is known"
+            rows.append(
+                SamplingRow(
+                    params=seq.params,
+                    position=position,
+                    output_token_ids=seq.output_token_ids,
+                    grammar=seq.grammar,
+                )
+            )
+        logits = step.logits
+        if len(live) != logits.shape[0]:
+            logits = logits[torch.tensor(live, dtype=torch.int64).to(logits.device)]
+        batch = SamplingBatch.build(
+            rows, vocab_size=logits.shape[1], device=logits.device, eos_token_ids=eos_token_ids
+        )
+        so = self.sampler(logits, batch, generator=self.generator)
+        # Per-row health, computed on the device so nothing waits: a non-finite logit, or a
+        # grammar that allows no token at all (a dead end), ends that request alone.
+        finite = torch.isfinite(logits).all(dim=1)
+        grammar_ok = torch.ones_like(finite)
+        if batch.grammar_bitmask is not None:
+            has_any = (batch.grammar_bitmask[:, : (logits.shape[1] + 31) // 32] != 0).any(dim=1)
+            grammar_ok[batch.grammar_rows] = has_any
+        host = {"token_ids": so.token_ids, "finite": finite, "grammar_ok": grammar_ok}
+        if so.logprobs is not None:
+            host["logprobs"] = so.logprobs
+            host["top_logprobs"] = so.top_logprobs
+            host["top_token_ids"] = so.top_token_ids
+        event = None
+        if logits.device.type == "cuda":
+            host = {k: v.to("cpu", non_blocking=True) for k, v in host.items()}
+            event = torch.cuda.Event()
+            event.record()
+        row_of_seq = {step.sample_chunks[i].seq.seq_id: r for r, i in enumerate(live)}
+        return SampledStep(step, so.token_ids, row_of_seq, host, event)
+
+    def resolve(self, sampled: SampledStep | None, step: LaunchedStep) -> list[RowResult | None]:
+        """Wait for the host copy of `sampled` and turn it into one result per chunk of `step`."""
+        results: list[RowResult | None] = [
+            RowResult() if c.sample else None for c in step.out.chunks
+        ]
+        if sampled is None:
+            return results
+        if sampled.event is not None:
+            sampled.event.synchronize()
+        h = sampled.host
+        tokens = h["token_ids"].tolist()
+        finite = h["finite"].tolist()
+        grammar_ok = h["grammar_ok"].tolist()
+        lp = h["logprobs"].tolist() if "logprobs" in h else None
+        top_lp = h["top_logprobs"].tolist() if "top_logprobs" in h else None
+        top_ids = h["top_token_ids"].tolist() if "top_token_ids" in h else None
+        index_of_chunk = {id(c): i for i, c in enumerate(step.out.chunks)}
+        for c in step.sample_chunks:
+            r = sampled.row_of_seq.get(c.seq.seq_id)
+            if r is None:
+                continue  # the sequence finished before this step was sampled
+            res = RowResult(token_id=tokens[r])
+            if not finite[r]:
+                res = RowResult(error="the model produced non-finite logits (NaN/inf) for this row")
+            elif not grammar_ok[r]:
+                res = RowResult(
+                    error="structured output dead end: the grammar allows no token at this point"
+                )
+            elif lp is not None and c.seq.params.logprobs is not None:
+                res.logprob = lp[r]
+                n = c.seq.params.logprobs
+                top = {tokens[r]: Logprob(lp[r])}
+                for k in range(n):
+                    top.setdefault(top_ids[r][k], Logprob(top_lp[r][k], rank=k + 1))
+                res.top_logprobs = top
+            results[index_of_chunk[id(c)]] = res
+        return results

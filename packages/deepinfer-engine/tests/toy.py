@@ -1,0 +1,142 @@
+"""A toy model that keeps the model contract (ForwardBatch in, ForwardOutput out, per-slot cache)
+so the engine is tested without the V4.1 model. Its next-token logits are a float64 function of
+the whole token history *as read from its cache slot*, so an engine bug that corrupts or skips
+cache state changes the tokens; `reference_logits(tokens)` computes the same function from the
+plain token list, with no cache, for the independent greedy loop of the tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import tokenizers
+import torch
+from deepinfer_engine.model_runner import ModelBundle
+from deepinfer_model.forward_batch import ForwardBatch, ForwardOutput
+from tokenizers import models, pre_tokenizers
+
+CHARS = list('abcdefghijklmnopqrstuvwxy {}[]":,.0123456789') + ["\n"]  # no "z"
+SPECIALS = ["<bos>", "<eos>"]
+VOCAB = SPECIALS + CHARS
+EOS = 1
+NAN_TOKEN = VOCAB.index("y")  # "y" at position 1 gives non-finite logits
+
+
+def make_tokenizer() -> tokenizers.Tokenizer:
+    tok = tokenizers.Tokenizer(models.WordLevel({t: i for i, t in enumerate(VOCAB)}, "<eos>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.add_special_tokens(SPECIALS)
+    return tok
+
+
+class ToyTokenizer:
+    def __init__(self) -> None:
+        self.backend = make_tokenizer()
+        self.eos_token_id = EOS
+        self.bos_token_id = 0
+        self.vocab_size = len(VOCAB)
+
+    def encode(self, text: str) -> list[int]:
+        return [VOCAB.index(c) for c in text]
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(VOCAB[i] for i in ids if not (skip_special_tokens and i < len(SPECIALS)))
+
+
+def _weights(vocab: int, dim: int = 16):
+    g = torch.Generator().manual_seed(1234)
+    emb = torch.randn(vocab, dim, generator=g, dtype=torch.float64)
+    pos = torch.randn(11, dim, generator=g, dtype=torch.float64)
+    out = torch.randn(dim, vocab, generator=g, dtype=torch.float64) * 3
+    return emb, pos, out
+
+
+_EMB, _POS, _OUT = _weights(len(VOCAB))
+
+
+def reference_logits(tokens: list[int]) -> torch.Tensor:
+    """[vocab] float64: the toy's next-token logits after `tokens` (no cache)."""
+    h = torch.zeros(_EMB.shape[1], dtype=torch.float64)
+    for i, t in enumerate(tokens):
+        h = 0.6 * h + _EMB[t] + _POS[i % 11]
+    logits = torch.tanh(h) @ _OUT
+    if len(tokens) == 2 and tokens[-1] == NAN_TOKEN:
+        logits = logits * float("nan")
+    return logits
+
+
+@dataclass
+class ToyCache:
+    """Per slot: the running state h [dim] and the last token; paged blocks are unused here."""
+
+    h: torch.Tensor
+    last: torch.Tensor
+    n: torch.Tensor
+
+    def reset_slot(self, slot: int) -> None:
+        self.h[slot].zero_()
+        self.last[slot] = -1
+        self.n[slot] = 0
+
+
+@dataclass(frozen=True)
+class ToySpec:
+    block_size: int
+    bytes_per_block: int = 1024
+    bytes_per_slot: int = 4096
+
+
+class ToyModel:
+    def forward(self, batch: ForwardBatch, cache: ToyCache) -> ForwardOutput:
+        cu = batch.cu_seqlens.tolist()
+        ids = batch.input_ids.tolist()
+        pos = batch.positions.tolist()
+        rows = {}
+        for b in range(len(cu) - 1):
+            slot = int(batch.slots[b])
+            # the cache must continue exactly where the engine says it does
+            assert int(cache.n[slot]) == int(batch.context_lens[b]), "cache/context mismatch"
+            h = cache.h[slot].clone()
+            for j in range(cu[b], cu[b + 1]):
+                h = 0.6 * h + _EMB[ids[j]] + _POS[pos[j] % 11]
+                logits = torch.tanh(h) @ _OUT
+                if ids[j] == NAN_TOKEN and pos[j] == 1:
+                    logits = logits * float("nan")
+                rows[j] = logits
+            cache.h[slot] = h
+            cache.n[slot] += cu[b + 1] - cu[b]
+        sel = batch.logits_indices.tolist()
+        logits = torch.stack([rows[j] for j in sel]).float() if sel else torch.empty(0, len(VOCAB))
+        return ForwardOutput(logits=logits)
+
+
+def toy_bundle(max_len: int = 256, bytes_per_slot: int = 4096) -> ModelBundle:
+    def make_cache(spec, num_blocks, num_slots, device, dtype):
+        return ToyCache(
+            torch.zeros(num_slots, _EMB.shape[1], dtype=torch.float64),
+            torch.full((num_slots,), -1),
+            torch.zeros(num_slots, dtype=torch.int64),
+        )
+
+    return ModelBundle(
+        model=ToyModel(),
+        tokenizer=ToyTokenizer(),
+        vocab_size=len(VOCAB),
+        eos_token_id=EOS,
+        max_position_embeddings=max_len,
+        sliding_window=8,
+        cache_spec=lambda block_size, dtype: ToySpec(block_size, bytes_per_slot=bytes_per_slot),
+        make_cache=make_cache,
+        name="toy",
+    )
+
+
+def greedy_reference(prompt: list[int], max_tokens: int, ignore_eos: bool = False) -> list[int]:
+    toks, out = list(prompt), []
+    for _ in range(max_tokens):
+        t = int(torch.argmax(reference_logits(toks).float()))
+        toks.append(t)
+        out.append(t)
+        if t == EOS and not ignore_eos:
+            break
+    return out
