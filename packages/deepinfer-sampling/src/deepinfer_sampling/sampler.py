@@ -72,17 +72,7 @@ class Sampler:
             )
         if not logits.is_floating_point():
             raise ValueError(f"logits must be a float tensor, got {logits.dtype}")
-        x = logits.to(torch.float32, copy=True)
-        _apply_penalties(x, batch)
-        if batch.logit_bias is not None:
-            rows, cols, values = batch.logit_bias
-            x.index_put_((rows, cols), values, accumulate=True)
-        if batch.stop_mask is not None:
-            rows, cols = batch.stop_mask
-            x.index_put_((rows, cols), torch.tensor(float("-inf"), device=x.device))
-        if batch.grammar_bitmask is not None:
-            apply_token_bitmask(x, batch.grammar_bitmask, batch.grammar_rows)
-
+        x = self.processed_logits(logits, batch)
         keys = _rng_keys(batch, generator)
         token_ids = torch.empty(batch.num_rows, dtype=torch.int64, device=x.device)
         if batch.greedy_rows is not None:
@@ -110,6 +100,44 @@ class Sampler:
             out.top_logprobs = top_values - lse
         return out
 
+
+    def processed_logits(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Steps 1-4 (penalties, logit bias, min_tokens, grammar) on a float32 copy.
+
+        logits: [R, V] any float dtype. Returns float32 [R, V] (disallowed tokens at -inf).
+        """
+        x = logits.to(torch.float32, copy=True)
+        _apply_penalties(x, batch)
+        if batch.logit_bias is not None:
+            rows, cols, values = batch.logit_bias
+            x.index_put_((rows, cols), values, accumulate=True)
+        if batch.stop_mask is not None:
+            rows, cols = batch.stop_mask
+            x.index_put_((rows, cols), torch.tensor(float("-inf"), device=x.device))
+        if batch.grammar_bitmask is not None:
+            apply_token_bitmask(x, batch.grammar_bitmask, batch.grammar_rows)
+        return x
+
+    def probs(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """The exact distribution each row samples from, float64 [R, V].
+
+        Greedy rows are one-hot at their argmax; other rows are softmax(logits / T) restricted
+        to the tokens kept by min-p, top-k and top-p, renormalised. Works on the whole vocabulary
+        (sorts every row): for verification and tests, not the hot path.
+        """
+        x = self.processed_logits(logits, batch)
+        out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+        rows = torch.arange(batch.num_rows, device=x.device)
+        values, ids = torch.sort(x, dim=1, descending=True, stable=True)
+        v = values.to(torch.float64) / batch.temperature[:, None]
+        keep = _keep_sorted(v, batch, rows, top_k_possible=True)
+        weight = torch.where(keep, torch.exp(v - v[:, :1]), 0.0)
+        out.scatter_(1, ids, weight / weight.sum(dim=1, keepdim=True))
+        if batch.greedy_rows is not None:
+            greedy = batch.greedy_rows
+            out[greedy] = 0.0
+            out[greedy, x[greedy].argmax(dim=1)] = 1.0
+        return out
 
 def _rng_keys(batch: SamplingBatch, generator: torch.Generator | None) -> torch.Tensor:
     """int64 [4, R]: the batch's seeded keys, fresh random keys for unseeded rows."""
@@ -165,22 +193,7 @@ def _sample_candidates(
     """
     num_cols = values.shape[1]
     v = values.to(torch.float64) / batch.temperature[rows, None]
-    if ids is not None:
-        v_max = v[:, :1]
-    else:
-        v_max = v.max(dim=1, keepdim=True).values
-    keep = torch.isfinite(v)
-    if batch.use_min_p:
-        keep &= v >= v_max + torch.log(batch.min_p[rows, None])
-    if ids is not None:
-        top_k = batch.top_k[rows, None]
-        position = torch.arange(num_cols, device=v.device)
-        keep &= (top_k == 0) | (position < top_k)
-        if batch.use_top_p:
-            weight = torch.where(keep, torch.exp(v - v_max), 0.0)
-            cumulative = torch.cumsum(weight, dim=1)
-            mass_before = cumulative - weight
-            keep &= mass_before < batch.top_p[rows, None] * cumulative[:, -1:]
+    keep = _keep_sorted(v, batch, rows, top_k_possible=ids is not None)
     u = uniform_from_keys(keys, ids if ids is not None else num_cols)
     # Gumbel-max: argmax(v - log(-log u)) ~ softmax(v) over the kept tokens.
     score = torch.where(keep, v - torch.log(-torch.log(u)), float("-inf"))
@@ -188,3 +201,28 @@ def _sample_candidates(
     if ids is None:
         return choice
     return ids.gather(1, choice[:, None]).squeeze(1)
+
+
+def _keep_sorted(
+    v: torch.Tensor, batch: SamplingBatch, rows: torch.Tensor, *, top_k_possible: bool
+) -> torch.Tensor:
+    """bool [r, C]: which candidates survive min-p, top-k and top-p.
+
+    v: float64 [r, C] logits / temperature. With top_k_possible, v is sorted descending along
+    each row (the kept set is then a prefix); otherwise v is in token order and only min-p may
+    apply (the batch guarantees these rows use neither top-k nor top-p).
+    """
+    v_max = v[:, :1] if top_k_possible else v.max(dim=1, keepdim=True).values
+    keep = torch.isfinite(v)
+    if batch.use_min_p:
+        keep &= v >= v_max + torch.log(batch.min_p[rows, None])
+    if top_k_possible:
+        top_k = batch.top_k[rows, None]
+        position = torch.arange(v.shape[1], device=v.device)
+        keep &= (top_k == 0) | (position < top_k)
+        if batch.use_top_p:
+            weight = torch.where(keep, torch.exp(v - v_max), 0.0)
+            cumulative = torch.cumsum(weight, dim=1)
+            mass_before = cumulative - weight
+            keep &= mass_before < batch.top_p[rows, None] * cumulative[:, -1:]
+    return keep
