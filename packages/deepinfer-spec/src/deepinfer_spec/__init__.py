@@ -1,1 +1,20 @@
-"""deepinfer_spec."""
+"""deepinfer_spec: speculative decoding for deepinfer (verification rules; DSpark drafting later).
+
+Verification of a flat varlen batch of drafts (see :mod:`deepinfer_spec.verify_batch`):
+
+* :func:`rejection_sample`: lossless rejection sampling (accept with min(1, p/q)).
+* :func:`sampled_verify`: seeded, equals plain seeded sampling token for token.
+* :func:`greedy_verify`: temperature 0.
+"""
+
+from .greedy_verify import greedy_verify
+from .rejection_sampling import rejection_sample
+from .verify_batch import DraftLayout, VerifyResult, check_verify_inputs
+
+__all__ = [
+    "DraftLayout",
+    "VerifyResult",
+    "check_verify_inputs",
+    "greedy_verify",
+    "rejection_sample",
+]
