@@ -1,0 +1,46 @@
+"""Single-pass mHC ops: `hc_mixes`, `hc_split_sinkhorn`, `hc_pre`, `hc_post`."""
+
+from __future__ import annotations
+
+import torch
+
+from ..registry import REGISTRY, Implementation
+
+REGISTRY.declare("hc_mixes", "h [T,hc,D], fn [mix,hc*D], norm_eps -> [T,mix] fp32")
+REGISTRY.declare(
+    "hc_split_sinkhorn",
+    "mixes [T,mix], scale [3], base [mix], hc, iters, eps -> pre, post [T,hc], comb [T,hc,hc]",
+)
+REGISTRY.declare("hc_pre", "h [T,hc,D], pre [T,hc] -> [T,D]")
+REGISTRY.declare("hc_post", "y [T,D], residual [T,hc,D], post [T,hc], comb [T,hc,hc] -> [T,hc,D]")
+for _op in ("hc_mixes", "hc_split_sinkhorn", "hc_pre", "hc_post"):
+    REGISTRY.register(Implementation(_op, "ref", f"deepinfer_kernels.ref.mhc:{_op}"))
+
+
+def hc_mixes(h: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
+    """``(flat(h) . fn^T) * rsqrt(mean(flat(h)^2) + norm_eps)``: [T, hc, D] -> [T, mix] fp32."""
+    return REGISTRY.call("hc_mixes", h, fn, norm_eps)
+
+
+def hc_split_sinkhorn(
+    mixes: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    hc_mult: int,
+    iters: int,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """pre = sigmoid + eps, post = 2 sigmoid, comb = Sinkhorn(softmax + eps) (see ref.mhc)."""
+    return REGISTRY.call("hc_split_sinkhorn", mixes, scale, base, hc_mult, iters, eps)
+
+
+def hc_pre(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """``sum_k pre[:, k] * h[:, k]``: [T, hc, D] -> [T, D]."""
+    return REGISTRY.call("hc_pre", h, pre)
+
+
+def hc_post(
+    y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+) -> torch.Tensor:
+    """``out[k] = post[k] y + sum_j comb[j, k] residual[j]``: -> [T, hc, D]."""
+    return REGISTRY.call("hc_post", y, residual, post, comb)

@@ -1,0 +1,23 @@
+"""Rotary position embedding: `rope` (interleaved adjacent pairs)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..registry import REGISTRY, Implementation
+
+REGISTRY.declare(
+    "rope",
+    "x [T, ..., rd], positions [T], inv_freq [rd/2] fp32, inverse -> [T, ..., rd] x.dtype",
+)
+REGISTRY.register(Implementation("rope", "ref", "deepinfer_kernels.ref.rope:rope"))
+
+
+def rope(
+    x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False
+) -> torch.Tensor:
+    """Rotate pairs (x[2i], x[2i+1]) by angle positions[t] * inv_freq[i] (negated if `inverse`).
+
+    x: [T, ..., rd]; positions: [T]; inv_freq: [rd/2] fp32. Returns a new tensor like x.
+    """
+    return REGISTRY.call("rope", x, positions, inv_freq, inverse)

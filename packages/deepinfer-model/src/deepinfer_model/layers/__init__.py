@@ -1,0 +1,1 @@
+"""The V4.1 layers, one concept per module (shapes in each module's docstrings)."""

@@ -1,0 +1,76 @@
+"""CSA2 KV compressor of a kv-source layer (ratio 2 with a softmax gate, or ratio 1).
+
+Ratio r > 1: ``a = wkv(x)``, ``z = wgate(x)`` in fp32 (no APE); entry j pools the r tokens
+``j*r .. j*r+r-1`` with a per-channel softmax over tokens: ``L_j = norm(sum_t softmax_t(z) a_t)``.
+Ratio 1: ``L_j = norm(wkv(x_j))`` (no gate). `L_j` is the pre-RoPE latent [head_dim].
+Parameters: `wkv.weight [head_dim, D]`, `wgate.weight [head_dim, D]` (ratio > 1), `norm.weight`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..cache import KVCache
+from ..config import ModelConfig
+from ..forward_batch import StepContext
+from .linear import Linear, RMSNorm
+
+
+class Compressor(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, device=None) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.ratio = config.compress_ratios[layer_id]
+        d, hd = config.hidden_size, config.head_dim
+        # the pooling runs in fp32 as in the reference, so its weights are fp32 there
+        wdtype = torch.float32 if self.ratio > 1 else dtype
+        self.wkv = Linear(d, hd, wdtype, device)
+        if self.ratio > 1:
+            self.wgate = Linear(d, hd, torch.float32, device)
+        self.norm = RMSNorm(hd, config.rms_norm_eps, dtype, device)
+
+    def forward(
+        self, x: torch.Tensor, ctx: StepContext, cache: KVCache
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [T, D] (normalised attention input). Returns the entries completed in this step:
+        (latent [M, head_dim] x.dtype, seq index [M] int64, entry id [M] int64), and updates the
+        slot's partial-group state.
+        """
+        r = self.ratio
+        pos = ctx.positions
+        done = ((pos + 1) % r) == 0  # the token closing its group
+        rows = torch.nonzero(done).flatten()
+        seq = ctx.seq_of[rows]
+        entry = (pos[rows] + 1) // r - 1
+        if r == 1:
+            return self.norm(self.wkv(x[rows])), seq, entry
+        xf = x.float()
+        a = self.wkv(xf, torch.float32)  # [T, hd]
+        z = self.wgate(xf, torch.float32)
+        state_kv, state_z = cache.comp_kv[self.layer_id], cache.comp_score[self.layer_id]
+        s_len = state_kv.shape[1]
+        slots = torch.tensor(ctx.slots, device=x.device)
+        ctx_t = torch.tensor(ctx.ctx, device=x.device)
+        starts = torch.tensor(ctx.starts, device=x.device)
+        if rows.numel():
+            # group positions of each completed entry: [M, r]
+            gpos = pos[rows].unsqueeze(1) - (r - 1) + torch.arange(r, device=x.device)
+            in_chunk = gpos >= ctx_t[seq].unsqueeze(1)
+            flat_row = (starts[seq].unsqueeze(1) + gpos - ctx_t[seq].unsqueeze(1)).clamp_min(0)
+            st_slot = slots[seq].unsqueeze(1).expand_as(gpos)
+            st_row = gpos.remainder(s_len)
+            ga = torch.where(in_chunk.unsqueeze(-1), a[flat_row], state_kv[st_slot, st_row])
+            gz = torch.where(in_chunk.unsqueeze(-1), z[flat_row], state_z[st_slot, st_row])
+            pooled = (ga * torch.softmax(gz, dim=1)).sum(1)  # [M, hd]
+            latent = self.norm(pooled.to(x.dtype))
+        else:
+            latent = x.new_zeros(0, self.norm.weight.shape[0])
+        # keep the newest positions of each sequence for groups that close in a later step
+        last = torch.tensor(
+            [c + n - 1 for c, n in zip(ctx.ctx, ctx.lens, strict=True)], device=x.device
+        )
+        keep = pos > last[ctx.seq_of] - s_len
+        state_kv[slots[ctx.seq_of[keep]], pos[keep] % s_len] = a[keep]
+        state_z[slots[ctx.seq_of[keep]], pos[keep] % s_len] = z[keep]
+        return latent, seq, entry

@@ -1,0 +1,98 @@
+"""Weight containers in the checkpoint formats, and the linears computed from them.
+
+- `FP8Linear`: ``weight [out, in] float8_e4m3fn`` + ``scale [ceil(out/32), ceil(in/32)]
+  float8_e8m0fnu`` (32x32 blocks), computed by `ops.fp8_linear` (activations quantised per 32).
+- `Linear`: a plain weight in the model dtype (or fp32 where the reference computes in fp32).
+- `FP4Weight`: an expert matrix, ``weight [out, in/2] int8`` (two e2m1 per byte, low nibble
+  first) + ``scale [out, in/32] float8_e8m0fnu``; computed by `ops.moe_experts` from stacks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from deepinfer_kernels import ops, quant
+from torch import nn
+
+FP8_DTYPE = torch.float8_e4m3fn
+SCALE_DTYPE = torch.float8_e8m0fnu
+
+
+def _frozen(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | None
+) -> nn.Parameter:
+    return nn.Parameter(torch.zeros(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class FP8Linear(nn.Module):
+    """y = x W^T with W stored FP8 e4m3 in 32x32 blocks with UE8M0 scales.
+
+    x: [..., in] (model dtype) -> [..., out] x.dtype, through `ops.fp8_linear`.
+    """
+
+    def __init__(self, in_features: int, out_features: int, block: int = 32, device=None) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.block = in_features, out_features, block
+        self.weight = _frozen((out_features, in_features), FP8_DTYPE, device)
+        self.scale = _frozen(
+            (-(-out_features // block), -(-in_features // block)), SCALE_DTYPE, device
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = ops.fp8_linear(x.reshape(-1, self.in_features), self.weight, self.scale)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight as [out, in] `dtype` (exact)."""
+        return quant.dequantize_fp8_blocks(self.weight, self.scale, dtype)
+
+
+class Linear(nn.Module):
+    """y = x W^T with a plain weight [out, in]; computed in the weight's dtype, returned in
+    `out_dtype` (default: x.dtype)."""
+
+    def __init__(
+        self, in_features: int, out_features: int, dtype: torch.dtype, device=None
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = _frozen((out_features, in_features), dtype, device)
+
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        y = torch.nn.functional.linear(x.to(self.weight.dtype), self.weight)
+        return y.to(out_dtype or x.dtype)
+
+
+class FP4Weight(nn.Module):
+    """One FP4 e2m1 expert matrix: weight [out, in/2] int8, scale [out, in/32] e8m0."""
+
+    def __init__(self, in_features: int, out_features: int, device=None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = _frozen((out_features, in_features // 2), torch.int8, device)
+        self.scale = _frozen((out_features, in_features // 32), SCALE_DTYPE, device)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim: x [..., d] -> [..., d] x.dtype (fp32 statistics)."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device=None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps)
+
+
+class Embedding(nn.Module):
+    """`weight [vocab, D]`: ids [...] -> [..., D]."""
+
+    def __init__(self, vocab: int, dim: int, dtype: torch.dtype, device=None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(
+            torch.zeros(vocab, dim, dtype=dtype, device=device), requires_grad=False
+        )
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)

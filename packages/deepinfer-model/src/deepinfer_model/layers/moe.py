@@ -1,0 +1,138 @@
+"""Mixture of experts: sqrt-softplus router with bias, FP4 routed experts, FP8 shared expert.
+
+Router (`gate`): ``s = sqrt(softplus(x Wg^T / gate_temp))`` fp32; ids = top-k of ``s + bias``;
+weights = ``s[ids] / (sum + 1e-20) * routed_scaling_factor`` (`ops.moe_gate`).
+Expert: ``W2(w * silu(min(W1 x, L)) * clamp(W3 x, -L, L))`` (weight before W2; `ops.moe_experts`).
+Shared expert: the same SwiGLU with FP8 weights, unweighted, added.
+
+Parameters (HF names): `gate.weight [E, D]`, `gate.bias [E]` fp32, `gate.bias_vl [E]` fp32 (the
+image-token bias; loaded, unused for text), `experts.E.{w1,w3}.{weight [I, D/2] int8, scale
+[I, D/32] e8m0}`, `experts.E.w2.{weight [D, I/2], scale [D, I/32]}`,
+`shared_experts.{w1,w2,w3}` (FP8 + scale).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from deepinfer_kernels import ops
+from torch import nn
+
+from ..config import ModelConfig
+from .linear import FP4Weight, FP8Linear, Linear
+
+
+class Gate(nn.Module):
+    def __init__(
+        self, config: ModelConfig, n_experts: int, topk: int, dtype: torch.dtype, device=None
+    ) -> None:
+        super().__init__()
+        self.topk, self.route_scale, self.gate_temp = (
+            topk,
+            config.routed_scaling_factor,
+            config.gate_temp,
+        )
+        self.weight = nn.Parameter(
+            torch.zeros(n_experts, config.hidden_size, dtype=dtype, device=device),
+            requires_grad=False,
+        )
+        self.bias = nn.Parameter(
+            torch.zeros(n_experts, dtype=torch.float32, device=device), requires_grad=False
+        )
+        self.bias_vl = nn.Parameter(
+            torch.zeros(n_experts, dtype=torch.float32, device=device), requires_grad=False
+        )
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, D] -> (weights [T, k] fp32, ids [T, k] int64)."""
+        return ops.moe_gate(
+            x.float(), self.weight.float(), self.bias, self.topk, self.route_scale, self.gate_temp
+        )
+
+
+class Expert(nn.Module):
+    """One routed expert's FP4 matrices (computed in stacks by `MoE`)."""
+
+    def __init__(self, dim: int, inter: int, device=None) -> None:
+        super().__init__()
+        self.w1 = FP4Weight(dim, inter, device)
+        self.w2 = FP4Weight(inter, dim, device)
+        self.w3 = FP4Weight(dim, inter, device)
+
+
+class SharedExpert(nn.Module):
+    """Dense SwiGLU with FP8 weights: x [T, D] -> [T, D]."""
+
+    def __init__(self, dim: int, inter: int, limit: float, block: int, device=None) -> None:
+        super().__init__()
+        self.limit = limit
+        self.w1 = FP8Linear(dim, inter, block, device)
+        self.w2 = FP8Linear(inter, dim, block, device)
+        self.w3 = FP8Linear(dim, inter, block, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w1(x).float(), self.w3(x).float()
+        if self.limit > 0:
+            up = up.clamp(-self.limit, self.limit)
+            gate = gate.clamp(max=self.limit)
+        return self.w2((F.silu(gate) * up).to(x.dtype))
+
+
+class MoE(nn.Module):
+    """x [T, D] -> [T, D]. `n_experts`/`topk` differ for the DSpark stages."""
+
+    def __init__(
+        self, config: ModelConfig, n_experts: int, topk: int, dtype: torch.dtype, device=None
+    ) -> None:
+        super().__init__()
+        d, inter = config.hidden_size, config.moe_intermediate_size
+        self.limit = config.swiglu_limit
+        self.gate = Gate(config, n_experts, topk, dtype, device)
+        self.experts = nn.ModuleList(Expert(d, inter, device) for _ in range(n_experts))
+        self.shared_experts = SharedExpert(
+            d, inter, config.swiglu_limit, config.fp8_block_size, device
+        )
+        self._stacks: dict[str, torch.Tensor] = {}
+
+    def stacked(self) -> dict[str, torch.Tensor]:
+        """The expert weights as [E, ...] stacks. Every expert parameter is a view into its
+        stack; if a load or `.to()` replaced a parameter, the stack is rebuilt and the views
+        re-pointed, so no weight is held twice."""
+        out = {}
+        for name in ("w1", "w2", "w3"):
+            for part in ("weight", "scale"):
+                key = f"{name}.{part}"
+                params = [getattr(getattr(e, name), part) for e in self.experts]
+                st = self._stacks.get(key)
+                fresh = (
+                    st is not None
+                    and st.device == params[0].device
+                    and all(p.data_ptr() == st[i].data_ptr() for i, p in enumerate(params))
+                )
+                if not fresh:
+                    st = torch.stack([p.data for p in params])
+                    for i, p in enumerate(params):
+                        p.data = st[i]
+                    self._stacks[key] = st
+                out[key] = st
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        st = self.stacked()
+        routed = ops.moe_experts(
+            x,
+            weights,
+            ids,
+            st["w1.weight"],
+            st["w1.scale"],
+            st["w3.weight"],
+            st["w3.scale"],
+            st["w2.weight"],
+            st["w2.scale"],
+            self.limit,
+        )
+        return (routed.float() + self.shared_experts(x).float()).to(x.dtype)
+
+
+__all__ = ["Expert", "Gate", "Linear", "MoE", "SharedExpert"]

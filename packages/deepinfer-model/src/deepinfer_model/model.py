@@ -1,0 +1,175 @@
+"""DeepSeek-V4.1 text model: embed -> hc_mult streams -> 40 mHC blocks -> collapse -> head.
+
+`Model.forward(batch, cache)` runs one flat batch (prefill, chunked prefill, decode and
+multi-token verify alike) and returns logits for `batch.logits_indices`. Parameter names are
+the checkpoint's (`embed.weight`, `layers.N.attn.wq_a.weight` + `.scale`, ..., `mtp.K.*`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from deepinfer_kernels import ops
+from torch import nn
+
+from .cache import KVCache
+from .config import ModelConfig
+from .dspark import DSparkStage
+from .forward_batch import ForwardBatch, ForwardOutput, StepContext
+from .layers.block import Block
+from .layers.engram import EngramHasher
+from .layers.linear import Embedding, RMSNorm
+from .layers.mhc import identity_pre
+
+
+class Head(nn.Module):
+    """`weight [vocab, D]`: x [R, D] -> logits [R, vocab] fp32 (fp32 matmul, as the reference)."""
+
+    def __init__(self, vocab: int, dim: int, dtype: torch.dtype, device=None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(
+            torch.zeros(vocab, dim, dtype=dtype, device=device), requires_grad=False
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight.float())
+
+
+class Model(nn.Module):
+    """The V4.1 text model (plus the DSpark stage modules under `mtp`).
+
+    dtype: activation / plain-weight dtype (fp32 on CPU for tests, bf16 on GPU);
+    fake_quant_kv: apply the reference's KV fake-quantisation (FP8 window KV, FP4 compressed KV,
+    FP4 index keys and queries); off gives the unquantised math.
+    The Engram compressed-token map is not a checkpoint tensor: install it with
+    `model.engram_hasher.set_token_map(...)` after building (the loader does).
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        fake_quant_kv: bool = True,
+    ) -> None:
+        super().__init__()
+        config.validate()
+        self.config, self.dtype = config, dtype
+        dev = torch.device(device) if device is not None else None
+        self.embed = Embedding(config.vocab_size, config.hidden_size, dtype, dev)
+        self.layers = nn.ModuleList(
+            Block(config, i, dtype, dev, fake_quant_kv) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, dev)
+        self.head = Head(config.vocab_size, config.hidden_size, dtype, dev)
+        self.mtp = nn.ModuleList(
+            DSparkStage(config, k, dtype, dev, fake_quant_kv)
+            for k in range(config.num_nextn_predict_layers)
+        )
+        self.engram_hasher = EngramHasher(config, dev) if config.engram_layer_ids else None
+
+    def forward(self, batch: ForwardBatch, cache: KVCache) -> ForwardOutput:
+        """Run the new tokens of every sequence in `batch`, writing their state into `cache`.
+
+        Returns logits [R, vocab] fp32 for `batch.logits_indices` and, if
+        `batch.return_hidden`, the DSpark inputs [T, D * len(dspark_target_layer_ids)]: for each
+        target layer the mean over the hc streams of that layer's input (before its Engram-free
+        block), concatenated in target order.
+        """
+        if batch.keep_tokens is not None:
+            raise NotImplementedError(
+                "ForwardBatch.keep_tokens (YOCO compact prefill: decoder layers on the last K "
+                "tokens only) is not implemented in deepinfer_model yet"
+            )
+        ctx = StepContext.from_batch(batch)
+        cfg = self.config
+        ids = batch.input_ids
+        if int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size:
+            raise ValueError(f"ForwardBatch.input_ids: ids must be in [0, {cfg.vocab_size})")
+        rows = batch.logits_indices
+        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= ids.shape[0]):
+            raise ValueError(f"ForwardBatch.logits_indices: rows must be in [0, {ids.shape[0]})")
+        hashes = self.engram_hasher(ids, ctx, cache) if self.engram_hasher is not None else None
+        h = self.embed(ids).to(self.dtype).unsqueeze(1).repeat(1, cfg.hc_mult, 1)
+        pre = identity_pre(ids.shape[0], cfg.hc_mult, ids.device)
+        hidden = []
+        for i, layer in enumerate(self.layers):
+            if layer.engram is not None:
+                h = layer.engram(h, hashes[:, layer.engram.layer_index])
+            if batch.return_hidden and i in cfg.dspark_target_layer_ids:
+                hidden.append((i, h.float().mean(1).to(h.dtype)))
+            h, pre = layer(h, pre, ctx, cache)
+        y = self.norm(ops.hc_pre(h[rows], pre[rows]))
+        logits = self.head(y)
+        out_hidden = None
+        if batch.return_hidden:
+            by_layer = dict(hidden)
+            out_hidden = torch.cat([by_layer[i] for i in cfg.dspark_target_layer_ids], dim=-1)
+        return ForwardOutput(logits=logits, hidden=out_hidden)
+
+
+@torch.no_grad()
+def init_random_(model: Model, seed: int = 0) -> Model:
+    """Fill every parameter of `model` in place with deterministic random values in the
+    checkpoint formats (FP8 blocks via `quantize_fp8_blocks`, FP4 experts via
+    `quantize_fp4_experts`), scaled so activations stay O(1): linears ~ N(0, 1/in), norms 1,
+    mHC projections small, sinks and biases small. CPU generator; same bytes for a seed."""
+    from deepinfer_kernels import quant
+
+    from .layers.linear import FP4Weight, FP8Linear
+
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int, std: float) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, dtype=torch.float32) * std
+
+    done: set[int] = set()
+    for mod in model.modules():
+        if isinstance(mod, FP8Linear):
+            w, s = quant.quantize_fp8_blocks(
+                randn(mod.out_features, mod.in_features, std=mod.in_features**-0.5)
+            )
+            mod.weight.copy_(w)
+            mod.scale.copy_(s)
+            done.update((id(mod.weight), id(mod.scale)))
+        elif isinstance(mod, FP4Weight):
+            w, s = quant.quantize_fp4_experts(
+                randn(mod.out_features, mod.in_features, std=mod.in_features**-0.5)
+            )
+            mod.weight.copy_(w)
+            mod.scale.copy_(s)
+            done.update((id(mod.weight), id(mod.scale)))
+    for name, p in model.named_parameters():
+        if id(p) in done:
+            continue
+        leaf = name.rsplit(".", 1)[-1]
+        if name.endswith("embed.weight") and "engram" in name:
+            w, s = quant.quantize_fp8_blocks(randn(*p.shape, std=1.0))
+            p.copy_(w)
+            # the table's scale param is handled below via its own name
+            continue
+        if name.endswith("embed.scale"):
+            p.copy_(torch.ones(p.shape).to(p.dtype))
+            continue
+        if p.dtype in (torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.int8):
+            raise RuntimeError(f"init_random_: no rule for quantised parameter {name}")
+        if "norm" in name and leaf == "weight":
+            val = 1.0 + randn(*p.shape, std=0.05)
+        elif leaf.startswith("hc_") and leaf.endswith("_fn"):
+            val = randn(*p.shape, std=0.02)
+        elif leaf.endswith("_base"):
+            val = randn(*p.shape, std=0.5)
+        elif leaf.endswith("_scale"):
+            val = 0.5 + randn(*p.shape, std=0.05).abs()
+        elif leaf == "attn_sink":
+            val = randn(*p.shape, std=0.5)
+        elif leaf in ("bias", "bias_vl"):
+            val = randn(*p.shape, std=0.1)
+        elif leaf in ("q_weight", "k_weight"):
+            val = 1.0 + randn(*p.shape, std=0.1)
+        elif p.dim() == 2:
+            val = randn(*p.shape, std=p.shape[1] ** -0.5)
+        else:
+            val = randn(*p.shape, std=1.0)
+        p.copy_(val.to(p.dtype))
+    return model
