@@ -52,13 +52,18 @@ def _weights(vocab: int, dim: int = 16):
 
 
 _EMB, _POS, _OUT = _weights(len(VOCAB))
+_SKIP = -3 * _POS[0]  # the "encoder-only" update of a skipped token
 
 
-def reference_logits(tokens: list[int]) -> torch.Tensor:
-    """[vocab] float64: the toy's next-token logits after `tokens` (no cache)."""
+def reference_logits(tokens: list[int], encoder_only_below: int = 0) -> torch.Tensor:
+    """[vocab] float64: the toy's next-token logits after `tokens` (no cache).
+
+    Positions < `encoder_only_below` take the toy's "encoder-only" update (no position term),
+    standing in for YOCO compact prefill's skipped decoder layers.
+    """
     h = torch.zeros(_EMB.shape[1], dtype=torch.float64)
     for i, t in enumerate(tokens):
-        h = 0.6 * h + _EMB[t] + _POS[i % 11]
+        h = 0.9 * h + _EMB[t] + (_SKIP if i < encoder_only_below else _POS[i % 11])
     logits = torch.tanh(h) @ _OUT
     if len(tokens) == 2 and tokens[-1] == NAN_TOKEN:
         logits = logits * float("nan")
@@ -87,6 +92,8 @@ class ToySpec:
 
 
 class ToyModel:
+    supports_keep_tokens = True
+
     def forward(self, batch: ForwardBatch, cache: ToyCache) -> ForwardOutput:
         cu = batch.cu_seqlens.tolist()
         ids = batch.input_ids.tolist()
@@ -97,8 +104,9 @@ class ToyModel:
             # the cache must continue exactly where the engine says it does
             assert int(cache.n[slot]) == int(batch.context_lens[b]), "cache/context mismatch"
             h = cache.h[slot].clone()
+            skip = int(batch.keep_tokens[b]) if batch.keep_tokens is not None else 0
             for j in range(cu[b], cu[b + 1]):
-                h = 0.6 * h + _EMB[ids[j]] + _POS[pos[j] % 11]
+                h = 0.9 * h + _EMB[ids[j]] + (_SKIP if j - cu[b] < skip else _POS[pos[j] % 11])
                 logits = torch.tanh(h) @ _OUT
                 if ids[j] == NAN_TOKEN and pos[j] == 1:
                     logits = logits * float("nan")
@@ -110,7 +118,9 @@ class ToyModel:
         return ForwardOutput(logits=logits)
 
 
-def toy_bundle(max_len: int = 256, bytes_per_slot: int = 4096) -> ModelBundle:
+def toy_bundle(
+    max_len: int = 256, bytes_per_slot: int = 4096, keep_tokens: bool = False
+) -> ModelBundle:
     def make_cache(spec, num_blocks, num_slots, device, dtype):
         return ToyCache(
             torch.zeros(num_slots, _EMB.shape[1], dtype=torch.float64),
@@ -127,14 +137,19 @@ def toy_bundle(max_len: int = 256, bytes_per_slot: int = 4096) -> ModelBundle:
         sliding_window=8,
         cache_spec=lambda block_size, dtype: ToySpec(block_size, bytes_per_slot=bytes_per_slot),
         make_cache=make_cache,
+        supports_keep_tokens=keep_tokens,
         name="toy",
     )
 
 
-def greedy_reference(prompt: list[int], max_tokens: int, ignore_eos: bool = False) -> list[int]:
+def greedy_reference(
+    prompt: list[int], max_tokens: int, ignore_eos: bool = False, keep: int | None = None
+) -> list[int]:
+    """Plain greedy loop; `keep` = K of YOCO compact prefill (None: off)."""
+    below = max(0, len(prompt) - keep) if keep is not None else 0
     toks, out = list(prompt), []
     for _ in range(max_tokens):
-        t = int(torch.argmax(reference_logits(toks).float()))
+        t = int(torch.argmax(reference_logits(toks, below).float()))
         toks.append(t)
         out.append(t)
         if t == EOS and not ignore_eos:

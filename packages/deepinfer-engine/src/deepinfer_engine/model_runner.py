@@ -57,10 +57,6 @@ class ModelBundle:
         def make(spec_: Any, num_blocks: int, num_slots: int, device, dtype) -> Any:
             return KVCache(cfg, spec_, num_blocks, num_slots, device=device, dtype=dtype)
 
-        import inspect
-
-        fwd_params = inspect.signature(loaded.model.forward).parameters
-        doc = loaded.model.forward.__doc__ or ""
         return cls(
             model=loaded.model,
             tokenizer=loaded.tokenizer,
@@ -70,7 +66,8 @@ class ModelBundle:
             sliding_window=cfg.sliding_window,
             cache_spec=spec,
             make_cache=make,
-            supports_keep_tokens="keep_tokens" in doc or "keep_tokens" in fwd_params,
+            # The model declares support for ForwardBatch.keep_tokens (YOCO compact prefill).
+            supports_keep_tokens=bool(getattr(loaded.model, "supports_keep_tokens", False)),
             name=str(loaded.path),
         )
 
@@ -185,15 +182,23 @@ class ModelRunner:
             logits_indices=t64(logits_rows),
         )
         if self.keep_tokens is not None:
-            batch.keep_tokens = t64([self._keep(c) for c in out.chunks])
+            # Contract (see /work/briefs/contract-model-engine.md): ForwardBatch.keep_tokens[b]
+            # = number of leading tokens of sequence b's chunk that run only the encoder.
+            batch.keep_tokens = t64([self._encoder_only(c) for c in out.chunks])
         # Prefill chunks that sample nothing still run: they write their KV into the cache.
         res = self.bundle.model.forward(batch, self.cache)
         return LaunchedStep(out, res.logits if logits_rows else None, sample_chunks)
 
-    def _keep(self, c: ScheduledChunk) -> int:
-        """YOCO compact: how many trailing prompt tokens the decoder layers run on (see Engine)."""
+    def _encoder_only(self, c: ScheduledChunk) -> int:
+        """YOCO compact prefill: leading tokens of this chunk that skip the decoder layers.
+
+        A prompt of N > K tokens runs the decoder layers (21..) only on its last K tokens, i.e.
+        on positions >= N - K. N is the *original* prompt length even when a preempted sequence
+        recomputes prompt + outputs, so preemption does not change what is truncated.
+        """
         assert self.keep_tokens is not None
-        return self.keep_tokens if c.seq.num_prompt_tokens > self.keep_tokens else 0
+        cut = c.seq.num_prompt_tokens - self.keep_tokens
+        return max(0, min(cut - c.start, c.num_tokens))
 
     # ---- sampling ----------------------------------------------------------------------------
     @torch.inference_mode()
