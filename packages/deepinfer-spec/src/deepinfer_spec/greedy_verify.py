@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from .sampled_verify import accept_while_equal
 from .verify_batch import VerifyResult, check_verify_inputs
 
 
@@ -29,9 +30,6 @@ def greedy_verify(
     Returns:
         :class:`VerifyResult`.
     """
-    layout = check_verify_inputs(cu_num_draft_tokens, draft_token_ids, target_scores)
-    argmax = target_scores.argmax(dim=-1)  # [T + B]
-    match = draft_token_ids.to(torch.int64) == argmax[layout.target_row_of_draft]
-    num_accepted = layout.count_leading_true(match)
-    next_tokens = argmax[layout.first_target_row + num_accepted]
-    return layout.assemble(draft_token_ids, num_accepted, next_tokens)
+    check_verify_inputs(cu_num_draft_tokens, draft_token_ids, target_scores)
+    # Ties go to the lowest token id, as in the sampler's greedy rows.
+    return accept_while_equal(cu_num_draft_tokens, draft_token_ids, target_scores.argmax(dim=-1))

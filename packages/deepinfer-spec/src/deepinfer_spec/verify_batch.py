@@ -123,13 +123,10 @@ class DraftLayout:
         )
 
 
-def check_verify_inputs(
-    cu_num_draft_tokens: torch.Tensor,
-    draft_token_ids: torch.Tensor,
-    target_probs: torch.Tensor,
-    draft_probs: torch.Tensor | None = None,
+def check_draft_layout(
+    cu_num_draft_tokens: torch.Tensor, draft_token_ids: torch.Tensor
 ) -> DraftLayout:
-    """Validate the flat verify batch and return its :class:`DraftLayout`.
+    """Validate ``cu_num_draft_tokens [B + 1]`` and ``draft_token_ids [T]``; return the layout.
 
     Raises:
         ValueError: naming the offending argument and what was expected.
@@ -144,7 +141,6 @@ def check_verify_inputs(
         raise ValueError(
             f"cu_num_draft_tokens must start at 0 and be non-decreasing, got {cu.tolist()}"
         )
-    batch = cu.shape[0] - 1
     total = int(cu[-1])
     if draft_token_ids.dim() != 1 or draft_token_ids.shape[0] != total:
         raise ValueError(
@@ -152,6 +148,22 @@ def check_verify_inputs(
         )
     if draft_token_ids.dtype.is_floating_point or draft_token_ids.dtype == torch.bool:
         raise ValueError(f"draft_token_ids must be integer, got dtype {draft_token_ids.dtype}")
+    return DraftLayout.from_cu(cu)
+
+
+def check_verify_inputs(
+    cu_num_draft_tokens: torch.Tensor,
+    draft_token_ids: torch.Tensor,
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None = None,
+) -> DraftLayout:
+    """Validate the flat verify batch and return its :class:`DraftLayout`.
+
+    Raises:
+        ValueError: naming the offending argument and what was expected.
+    """
+    layout = check_draft_layout(cu_num_draft_tokens, draft_token_ids)
+    batch, total = layout.batch_size, draft_token_ids.shape[0]
     if target_probs.dim() != 2 or target_probs.shape[0] != total + batch:
         raise ValueError(
             f"target_probs must be [sum K + B, V] = [{total + batch}, V], got "
@@ -171,7 +183,7 @@ def check_verify_inputs(
             f"draft_probs must be None or [sum K, V] = [{total}, {vocab}], got "
             f"{list(draft_probs.shape)}"
         )
-    return DraftLayout.from_cu(cu)
+    return layout
 
 
 def check_row_keys(
