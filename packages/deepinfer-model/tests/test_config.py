@@ -1,0 +1,81 @@
+"""ModelConfig: HF names, reference aliases, validation naming the field, tiny()."""
+
+import pytest
+from deepinfer_model.config import ModelConfig, engram_primes
+
+
+def test_released_defaults_validate_and_engram_primes_sum_to_rows():
+    cfg = ModelConfig()
+    cfg.validate()
+    primes = cfg.engram_layout_primes()
+    assert [sum(sum(r) for r in layer) for layer in primes] == list(cfg.engram_num_embeddings)
+    flat = [p for layer in primes for row in layer for p in row]
+    assert len(flat) == len(set(flat)) == 2 * 3 * 8
+    assert min(flat) > 16_000_000
+    assert cfg.decoder_start_layer == 20
+    assert (
+        cfg.kv_source_of(25) == 20 and cfg.index_source_of(25) == 24 and cfg.kv_source_of(13) == 8
+    )
+
+
+def test_from_hf_composite_with_aliases_and_rope_scaling():
+    raw = {
+        "model_type": "deepseek_v41",
+        "eos_token_id": 1,
+        "quantization_config": {"weight_block_size": [32, 32], "scale_fmt": "ue8m0"},
+        "vision_config": {"hidden_size": 1024},
+        "text_config": {
+            "dim": 5120,
+            "window_size": 128,
+            "kv_source_layers": [2, 8, 14, 20],
+            "rope_scaling": {
+                "rope_type": "yarn",
+                "factor": 16,
+                "original_max_position_embeddings": 65536,
+                "beta_fast": 32,
+                "beta_slow": 1,
+            },
+            "some_unknown_key": 3,
+        },
+    }
+    cfg = ModelConfig.from_hf(raw)
+    assert cfg.hidden_size == 5120 and cfg.sliding_window == 128 and cfg.rope_factor == 16
+    assert cfg.kv_source_layer_ids == (2, 8, 14, 20)
+    assert cfg.extra["some_unknown_key"] == 3
+
+
+def test_tiny_roundtrips_through_hf_dict():
+    tiny = ModelConfig.tiny()
+    assert ModelConfig.from_hf(tiny.to_hf()) == tiny
+    assert tiny.compress_ratios[: tiny.num_hidden_layers] == (0, 0, 2, 2, 1, 1, 1, 1)
+    assert tiny.engram_num_embeddings == tuple(
+        sum(sum(r) for r in layer) for layer in engram_primes((1, 3), 4, 2, 101)
+    )
+
+
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ({"compress_ratios": (0, 0, 2)}, "compress_ratios"),
+        ({"kv_source_layer_ids": (3, 4)}, "kv_source_layer_ids"),
+        (
+            {
+                "kv_source_layer_ids": (2,),
+                "index_source_layer_ids": (2,),
+                "candidate_source_layer_id": -1,
+            },
+            "compress_ratios",
+        ),
+        ({"index_source_layer_ids": (4, 6)}, "kv_source_layer_ids"),
+        ({"candidate_source_layer_id": 5}, "candidate_source_layer_id"),
+        ({"hidden_size": 72}, "hidden_size"),
+        ({"engram_layer_ids": (1, 9)}, "engram_layer_ids"),
+        ({"engram_num_embeddings": (10, 10)}, "engram_num_embeddings"),
+        ({"dspark_target_layer_ids": (8,)}, "dspark_target_layer_ids"),
+        ({"scoring_func": "softmax"}, "scoring_func"),
+        ({"index_topk": 16}, "index_topk"),
+    ],
+)
+def test_validation_names_the_field(override, field):
+    with pytest.raises(ValueError, match=field):
+        ModelConfig.tiny(**override)

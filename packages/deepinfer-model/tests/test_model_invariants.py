@@ -1,0 +1,135 @@
+"""Whole-model invariants on the tiny config (fp32, CPU): one forward for prefill, chunked
+prefill, decode and verify; a sequence alone equals the same sequence in a mixed batch."""
+
+import pytest
+import torch
+from deepinfer_model.cache import CacheSpec, KVCache
+from deepinfer_model.config import ModelConfig
+from deepinfer_model.forward_batch import ForwardBatch
+from deepinfer_model.model import Model, init_random_
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+TOL = dict(rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = ModelConfig.tiny()
+    model = init_random_(Model(cfg), 0)
+    model.engram_hasher.set_token_map([i % 300 for i in range(cfg.vocab_size)])
+    spec = CacheSpec.from_config(cfg, block_size=16, dtype=torch.float32)
+    return cfg, model, spec
+
+
+def _cache(cfg, spec, slots=3):
+    return KVCache(cfg, spec, num_blocks=24, num_slots=slots, dtype=torch.float32)
+
+
+def _tokens(n, seed):
+    return torch.randint(0, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _prefill(model, cache, toks, slot, pages):
+    return model(ForwardBatch.build([toks], [0], [slot], [pages], logits_rows="all"), cache).logits
+
+
+def _chunks(model, cache, toks, bounds, slot, pages):
+    out = []
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        out.append(
+            model(
+                ForwardBatch.build([toks[s:e]], [s], [slot], [pages], logits_rows="all"), cache
+            ).logits
+        )
+    return torch.cat(out)
+
+
+def test_logits_are_finite_and_vary(tiny):
+    cfg, model, spec = tiny
+    lg = _prefill(model, _cache(cfg, spec), _tokens(20, 0), 0, [0, 1])
+    assert lg.shape == (20, cfg.vocab_size) and lg.dtype == torch.float32
+    assert torch.isfinite(lg).all() and float(lg.std()) > 0.1
+
+
+@settings(max_examples=4, deadline=None)
+@given(n=st.sampled_from([1, 2, 7, 8, 9, 16, 17, 25]), seed=st.integers(0, 50))
+def test_prefill_equals_token_by_token_decode(tiny, n, seed):
+    cfg, model, spec = tiny
+    toks = _tokens(n, seed)
+    one = _prefill(model, _cache(cfg, spec), toks, 0, [0, 1])
+    dec = _chunks(model, _cache(cfg, spec), toks, list(range(n + 1)), 1, [5, 2])
+    torch.testing.assert_close(dec, one, **TOL)
+
+
+@settings(max_examples=6, deadline=None)
+@given(n=st.integers(2, 30), cuts=st.lists(st.integers(1, 29), max_size=3), seed=st.integers(0, 50))
+def test_chunked_prefill_equals_one_shot(tiny, n, cuts, seed):
+    cfg, model, spec = tiny
+    toks = _tokens(n, seed)
+    bounds = sorted({0, n, *[c for c in cuts if c < n]})
+    one = _prefill(model, _cache(cfg, spec), toks, 0, [0, 1])
+    chunked = _chunks(model, _cache(cfg, spec), toks, bounds, 2, [7, 3])
+    torch.testing.assert_close(chunked, one, **TOL)
+
+
+def test_mixed_batch_equals_each_alone_then_decode_and_verify(tiny):
+    cfg, model, spec = tiny
+    a, b = _tokens(30, 1), _tokens(13, 2)
+    ref_a = _prefill(model, _cache(cfg, spec), a, 0, [0, 1])
+    ref_b = _prefill(model, _cache(cfg, spec), b, 1, [4])
+    cache = _cache(cfg, spec)
+    mixed = model(
+        ForwardBatch.build([a[:20], b[:12]], [0, 0], [2, 0], [[3, 9], [1]], logits_rows="all"),
+        cache,
+    ).logits
+    torch.testing.assert_close(mixed[:20], ref_a[:20], **TOL)
+    torch.testing.assert_close(mixed[20:], ref_b[:12], **TOL)
+    # next step: a verifies 10 tokens, b decodes 1 — one flat batch
+    step = model(
+        ForwardBatch.build([a[20:], b[12:]], [20, 12], [2, 0], [[3, 9], [1]], logits_rows="all"),
+        cache,
+    ).logits
+    torch.testing.assert_close(step[:10], ref_a[20:], **TOL)
+    torch.testing.assert_close(step[10:], ref_b[12:], **TOL)
+
+
+def test_rollback_of_rejected_drafts(tiny):
+    """A verify of 7 drafts, of which only 2 are accepted, then the true continuation."""
+    cfg, model, spec = tiny
+    toks = _tokens(24, 5)
+    ref = _prefill(model, _cache(cfg, spec), toks, 0, [0, 1])
+    cache = _cache(cfg, spec)
+    model(ForwardBatch.build([toks[:12]], [0], [0], [[2, 3]]), cache)
+    wrong = toks[12:14] + [11, 12, 13, 14, 15]  # two right, five wrong drafts
+    model(ForwardBatch.build([wrong], [12], [0], [[2, 3]], logits_rows="all"), cache)
+    rest = model(
+        ForwardBatch.build([toks[14:]], [14], [0], [[2, 3]], logits_rows="all"), cache
+    ).logits
+    torch.testing.assert_close(rest, ref[14:], **TOL)
+
+
+def test_hidden_states_for_dspark(tiny):
+    cfg, model, spec = tiny
+    out = model(
+        ForwardBatch.build([_tokens(9, 3)], [0], [0], [[0]], return_hidden=True), _cache(cfg, spec)
+    )
+    assert out.hidden.shape == (9, cfg.hidden_size * len(cfg.dspark_target_layer_ids))
+    assert out.logits.shape == (1, cfg.vocab_size)
+
+
+def test_bad_batches_name_the_field(tiny):
+    cfg, model, spec = tiny
+    cache = _cache(cfg, spec)
+    good = ForwardBatch.build([[1, 2, 3]], [0], [0], [[0]])
+    bad = ForwardBatch.build([[1, 2, 3]], [0], [0], [[0]])
+    bad.positions = torch.tensor([0, 1, 5])
+    with pytest.raises(ValueError, match="positions"):
+        model(bad, cache)
+    bad = ForwardBatch.build([[1, 2, 3]], [0], [0], [[0]])
+    bad.input_ids = torch.tensor([1, 2, 9999])
+    with pytest.raises(ValueError, match="input_ids"):
+        model(bad, cache)
+    with pytest.raises(ValueError, match="block_tables"):
+        model(ForwardBatch.build([list(range(40))], [0], [0], [[0]]), cache)
+    model(good, cache)
