@@ -85,7 +85,7 @@ class EngineConfig:
     max_model_len: int | None = None
     block_size: int = 64
     gpu_memory_utilization: float = 0.9
-    kv_cache_bytes: int = 1 << 30  # CPU byte budget for the KV cache
+    kv_cache_bytes: int = 256 << 20  # CPU byte budget for the KV cache
     async_scheduling: bool = True
     yoco_prefill_truncation_mode: str = "off"
     yoco_prefill_keep_tokens: int = 140

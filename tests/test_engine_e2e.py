@@ -1,0 +1,81 @@
+"""End to end over the built-in tiny V4.1 checkpoint: LLM -> engine -> deepinfer_model -> sampler.
+
+Kept small (a few tokens, fp32 on CPU): the reference path of the model is slow on CPU.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from deepinfer import LLM, SamplingParams
+from deepinfer_model.cache import CacheSpec, KVCache
+from deepinfer_model.forward_batch import ForwardBatch
+
+PROMPTS = ["Hello, my name is", "The capital of France is a city that", "1 2 3"]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(accelerator="cpu", dtype="float32", kv_cache_bytes=64 << 20, max_num_seqs=8,
+               block_size=8, max_model_len=256)
+
+
+def plain_greedy(model, config, prompt_ids: list[int], n: int) -> list[int]:
+    """Greedy decoding that recomputes the whole sequence from an empty cache at every step."""
+    toks, out = list(prompt_ids), []
+    spec = CacheSpec.from_config(config, block_size=8, dtype=torch.float32)
+    for _ in range(n):
+        blocks = (len(toks) + 7) // 8
+        cache = KVCache(config, spec, blocks, 1, device="cpu", dtype=torch.float32)
+        batch = ForwardBatch.build([toks], [0], [0], [list(range(blocks))])
+        with torch.inference_mode():
+            t = int(model.forward(batch, cache).logits[0].argmax())
+        toks.append(t)
+        out.append(t)
+        if t == config.eos_token_id:
+            break
+    return out
+
+
+def test_greedy_equals_plain_loop_and_mixed_batch_equals_alone(llm):
+    eng = llm.engine
+    sp = SamplingParams(temperature=0, max_tokens=3)
+    outs = llm.generate(PROMPTS, sp, use_tqdm=False)
+    for o in outs:
+        ref = plain_greedy(eng.bundle.model, eng.bundle.model.config, o.prompt_token_ids, 3)
+        assert o.outputs[0].token_ids == ref
+        assert o.outputs[0].text == llm.get_tokenizer().decode(ref)
+    alone = llm.generate([PROMPTS[1]], sp, use_tqdm=False)[0]
+    assert alone.outputs[0].token_ids == outs[1].outputs[0].token_ids
+
+
+def test_async_on_equals_off_and_seeded_is_reproducible(llm):
+    sp = SamplingParams(temperature=0.8, top_k=50, seed=7, max_tokens=4, n=2)
+    llm.engine.config.async_scheduling = True
+    on = llm.generate(PROMPTS[:2], sp, use_tqdm=False)
+    llm.engine.config.async_scheduling = False
+    off = llm.generate(PROMPTS[1::-1], sp, use_tqdm=False)[::-1]
+    llm.engine.config.async_scheduling = True
+    toks = [[c.token_ids for c in o.outputs] for o in on]
+    assert toks == [[c.token_ids for c in o.outputs] for o in off]
+
+
+def test_structured_output_parses(llm):
+    sp = SamplingParams(temperature=1.0, seed=1, max_tokens=12,
+                        so_args={"schema_type": "regex", "schema": "[0-9]{2}-[a-c]"})
+    out = llm.generate([PROMPTS[2]], sp, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and re.fullmatch("[0-9]{2}-[a-c]", out.text)
+
+
+def test_chat_and_bad_input(llm):
+    out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(temperature=0, max_tokens=2),
+                   use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) >= 1 and out.prompt.startswith("<｜begin▁of▁sentence｜>")
+    with pytest.raises(ValueError, match="prompt 1: .*role"):
+        llm.chat([[{"role": "user", "content": "a"}], [{"role": "wizard", "content": "b"}]],
+                 use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt 0: token id"):
+        llm.generate([[1, 10**6]], use_tqdm=False)
