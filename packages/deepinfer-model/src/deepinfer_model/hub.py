@@ -62,3 +62,18 @@ def resolve_checkpoint(
         local_files_only=local_files_only,
     )
     return Path(local)
+
+
+# ---- the environment this package reads (one place) ------------------------------------------
+MODEL_DIR_ENV = "DEEPINFER_HF_MODEL_DIR"
+
+
+def default_model_source() -> str | None:
+    """`$DEEPINFER_HF_MODEL_DIR` when set and non-empty, else None (the tiny checkpoint)."""
+    return os.environ.get(MODEL_DIR_ENV) or None
+
+
+def user_cache_dir() -> Path:
+    """`$XDG_CACHE_HOME/deepinfer`, or `~/.cache/deepinfer` when XDG_CACHE_HOME is unset."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "deepinfer"

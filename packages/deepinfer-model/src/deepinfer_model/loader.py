@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tqdm.auto import tqdm
 
-from deepinfer_model.hub import resolve_checkpoint
+from deepinfer_model.hub import default_model_source, resolve_checkpoint
 from deepinfer_model.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -47,7 +47,6 @@ logger = logging.getLogger(__name__)
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
-MODEL_DIR_ENV = "DEEPINFER_HF_MODEL_DIR"
 
 VISION_PREFIXES: tuple[str, ...] = ("vision.", "aligner.", "image_")
 """Checkpoint names of the V4.1 vision tower, aligner and image marker embeddings."""
@@ -386,9 +385,27 @@ def build_model(
     """An un-loaded model for `config`, its parameters allocated once, directly on `device`."""
     from deepinfer_model.model import Model
 
-    with torch.device(device):
-        model = Model(config, dtype=dtype)
-    return model
+    return Model(config, dtype=dtype, device=device)
+
+
+def install_engram_token_map(model: torch.nn.Module, tokenizer: Tokenizer) -> None:
+    """Give the model's Engram hasher the tokenizer's compressed token map (not a checkpoint
+    tensor: it is derived from the vocabulary). Ids the model has beyond the tokenizer's
+    vocabulary (padding rows) never occur in input; they map to the pad token's class."""
+    hasher = getattr(model, "engram_hasher", None)
+    if hasher is None:
+        return
+    from deepinfer_model.layers.engram import build_compressed_token_map
+
+    token_map, num_classes = build_compressed_token_map(tokenizer.backend)
+    vocab = model.config.vocab_size
+    if len(token_map) > vocab:
+        raise CheckpointError(
+            f"tokenizer has {len(token_map)} tokens but the config's vocab_size is {vocab}"
+        )
+    pad_class = token_map[model.config.engram_pad_token_id]
+    token_map = token_map + [pad_class] * (vocab - len(token_map))
+    hasher.set_token_map(token_map, num_classes)
 
 
 def load_model(
@@ -407,7 +424,7 @@ def load_model(
     from deepinfer_model.config import ModelConfig
 
     if source is None:
-        source = os.environ.get(MODEL_DIR_ENV) or None
+        source = default_model_source()
     if source is None:
         from deepinfer_model.tiny_checkpoint import ensure_tiny_checkpoint
 
@@ -415,9 +432,10 @@ def load_model(
     else:
         path = resolve_checkpoint(source)
     config = ModelConfig.from_hf(read_hf_config(path))
-    config.validate()
+    tokenizer = Tokenizer.from_dir(path)
     reader = CheckpointReader(path)
     model = build_model(config, device, dtype)
     load_checkpoint_into(model, reader, progress=progress)
+    install_engram_token_map(model, tokenizer)
     model.eval()
-    return LoadedModel(model=model, config=config, tokenizer=Tokenizer.from_dir(path), path=path)
+    return LoadedModel(model=model, config=config, tokenizer=tokenizer, path=path)

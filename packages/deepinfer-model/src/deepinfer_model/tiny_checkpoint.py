@@ -25,6 +25,17 @@ checkpoint, so the loader's "skip vision weights" path runs on every tiny load.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
 from deepinfer_model.tokenizer import (
     ASSISTANT_TOKEN,
     BOS_TOKEN,
@@ -126,3 +137,299 @@ def tiny_tokenizer_config() -> dict:
         "model_max_length": 4096,
         "tokenizer_class": "PreTrainedTokenizerFast",
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# Config
+# ---------------------------------------------------------------------------------------------
+
+TINY_VISION_CONFIG = {
+    "model_type": "deepseek_v41_vision",
+    "num_hidden_layers": 1,
+    "hidden_size": 32,
+    "num_attention_heads": 2,
+    "intermediate_size": 88,
+    "patch_size": 14,
+    "downsample_ratio": 3,
+    "max_image_tokens": 16,
+}
+"""A small vision config: the text-only engine recognises and skips it (and its weights)."""
+
+
+def tiny_config(backend=None):
+    """`ModelConfig.tiny()` fitted to the tiny tokenizer: vocab size, image token, and the
+    Engram compressed vocabulary (the number of classes of the tokenizer's compressed map).
+
+    The tiny vocabulary has no reserved ids, so the DSpark noise token is PAD (id 2).
+    """
+    from deepinfer_model.config import ModelConfig
+    from deepinfer_model.layers.engram import build_compressed_token_map
+
+    backend = backend if backend is not None else build_tiny_tokenizer()
+    _, num_classes = build_compressed_token_map(backend)
+    return ModelConfig.tiny(
+        vocab_size=backend.get_vocab_size(with_added_tokens=True),
+        image_token_id=backend.token_to_id(IMAGE_TOKEN),
+        dspark_noise_token_id=backend.token_to_id(PAD_TOKEN),
+        pad_token_id=backend.token_to_id(PAD_TOKEN),
+        engram_pad_token_id=backend.token_to_id(PAD_TOKEN),
+        engram_compressed_vocab_size=num_classes,
+    )
+
+
+def tiny_hf_config(config) -> dict:
+    """The composite `config.json`: the text config plus a small `vision_config`."""
+    hf = config.to_hf()
+    hf["vision_config"] = dict(TINY_VISION_CONFIG)
+    hf["torch_dtype"] = "bfloat16"
+    return hf
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights
+# ---------------------------------------------------------------------------------------------
+
+_PLAIN_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Name, shape and dtype of one checkpoint tensor (from the model's state_dict)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def model_tensor_specs(config) -> list[TensorSpec]:
+    """The checkpoint tensors of `config`'s model, in `state_dict` order, in their stored dtypes.
+
+    The model is built with bf16 as its plain dtype, so a tensor the model keeps in fp32
+    whatever the compute dtype (mHC parameters, sinks, router biases) is stored as F32 and the
+    rest as BF16, as in the released checkpoint.
+    """
+    from deepinfer_model.model import Model
+
+    with torch.device("cpu"):
+        model = Model(config, dtype=torch.bfloat16)
+    return [TensorSpec(n, tuple(t.shape), t.dtype) for n, t in model.state_dict().items()]
+
+
+def _generator(seed: int, name: str) -> torch.Generator:
+    """A CPU generator for one tensor: depends only on (seed, name), never on order."""
+    return torch.Generator(device="cpu").manual_seed(
+        seed * 4_294_967_311 + zlib.crc32(name.encode())
+    )
+
+
+def _normal(shape: tuple[int, ...], std: float, g: torch.Generator) -> torch.Tensor:
+    return torch.randn(shape, generator=g, dtype=torch.float32) * std
+
+
+def _hc_base(numel: int, hc: int) -> torch.Tensor:
+    """mHC base [(2+hc)*hc]: pre = 1/hc per stream (mean of the streams), post = 1, and a
+    comb logit of 2 on the diagonal so each stream mostly keeps itself (Sinkhorn makes the
+    mix doubly stochastic)."""
+    if numel != (2 + hc) * hc:
+        raise ValueError(f"hc base: expected {(2 + hc) * hc} entries for hc_mult {hc}, got {numel}")
+    base = torch.zeros(numel)
+    base[:hc] = torch.log(torch.tensor(1.0 / (hc - 1)))  # sigmoid(b) = 1/hc
+    base[2 * hc :] = (2.0 * torch.eye(hc)).flatten()
+    return base
+
+
+def _float_tensor(spec: TensorSpec, hc: int, g: torch.Generator) -> torch.Tensor:
+    """Initial values of a plain-float tensor, chosen so activations stay O(1) through the
+    layers: norms and Engram stream weights 1, sinks and router biases 0, embeddings N(0, 1),
+    projections N(0, 1/fan_in), mHC mixing small around a sane base."""
+    name, shape = spec.name, spec.shape
+    last = name.rsplit(".", 1)[-1]
+    if name.endswith("norm.weight") or last in ("q_weight", "k_weight"):
+        return torch.ones(shape)
+    if last in ("attn_sink", "bias", "bias_vl"):
+        return torch.zeros(shape)
+    if last.startswith("hc_") and last.endswith("_scale"):
+        return torch.ones(shape)
+    if last.startswith("hc_") and last.endswith("_base"):
+        return _hc_base(shape[0], hc)
+    if last.startswith("hc_") and last.endswith("_fn"):
+        return _normal(shape, 0.5 / shape[-1] ** 0.5, g)
+    if name.endswith("embed.weight"):
+        return _normal(shape, 1.0, g)
+    if len(shape) == 2:
+        return _normal(shape, 1.0 / shape[-1] ** 0.5, g)
+    raise NotImplementedError(
+        f"tiny checkpoint: no initialisation rule for {name} {list(shape)} {spec.dtype}; "
+        "add one to deepinfer_model.tiny_checkpoint._float_tensor"
+    )
+
+
+def tiny_weights(
+    specs: list[TensorSpec], hc: int, seed: int = TINY_SEED
+) -> dict[str, torch.Tensor]:
+    """Every tensor of `specs`, generated deterministically in its checkpoint format.
+
+    `X.weight` float8_e4m3fn + `X.scale` e8m0 [N/32, K/32]: FP8 32x32 blocks; with scale
+    [N, K/32]: FP8 rows with a scale per 32 (the Engram table); `X.weight` int8 [N, K/2] +
+    `X.scale` [N, K/32]: FP4 e2m1 experts. Quantised from N(0, 1/K) (N(0, 1) for tables).
+    """
+    from deepinfer_kernels import quant
+
+    by_name = {s.name: s for s in specs}
+    out: dict[str, torch.Tensor] = {}
+    for spec in specs:
+        name = spec.name
+        if name in out or (
+            name.endswith(".scale") and name.removesuffix(".scale") + ".weight" in by_name
+        ):
+            continue  # a scale is generated with its weight
+        g = _generator(seed, name)
+        if spec.dtype in _PLAIN_FLOATS:
+            out[name] = _float_tensor(spec, hc, g).to(spec.dtype)
+            continue
+        prefix = name.removesuffix(".weight")
+        scale = by_name.get(prefix + ".scale")
+        if not name.endswith(".weight") or scale is None or scale.dtype != torch.float8_e8m0fnu:
+            raise NotImplementedError(
+                f"tiny checkpoint: no rule for {name} {list(spec.shape)} {spec.dtype} "
+                "(quantised weights need a sibling '.scale' of dtype float8_e8m0fnu)"
+            )
+        n, k = spec.shape
+        if spec.dtype == torch.float8_e4m3fn and scale.shape == (-(-n // 32), -(-k // 32)):
+            w = _normal((n, k), 1.0 / k**0.5, g)
+            q, s = quant.quantize_fp8_blocks(w)
+        elif spec.dtype == torch.float8_e4m3fn and scale.shape == (n, k // 32):
+            w = _normal((n, k), 1.0, g)
+            q, s32 = quant.act_quant_fp8(w)
+            s = s32.to(torch.float8_e8m0fnu)  # powers of two: exact
+        elif spec.dtype == torch.int8 and scale.shape == (n, 2 * k // 32):
+            w = _normal((n, 2 * k), 1.0 / (2 * k) ** 0.5, g)
+            q, s = quant.quantize_fp4_experts(w)
+        else:
+            raise NotImplementedError(
+                f"tiny checkpoint: no rule for {name} {list(spec.shape)} {spec.dtype} with "
+                f"scale {list(scale.shape)}"
+            )
+        out[name], out[scale.name] = q.contiguous(), s.contiguous()
+    for spec in specs:
+        t = out[spec.name]
+        if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
+            raise AssertionError(
+                f"tiny checkpoint: generated {spec.name} as {t.dtype} {list(t.shape)}"
+            )
+    return out
+
+
+def tiny_vision_weights(text_hidden: int, seed: int = TINY_SEED) -> dict[str, torch.Tensor]:
+    """A handful of small vision / aligner / image-marker tensors (skipped by the loader)."""
+    v = TINY_VISION_CONFIG["hidden_size"]
+    shapes = {
+        "vision.patch_embed.weight": (v, 3 * 14 * 14),
+        "vision.blocks.0.attn.qkv.weight": (3 * v, v),
+        "vision.norm.weight": (v,),
+        "aligner.w1.weight": (text_hidden, 9 * v),
+        "image_start": (text_hidden,),
+        "image_end": (text_hidden,),
+        "image_newline": (text_hidden,),
+    }
+    return {
+        name: _normal(shape, 0.02, _generator(seed, name)).to(torch.bfloat16)
+        for name, shape in shapes.items()
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Files
+# ---------------------------------------------------------------------------------------------
+
+
+def _fingerprint(hf_config: dict, specs: list[TensorSpec], tokenizer_json: str, seed: int) -> str:
+    h = hashlib.sha256()
+    h.update(json.dumps(hf_config, sort_keys=True).encode())
+    for s in specs:
+        h.update(f"{s.name}|{list(s.shape)}|{s.dtype}\n".encode())
+    h.update(tokenizer_json.encode())
+    h.update(f"seed={seed};format={TINY_FORMAT_VERSION}".encode())
+    return h.hexdigest()[:12]
+
+
+def write_tiny_checkpoint(directory: str | os.PathLike, seed: int = TINY_SEED) -> Path:
+    """Write the tiny checkpoint files into `directory` (created; must be empty or absent)."""
+    from safetensors.torch import save
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    if any(directory.iterdir()):
+        raise ValueError(f"directory {directory} is not empty")
+    backend = build_tiny_tokenizer()
+    config = tiny_config(backend)
+    specs = model_tensor_specs(config)
+    tensors = tiny_weights(specs, config.hc_mult, seed)
+    vision = tiny_vision_weights(config.hidden_size, seed)
+
+    # Shards: the text tensors in state_dict order, cut where half of the bytes are written;
+    # the vision tensors go last, as in the released checkpoint.
+    names = [s.name for s in specs]
+    total_text = sum(t.numel() * t.element_size() for t in tensors.values())
+    first, acc = [], 0
+    for name in names:
+        if acc >= total_text / 2:
+            break
+        first.append(name)
+        acc += tensors[name].numel() * tensors[name].element_size()
+    shards = [first, names[len(first) :] + list(vision)]
+    assert len(shards) == NUM_SHARDS and all(shards)
+    everything = tensors | vision
+    weight_map: dict[str, str] = {}
+    for i, shard_names in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{NUM_SHARDS:05d}.safetensors"
+        data = save({n: everything[n] for n in shard_names}, metadata={"format": "pt"})
+        (directory / fname).write_bytes(data)
+        weight_map.update(dict.fromkeys(shard_names, fname))
+    total = sum(t.numel() * t.element_size() for t in everything.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    _write_json(directory / "model.safetensors.index.json", index)
+    _write_json(directory / "config.json", tiny_hf_config(config))
+    _write_json(directory / "tokenizer_config.json", tiny_tokenizer_config())
+    (directory / "tokenizer.json").write_text(backend.to_str(), encoding="utf-8")
+    return directory
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n", "utf-8")
+
+
+def tiny_checkpoint_name(seed: int = TINY_SEED) -> str:
+    """`tiny-v41-<format version>-<fingerprint of config, parameter specs, tokenizer, seed>`."""
+    backend = build_tiny_tokenizer()
+    config = tiny_config(backend)
+    fp = _fingerprint(tiny_hf_config(config), model_tensor_specs(config), backend.to_str(), seed)
+    return f"tiny-v41-{TINY_FORMAT_VERSION}-{fp}"
+
+
+def ensure_tiny_checkpoint(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The tiny checkpoint's directory, writing it first if absent.
+
+    `cache_dir` defaults to `$XDG_CACHE_HOME/deepinfer` (`~/.cache/deepinfer` when unset).
+    The files are written into a temporary sibling and renamed into place, so a concurrent or
+    interrupted writer never leaves a half-written checkpoint under the final name.
+    """
+    from deepinfer_model.hub import user_cache_dir
+
+    root = Path(cache_dir) if cache_dir is not None else user_cache_dir()
+    final = root / tiny_checkpoint_name()
+    if final.is_dir():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+    try:
+        write_tiny_checkpoint(tmp)
+        try:
+            os.replace(tmp, final)
+        except OSError:
+            if not final.is_dir():  # not a lost race with another writer: a real error
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
