@@ -20,7 +20,8 @@ def _attn_f64(q, kv, idx, sink, scale):
             den = sum(math.exp(v) for v in logits) + math.exp(float(sink[hh]))
             for c in range(d):
                 out[i, hh, c] = (
-                    sum(math.exp(v) * float(kv[j, c]) for v, j in zip(logits, valid)) / den
+                    sum(math.exp(v) * float(kv[j, c]) for v, j in zip(logits, valid, strict=False))
+                    / den
                 )
     return out
 

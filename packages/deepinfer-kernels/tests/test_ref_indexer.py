@@ -25,7 +25,7 @@ def test_indexer_scores_matches_loop():
 
 def _topk_loop(scores, lens, k):
     out = []
-    for row, n in zip(scores.tolist(), lens.tolist()):
+    for row, n in zip(scores.tolist(), lens.tolist(), strict=False):
         cand = [(-v, j) for j, v in enumerate(row[:n]) if v != float("-inf")]
         chosen = sorted(j for _, j in sorted(cand)[:k])
         out.append(chosen + [-1] * (k - len(chosen)))
@@ -44,7 +44,7 @@ def test_index_topk_matches_loop_with_ties(t, n, k, seed):
 
 def _cand_loop(scores, lens, topk_blocks, bs):
     out = []
-    for row, n in zip(scores.tolist(), lens.tolist()):
+    for row, n in zip(scores.tolist(), lens.tolist(), strict=False):
         nb = -(-len(row) // bs)
         bsc = []
         for b in range(nb):

@@ -54,7 +54,13 @@ def test_hc_mixes_pre_post_match_loops():
         flat = h[t].flatten().double().tolist()
         r = 1 / math.sqrt(sum(v * v for v in flat) / 32 + 1e-20)
         for i in range(24):
-            assert abs(float(got[t, i]) - r * sum(a * float(b) for a, b in zip(flat, fn[i]))) < 1e-4
+            assert (
+                abs(
+                    float(got[t, i])
+                    - r * sum(a * float(b) for a, b in zip(flat, fn[i], strict=False))
+                )
+                < 1e-4
+            )
     pre = torch.rand(2, 4, generator=g)
     y = ops.hc_pre(h, pre)
     torch.testing.assert_close(y, sum(pre[:, k : k + 1] * h[:, k] for k in range(4)))
@@ -84,9 +90,9 @@ def test_engram_gate_matches_f64():
                 / math.sqrt(sum(v * v for v in hh) / d + 1e-20)
                 / math.sqrt(sum(v * v for v in kk) / d + 1e-20)
             )
-            dot = sum(a * b * c for a, b, c in zip(hh, ww, kk)) * rs / math.sqrt(d)
+            dot = sum(a * b * c for a, b, c in zip(hh, ww, kk, strict=False)) * rs / math.sqrt(d)
             gate = _sig(math.copysign(math.sqrt(max(abs(dot), 1e-6)), dot))
-            want = [a + gate * float(v) for a, v in zip(hh, value[i])]
+            want = [a + gate * float(v) for a, v in zip(hh, value[i], strict=False)]
             torch.testing.assert_close(
                 got[i, k].double(), torch.tensor(want, dtype=torch.float64), rtol=1e-5, atol=1e-5
             )

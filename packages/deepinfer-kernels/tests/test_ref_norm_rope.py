@@ -12,7 +12,7 @@ def _rms_f64(x, w, eps):
     out = []
     for row in x.tolist():
         ms = sum(v * v for v in row) / len(row)
-        out.append([wi * v / math.sqrt(ms + eps) for wi, v in zip(w.tolist(), row)])
+        out.append([wi * v / math.sqrt(ms + eps) for wi, v in zip(w.tolist(), row, strict=False)])
     return torch.tensor(out, dtype=torch.float64)
 
 

@@ -61,14 +61,16 @@ def test_ratio2_compressor_pools_with_softmax_over_pairs(steps):
         s += c.num_tokens
     assert ent == [0, 1]
     got = torch.cat(lat).double()
-    xd, wk, wg = x.double(), comp.wkv.weight.double(), comp.wgate.weight.double()
+    xd = x.double()
+    a_all = (xd @ comp.wkv.weight.double().T).tolist()
+    z_all = (xd @ comp.wgate.weight.double().T).tolist()
     for j in range(2):
         pooled = []
         for c in range(64):
-            a = [float(xd[t] @ wk[c]) for t in (2 * j, 2 * j + 1)]
-            z = [float(xd[t] @ wg[c]) for t in (2 * j, 2 * j + 1)]
+            a = [a_all[t][c] for t in (2 * j, 2 * j + 1)]
+            z = [z_all[t][c] for t in (2 * j, 2 * j + 1)]
             e = [math.exp(v - max(z)) for v in z]
-            pooled.append(sum(ai * ei for ai, ei in zip(a, e)) / sum(e))
+            pooled.append(sum(ai * ei for ai, ei in zip(a, e, strict=False)) / sum(e))
         ms = sum(v * v for v in pooled) / 64
         want = [
             float(comp.norm.weight[c]) * v / math.sqrt(ms + cfg.rms_norm_eps)
@@ -103,7 +105,7 @@ def test_engram_hashes_on_known_windows():
             for n in range(1, 4):
                 h ^= win[n] * mult[n]
                 ids += [h % primes[layer_idx][n - 1][head] for head in range(cfg.engram_n_heads)]
-            rows.append([i + o for i, o in zip(ids, offsets)])
+            rows.append([i + o for i, o in zip(ids, offsets, strict=False)])
         return rows
 
     # one shot vs two steps must agree (history ring), and both equal the loop

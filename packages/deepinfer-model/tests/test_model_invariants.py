@@ -1,6 +1,8 @@
 """Whole-model invariants on the tiny config (fp32, CPU): one forward for prefill, chunked
 prefill, decode and verify; a sequence alone equals the same sequence in a mixed batch."""
 
+import itertools
+
 import pytest
 import torch
 from deepinfer_model.cache import CacheSpec, KVCache
@@ -36,7 +38,7 @@ def _prefill(model, cache, toks, slot, pages):
 
 def _chunks(model, cache, toks, bounds, slot, pages):
     out = []
-    for s, e in zip(bounds[:-1], bounds[1:]):
+    for s, e in itertools.pairwise(bounds):
         out.append(
             model(
                 ForwardBatch.build([toks[s:e]], [s], [slot], [pages], logits_rows="all"), cache
@@ -101,7 +103,7 @@ def test_rollback_of_rejected_drafts(tiny):
     ref = _prefill(model, _cache(cfg, spec), toks, 0, [0, 1])
     cache = _cache(cfg, spec)
     model(ForwardBatch.build([toks[:12]], [0], [0], [[2, 3]]), cache)
-    wrong = toks[12:14] + [11, 12, 13, 14, 15]  # two right, five wrong drafts
+    wrong = [*toks[12:14], 11, 12, 13, 14, 15]  # two right, five wrong drafts
     model(ForwardBatch.build([wrong], [12], [0], [[2, 3]], logits_rows="all"), cache)
     rest = model(
         ForwardBatch.build([toks[14:]], [14], [0], [[2, 3]], logits_rows="all"), cache
