@@ -97,9 +97,16 @@ def test_tokens_stay_in_kept_set(plist, vocab, data_seed):
     batch = SamplingBatch.build(rep_rows, vocab_size=vocab, eos_token_ids=eos)
     tokens = SAMPLER(torch.stack(rep_logits), batch, torch.Generator().manual_seed(1)).token_ids
     probs = SAMPLER.probs(torch.stack(rep_logits), batch)
+    # A tiny candidate cap sends rows through the fallback paths (top-k above the cap, top-p
+    # reaching past the candidates); seeded tokens must not change.
+    small = SamplingBatch.build(rep_rows, vocab_size=vocab, eos_token_ids=eos, candidate_cap=3)
+    tokens_small = SAMPLER(torch.stack(rep_logits), small, torch.Generator().manual_seed(1))
     for j, r in enumerate(rep_rows):
         ref = reference_distribution(rep_logits[j].tolist(), r.params, r.output_token_ids, eos)
         assert tokens[j].item() in ref
+        assert tokens_small.token_ids[j].item() in ref
+        if r.params.seq_seed is not None:
+            assert tokens_small.token_ids[j].item() == tokens[j].item()
         for t in range(vocab):
             # float32 penalties vs the float64 reference: agree to float32 precision.
             assert probs[j, t].item() == pytest.approx(ref.get(t, 0.0), rel=2e-5, abs=1e-7)
@@ -120,14 +127,15 @@ def chi2_quantile(dof, z=3.29):
         SamplingParams(temperature=0.5, presence_penalty=0.5, repetition_penalty=1.2),
     ],
 )
-def test_seeded_samples_match_exact_distribution(params):
+@pytest.mark.parametrize("cap", [2, 1024])
+def test_seeded_samples_match_exact_distribution(params, cap):
     vocab, n = 8, 20000
     logits = torch.tensor([2.0, 1.5, 1.2, 0.7, 0.1, -0.4, -1.0, 0.9])
     out_ids = [0, 3, 3]
     ref = reference_distribution(logits.tolist(), params, out_ids)
     rows = [SamplingRow(params.replace(seed=s), position=5, output_token_ids=out_ids)
             for s in range(n)]
-    batch = SamplingBatch.build(rows, vocab_size=vocab)
+    batch = SamplingBatch.build(rows, vocab_size=vocab, candidate_cap=cap)
     tokens = SAMPLER(logits.expand(n, vocab), batch).token_ids
     counts = torch.bincount(tokens, minlength=vocab).tolist()
     assert all(counts[t] == 0 for t in range(vocab) if t not in ref)
@@ -136,7 +144,8 @@ def test_seeded_samples_match_exact_distribution(params):
     # Same with one seed and many positions (the other axis of the counter).
     rows = [SamplingRow(params.replace(seed=12345), position=s, output_token_ids=out_ids)
             for s in range(n)]
-    tokens = SAMPLER(logits.expand(n, vocab), SamplingBatch.build(rows, vocab_size=vocab)).token_ids
+    batch = SamplingBatch.build(rows, vocab_size=vocab, candidate_cap=cap)
+    tokens = SAMPLER(logits.expand(n, vocab), batch).token_ids
     counts = torch.bincount(tokens, minlength=vocab).tolist()
     chi2 = sum((counts[t] - n * p) ** 2 / (n * p) for t, p in ref.items())
     assert chi2 < chi2_quantile(max(len(ref) - 1, 1))

@@ -48,7 +48,7 @@ class SamplingBatch:
 
     Row groups (LongTensor of row indices; None when empty):
         greedy_rows: temperature == 0 rows (argmax).
-        topk_rows: sampling rows with 1 <= top_k <= CANDIDATE_CAP (sample among top-k candidates).
+        topk_rows: sampling rows with 1 <= top_k <= candidate_cap (sample among top-k candidates).
         full_rows: other sampling rows (whole vocabulary).
     Per-row parameters, float64/int64 [R] (greedy rows hold neutral values):
         temperature, top_k (0 = off), top_p, min_p.
@@ -66,7 +66,7 @@ class SamplingBatch:
         num_logprobs: -1 when no row asks, else the largest N asked (top-N returned for all rows).
     Flags (Python bools, so the Sampler skips unused filters without device syncs):
         use_top_p, use_min_p: some non-greedy row uses the filter; full_rows_need_sort: a full row
-        uses top-p.
+        uses top-p or a top-k above candidate_cap.
     """
 
     num_rows: int
@@ -76,6 +76,7 @@ class SamplingBatch:
     topk_rows: torch.Tensor | None
     full_rows: torch.Tensor | None
     max_top_k: int
+    candidate_cap: int
     temperature: torch.Tensor
     top_k: torch.Tensor
     top_p: torch.Tensor
@@ -103,13 +104,19 @@ class SamplingBatch:
         vocab_size: int,
         device: torch.device | str = "cpu",
         eos_token_ids: Sequence[int] = (),
+        candidate_cap: int = CANDIDATE_CAP,
     ) -> SamplingBatch:
         """Build the batch for logits [len(rows), vocab_size] on `device`.
 
         eos_token_ids: the tokenizer's EOS ids; with each row's stop_token_ids they are banned
         while the row has fewer than min_tokens output tokens.
         Fills grammar bitmasks (CPU, xgrammar) for rows with a grammar.
+        candidate_cap: rows with top_k <= candidate_cap sample among top-k candidates, and
+            top-p rows first try that many candidates (tests lower it to exercise fallbacks;
+            tokens do not depend on it beyond float rounding).
         """
+        if candidate_cap < 1:
+            raise ValueError(f"candidate_cap must be >= 1, got {candidate_cap}")
         if not rows:
             raise ValueError("rows must not be empty")
         if vocab_size < 1:
@@ -134,7 +141,7 @@ class SamplingBatch:
             top_k_eff.append(k)
             if p.temperature == 0.0:
                 greedy.append(i)
-            elif 0 < k <= CANDIDATE_CAP:
+            elif 0 < k <= candidate_cap:
                 topk.append(i)
             else:
                 full.append(i)
@@ -156,6 +163,7 @@ class SamplingBatch:
             topk_rows=index(topk),
             full_rows=index(full),
             max_top_k=max((top_k_eff[i] for i in topk), default=0),
+            candidate_cap=candidate_cap,
             temperature=to_dev([p.temperature or 1.0 for p in params], torch.float64),
             top_k=to_dev(top_k_eff, torch.int64),
             top_p=to_dev([p.top_p for p in params], torch.float64),
@@ -165,7 +173,7 @@ class SamplingBatch:
             rng_keys=keys.to(device, non_blocking=True),
             use_top_p=any(params[i].top_p < 1.0 for i in sampling),
             use_min_p=any(params[i].min_p > 0.0 for i in sampling),
-            full_rows_need_sort=any(params[i].top_p < 1.0 for i in full),
+            full_rows_need_sort=any(params[i].top_p < 1.0 or top_k_eff[i] > 0 for i in full),
         )
 
         if any(

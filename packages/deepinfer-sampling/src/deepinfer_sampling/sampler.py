@@ -84,12 +84,10 @@ class Sampler:
             token_ids[rows] = _sample_candidates(values, ids, batch, rows, keys[:, rows])
         if batch.full_rows is not None:
             rows = batch.full_rows
-            xr = x[rows]
             if batch.full_rows_need_sort:
-                values, ids = torch.sort(xr, dim=1, descending=True, stable=True)
+                token_ids[rows] = _sample_top_p_rows(x[rows], batch, rows, keys[:, rows])
             else:
-                values, ids = xr, None
-            token_ids[rows] = _sample_candidates(values, ids, batch, rows, keys[:, rows])
+                token_ids[rows] = _sample_candidates(x[rows], None, batch, rows, keys[:, rows])
 
         out = SamplerOutput(token_ids=token_ids)
         if batch.num_logprobs >= 0:
@@ -191,11 +189,21 @@ def _sample_candidates(
     rows: int64 [r] batch rows; keys: int64 [4, r] counter-RNG keys.
     Returns int64 [r] token ids.
     """
-    num_cols = values.shape[1]
     v = values.to(torch.float64) / batch.temperature[rows, None]
     keep = _keep_sorted(v, batch, rows, top_k_possible=ids is not None)
-    u = uniform_from_keys(keys, ids if ids is not None else num_cols)
-    # Gumbel-max: argmax(v - log(-log u)) ~ softmax(v) over the kept tokens.
+    return _draw(v, ids, keep, keys)
+
+
+def _draw(
+    v: torch.Tensor, ids: torch.Tensor | None, keep: torch.Tensor, keys: torch.Tensor
+) -> torch.Tensor:
+    """Gumbel-max over kept candidates: argmax(v - log(-log u)) ~ softmax(v) restricted to keep.
+
+    v: float64 [r, C]; ids: int64 [r, C] token ids or None (column = token id); keep: bool
+    [r, C]; keys: int64 [4, r]. The uniform of a candidate depends only on its token id.
+    Returns int64 [r] token ids.
+    """
+    u = uniform_from_keys(keys, ids if ids is not None else v.shape[1])
     score = torch.where(keep, v - torch.log(-torch.log(u)), float("-inf"))
     choice = score.argmax(dim=1)
     if ids is None:
@@ -203,14 +211,60 @@ def _sample_candidates(
     return ids.gather(1, choice[:, None]).squeeze(1)
 
 
+def _sample_top_p_rows(
+    x: torch.Tensor, batch: SamplingBatch, rows: torch.Tensor, keys: torch.Tensor
+) -> torch.Tensor:
+    """Rows using top-p without a small top-k: x float32 [r, V] processed logits -> int64 [r].
+
+    Tries the batch.candidate_cap most likely tokens first: when the kept set ends inside them (the
+    usual case), nothing is sorted. Rows whose kept set reaches past them (or whose top-k is
+    larger than the cap) are redone on the fully sorted row. Both ways use the same
+    renormalising mass (a whole-vocabulary sum), so a row's token does not depend on the path.
+    """
+    num_rows, vocab = x.shape
+    temperature = batch.temperature[rows, None]
+    v_max = x.max(dim=1, keepdim=True).values.to(torch.float64) / temperature
+    # Mass of the tokens min-p keeps, relative to the top token (exp(v - v_max)); rows with a
+    # top-k (necessarily > candidate_cap here) renormalise over the top-k set instead (NaN:
+    # _keep_sorted then uses the sorted cumulative sum).
+    v_all = x.to(torch.float64) / temperature
+    weight_all = torch.exp(v_all - v_max)
+    if batch.use_min_p:
+        weight_all = torch.where(
+            v_all >= v_max + torch.log(batch.min_p[rows, None]), weight_all, 0.0
+        )
+    total = weight_all.sum(dim=1, keepdim=True)
+    total = torch.where(batch.top_k[rows, None] == 0, total, float("nan"))
+
+    cap = min(batch.candidate_cap, vocab)
+    values, ids = torch.topk(x, cap, dim=1, sorted=True)
+    v = values.to(torch.float64) / temperature
+    keep = _keep_sorted(v, batch, rows, top_k_possible=True, total=total)
+    tokens = _draw(v, ids, keep, keys)
+    uncovered = (keep[:, -1] | torch.isnan(total[:, 0])) & (cap < vocab)
+    if bool(uncovered.any()):  # a device sync, only on this path
+        slow = uncovered.nonzero().squeeze(1)
+        values, ids = torch.sort(x[slow], dim=1, descending=True, stable=True)
+        v = values.to(torch.float64) / temperature[slow]
+        keep = _keep_sorted(v, batch, rows[slow], top_k_possible=True, total=total[slow])
+        tokens[slow] = _draw(v, ids, keep, keys[:, slow])
+    return tokens
+
 def _keep_sorted(
-    v: torch.Tensor, batch: SamplingBatch, rows: torch.Tensor, *, top_k_possible: bool
+    v: torch.Tensor,
+    batch: SamplingBatch,
+    rows: torch.Tensor,
+    *,
+    top_k_possible: bool,
+    total: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """bool [r, C]: which candidates survive min-p, top-k and top-p.
 
     v: float64 [r, C] logits / temperature. With top_k_possible, v is sorted descending along
     each row (the kept set is then a prefix); otherwise v is in token order and only min-p may
     apply (the batch guarantees these rows use neither top-k nor top-p).
+    total: float64 [r, 1], the mass top-p renormalises by (in units of exp(v - v_max)); NaN or
+    None: the sum over the kept candidates.
     """
     v_max = v[:, :1] if top_k_possible else v.max(dim=1, keepdim=True).values
     keep = torch.isfinite(v)
@@ -224,5 +278,8 @@ def _keep_sorted(
             weight = torch.where(keep, torch.exp(v - v_max), 0.0)
             cumulative = torch.cumsum(weight, dim=1)
             mass_before = cumulative - weight
-            keep &= mass_before < batch.top_p[rows, None] * cumulative[:, -1:]
+            kept_mass = cumulative[:, -1:]
+            if total is not None:
+                kept_mass = torch.where(torch.isnan(total), kept_mass, total)
+            keep &= mass_before < batch.top_p[rows, None] * kept_mass
     return keep

@@ -1,0 +1,113 @@
+"""Benchmark deepinfer_sampling.Sampler against a plain torch sampler, on CPU and CUDA.
+
+Usage: python tools/bench_sampler.py [--vocab 129280] [--rows 1 64 256] [--devices cpu cuda]
+
+Configs (per row, every row seeded):
+  all     penalties (presence, frequency, repetition over 64 generated tokens), logit bias,
+          min_tokens (half the rows), temperature 0.8, top-k 50, top-p 0.9, min-p 0.05
+  top_p   temperature 0.8, top-p 0.9 only (whole-vocabulary path: sorts every row)
+Baseline: logits / T -> softmax -> sort -> cumsum top-p mask -> torch.multinomial, in the same
+process on the same logits. Time per call is the mean over repeated calls (device synchronised
+before and after); batch building (SamplingBatch.build) is timed separately.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from deepinfer_sampling import Sampler, SamplingBatch, SamplingParams, SamplingRow
+
+
+def baseline_sample(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """Plain torch: sort-based top-p + torch.multinomial. logits [R, V] -> token ids [R]."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    sorted_probs, sorted_ids = torch.sort(probs, dim=-1, descending=True)
+    cumulative = torch.cumsum(sorted_probs, dim=-1)
+    sorted_probs = sorted_probs.masked_fill(cumulative - sorted_probs > top_p, 0.0)
+    probs = torch.zeros_like(probs).scatter_(-1, sorted_ids, sorted_probs)
+    return torch.multinomial(probs, 1).squeeze(-1)
+
+
+def make_rows(config: str, num_rows: int, vocab: int, gen: torch.Generator) -> list[SamplingRow]:
+    rows = []
+    for i in range(num_rows):
+        if config == "all":
+            params = SamplingParams(
+                temperature=0.8,
+                top_k=50,
+                top_p=0.9,
+                min_p=0.05,
+                presence_penalty=0.5,
+                frequency_penalty=0.3,
+                repetition_penalty=1.1,
+                logit_bias={1: 2.0, 7: -3.0},
+                min_tokens=100 if i % 2 else 0,
+                seed=1000 + i,
+                max_tokens=1000,
+            )
+        else:
+            params = SamplingParams(temperature=0.8, top_p=0.9, seed=1000 + i)
+        out = torch.randint(0, vocab, (64,), generator=gen).tolist()
+        rows.append(SamplingRow(params, position=500 + i, output_token_ids=out))
+    return rows
+
+
+def timeit(fn, device: torch.device, iters: int) -> float:
+    """Mean seconds per call of fn()."""
+    fn()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / iters
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--vocab", type=int, default=129280)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 64, 256])
+    ap.add_argument("--devices", nargs="+", default=None, help="default: cpu, plus cuda if present")
+    ap.add_argument("--configs", nargs="+", default=["all", "top_p"])
+    args = ap.parse_args()
+    devices = args.devices or (["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"])
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    sampler = Sampler()
+    gen = torch.Generator().manual_seed(0)
+    header = (
+        f"{'device':6} {'config':6} {'rows':>5} {'ours ms':>9} {'baseline ms':>11} "
+        f"{'ratio':>6} {'build ms':>9}"
+    )
+    lines = [header, "-" * len(header)]
+    for dev_name in devices:
+        device = torch.device(dev_name)
+        for config in args.configs:
+            for num_rows in args.rows:
+                iters = 50 if device.type == "cuda" else max(2, 64 // num_rows)
+                rows = make_rows(config, num_rows, args.vocab, gen)
+                logits = (torch.randn(num_rows, args.vocab, generator=gen) * 3).to(device)
+                t0 = time.perf_counter()
+                batch = SamplingBatch.build(
+                    rows, vocab_size=args.vocab, device=device, eos_token_ids=[0]
+                )
+                build_ms = (time.perf_counter() - t0) * 1e3
+                ours = timeit(lambda b=batch, x=logits: sampler(x, b), device, iters)
+                base = timeit(lambda x=logits: baseline_sample(x, 0.8, 0.9), device, iters)
+                lines.append(
+                    f"{dev_name:6} {config:6} {num_rows:5d} {ours * 1e3:9.3f} {base * 1e3:11.3f} "
+                    f"{ours / base:6.2f} {build_ms:9.2f}"
+                )
+                print(lines[-1], flush=True)
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA"
+    print(f"\nvocab {args.vocab}, float32 logits, torch {torch.__version__}, {name}")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
