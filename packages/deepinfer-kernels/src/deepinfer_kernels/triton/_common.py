@@ -1,0 +1,58 @@
+"""Triton helpers shared by the kernels: exact scale arithmetic on float bits and FP4 -> FP8 codes.
+
+Scales are powers of two, so every conversion here is exact: a UE8M0 byte u is the fp32 whose
+exponent field is u (2**(u - 127)); a power-of-two scale's reciprocal is its exponent mirrored.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def e8m0_to_fp32(u):
+    """UE8M0 bytes (uint8) -> fp32 2**(u - 127) (u = 0 gives 0, never used by real scales)."""
+    return (u.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def pow2_ceil_scale(amax, qmax_inv):
+    """2**ceil(log2(amax * qmax_inv)) for positive normal fp32, from the float's bits (as the
+    reference's fast_round_scale), and its exact reciprocal. Returns (scale, 1/scale)."""
+    r = amax * qmax_inv
+    bits = r.to(tl.int32, bitcast=True)
+    expo = (bits >> 23) & 0xFF
+    expo = expo + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    scale = (expo << 23).to(tl.float32, bitcast=True)
+    inv = ((254 - expo) << 23).to(tl.float32, bitcast=True)
+    return scale, inv
+
+
+@triton.jit
+def quant_groups_fp8(y, BLOCK_ROWS: tl.constexpr, WIDTH: tl.constexpr, AMAX_FLOOR: tl.constexpr):
+    """y [BLOCK_ROWS, WIDTH] fp32 -> (q [BLOCK_ROWS, WIDTH] float8e4nv, scale
+    [BLOCK_ROWS, WIDTH // 32] fp32): one power-of-two scale per 32 consecutive columns."""
+    g = tl.reshape(y, (BLOCK_ROWS, WIDTH // 32, 32))
+    amax = tl.maximum(tl.max(tl.abs(g), axis=2), AMAX_FLOOR)
+    scale, inv = pow2_ceil_scale(amax, 1.0 / 448.0)
+    q = tl.clamp(g * inv[:, :, None], -448.0, 448.0)
+    q = tl.reshape(q, (BLOCK_ROWS, WIDTH)).to(tl.float8e4nv)
+    return q, scale
+
+
+@triton.jit
+def fp4_to_fp8(packed, ROWS: tl.constexpr, KP: tl.constexpr):
+    """packed [ROWS, KP] int8 (two e2m1 per byte, low nibble first) -> [ROWS, 2*KP] float8e4nv.
+
+    Every e2m1 value is exact in e4m3: magnitude code c maps to e4m3 bits 0 (c=0), 0x30 (c=1, 0.5)
+    or 0x30 + 4c (c >= 2); the nibble's bit 3 becomes bit 7.
+    """
+    p = packed.to(tl.uint8, bitcast=True)
+    lo = p & 0xF
+    hi = p >> 4
+    nib = tl.reshape(tl.join(lo, hi), (ROWS, 2 * KP))
+    c = nib & 7
+    mag = tl.where(c >= 2, 0x30 + 4 * c, tl.where(c == 1, 0x30, 0))
+    bits = (mag | ((nib & 8) << 4)).to(tl.uint8)
+    return bits.to(tl.float8e4nv, bitcast=True)

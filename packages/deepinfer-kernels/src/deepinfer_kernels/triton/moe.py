@@ -1,0 +1,454 @@
+"""Triton MoE: router gate, token permutation, grouped FP8 x FP4 GEMMs, clamped SwiGLU, combine.
+
+Layout. The (token, slot) pairs are sorted by expert (stable), and the sorted rows are cut into
+tiles of BLOCK_M rows that never straddle two experts: a tile list [max_tiles] of (expert, first
+row, end row) built on the device with torch ops. max_tiles is a host-side upper bound
+(min(P, ceil(P / BLOCK_M) + E) for P pairs), so no step reads a count back to the host and the whole
+path can be captured in a CUDA graph; tiles past the real count see expert -1 and exit. Prefill
+uses large tiles (the contiguous grouped layout); decode uses 16-row tiles so that a handful of
+tokens per expert wastes little (the padded layout).
+
+Kernels. (1) W1 and W3 together: activations gathered by token from the FP8-quantised x, FP4 expert
+weights unpacked to FP8 in registers (exact), depth-32 FP8 dots promoted with their power-of-two
+scales; the epilogue rounds gate/up to x.dtype, applies the clamped SwiGLU and the routing weight,
+rounds to x.dtype and quantises per 32 to FP8: the W2 input. (2) W2 on those sorted rows, rounded
+to x.dtype. (3) Combine: each token sums its expert outputs in fp32 in ascending expert order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ..quant import ACT_AMAX_FLOOR
+from ._common import e8m0_to_fp32, fp4_to_fp8, quant_groups_fp8
+from .quant import act_quant_fp8, swiglu_quant_tile
+
+# ---------------------------------------------------------------------------------------------
+# Gate
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _gate_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    ow_ptr,
+    oi_ptr,
+    T,
+    D,
+    E,
+    stride_bt,
+    inv_temp,
+    route_scale,
+    HAS_BIAS: tl.constexpr,
+    TOPK: tl.constexpr,
+    K_PAD: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    E_PAD: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = offs_t < T
+    rows = tl.where(tmask, offs_t, 0).to(tl.int64)
+    cols = tl.arange(0, E_PAD)
+    emask = cols < E
+    ecl = tl.where(emask, cols, 0).to(tl.int64)
+    acc = tl.zeros((BLOCK_T, E_PAD), dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        dmask = offs_d < D
+        x = tl.load(x_ptr + rows[:, None] * D + offs_d[None, :], mask=dmask[None, :], other=0.0)
+        w = tl.load(w_ptr + ecl[:, None] * D + offs_d[None, :], mask=dmask[None, :], other=0.0)
+        acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+    z = acc * inv_temp
+    # softplus as torch's (threshold 20); log1p(u) by Kahan's trick: log(w) * u / (w - 1), w = 1 + u
+    u = tl.exp(tl.minimum(z, 20.0))
+    w1p = 1.0 + u
+    log1p = tl.where(w1p == 1.0, u, tl.log(w1p) * u / (w1p - 1.0))
+    softplus = tl.where(z > 20.0, z, log1p)
+    s = tl.sqrt(softplus)
+    if HAS_BIAS:
+        bias = tl.load(
+            b_ptr + rows[:, None] * stride_bt + ecl[None, :], mask=emask[None, :], other=0.0
+        )
+        choose = s + bias
+    else:
+        choose = s
+    choose = tl.where(emask[None, :], choose, float("-inf"))
+    kcols = tl.arange(0, K_PAD)
+    wsel = tl.zeros((BLOCK_T, K_PAD), dtype=tl.float32)
+    isel = tl.zeros((BLOCK_T, K_PAD), dtype=tl.int64)
+    total = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        idx = tl.argmax(choose, axis=1)
+        hit = cols[None, :] == idx[:, None]
+        val = tl.sum(tl.where(hit, s, 0.0), axis=1)
+        total += val
+        wsel = tl.where(kcols[None, :] == j, val[:, None], wsel)
+        isel = tl.where(kcols[None, :] == j, idx[:, None].to(tl.int64), isel)
+        choose = tl.where(hit, float("-inf"), choose)
+    wsel = wsel / (total[:, None] + 1e-20) * route_scale
+    omask = tmask[:, None] & (kcols[None, :] < TOPK)
+    optr = rows[:, None] * TOPK + kcols[None, :]
+    tl.store(ow_ptr + optr, wsel, mask=omask)
+    tl.store(oi_ptr + optr, isel, mask=omask)
+
+
+def moe_gate(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    topk: int,
+    route_scale: float,
+    gate_temp: float = 1.0,
+    *,
+    batch_invariant: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One fused kernel per 16 tokens: fp32 logits (exact-fp32 FMA dot, fixed tiles, so always
+    batch-invariant), sqrt-softplus, top-k on score + bias, normalised weights x route_scale."""
+    t, d = x.shape
+    e = weight.shape[0]
+    w_out = torch.empty(t, topk, dtype=torch.float32, device=x.device)
+    i_out = torch.empty(t, topk, dtype=torch.int64, device=x.device)
+    if t == 0:
+        return w_out, i_out
+    x, weight = x.contiguous(), weight.contiguous()
+    b = bias.float().contiguous() if bias is not None else w_out
+    stride_bt = b.stride(0) if bias is not None and bias.dim() == 2 else 0
+    e_pad = max(16, triton.next_power_of_2(e))
+    block_t = 16
+    _gate_kernel[(triton.cdiv(t, block_t),)](
+        x,
+        weight,
+        b,
+        w_out,
+        i_out,
+        t,
+        d,
+        e,
+        stride_bt,
+        1.0 / gate_temp,
+        route_scale,
+        HAS_BIAS=bias is not None,
+        TOPK=topk,
+        K_PAD=max(2, triton.next_power_of_2(topk)),
+        BLOCK_T=block_t,
+        E_PAD=e_pad,
+        BLOCK_D=32 if e_pad <= 512 else 16,
+        num_warps=8 if e_pad >= 512 else 4,
+    )
+    return w_out, i_out
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    block_m: int
+    block_n1: int  # columns of I per program in the W1/W3 kernel
+    block_n2: int  # columns of D per program in the W2 kernel
+    block_k: int
+    warps1: int
+    warps2: int
+    stages: int
+
+
+DECODE = MoeConfig(16, 64, 64, 128, 4, 4, 4)
+PREFILL = MoeConfig(64, 128, 128, 128, 8, 8, 3)
+INVARIANT = MoeConfig(64, 64, 128, 128, 4, 8, 3)
+
+
+def pick_config(pairs: int, experts: int, batch_invariant: bool) -> MoeConfig:
+    """Decode-sized routing (few rows per expert) takes 16-row tiles; prefill 64-row tiles."""
+    if batch_invariant:
+        return INVARIANT
+    return DECODE if pairs <= 8 * experts else PREFILL
+
+
+@dataclass
+class Routing:
+    """Pairs sorted by expert and the tile list over them (all device tensors)."""
+
+    sorted_token: torch.Tensor  # [P] int32: token of each sorted row
+    sorted_weight: torch.Tensor  # [P] fp32: routing weight of each sorted row
+    tiles: torch.Tensor  # [max_tiles, 3] int32: (expert or -1, first row, end row)
+    combine_pos: torch.Tensor  # [T, k] int32: sorted rows of each token, ascending; P = none
+
+
+def build_routing(
+    topk_weights: torch.Tensor, topk_ids: torch.Tensor, experts: int, block_m: int
+) -> Routing:
+    t, k = topk_ids.shape
+    p = t * k
+    dev = topk_ids.device
+    flat = topk_ids.reshape(-1).long()
+    key = torch.where(flat >= 0, flat, experts)
+    order = torch.argsort(key, stable=True)
+    counts = torch.bincount(key, minlength=experts + 1)[:experts]
+    offsets = torch.zeros(experts + 1, dtype=torch.int64, device=dev)
+    offsets[1:] = torch.cumsum(counts, 0)
+    tiles_per = (counts + block_m - 1) // block_m
+    tile_cum = torch.cumsum(tiles_per, 0)
+    max_tiles = max(1, min(p, triton.cdiv(p, block_m) + experts))
+    tid = torch.arange(max_tiles, device=dev)
+    e = torch.searchsorted(tile_cum, tid, right=True)
+    valid = e < experts
+    ec = e.clamp(max=experts - 1)
+    first = offsets[ec] + (tid - (tile_cum[ec] - tiles_per[ec])) * block_m
+    tiles = torch.stack(
+        (
+            torch.where(valid, ec, -1),
+            torch.where(valid, first, 0),
+            torch.where(valid, offsets[ec + 1], 0),
+        ),
+        dim=1,
+    ).to(torch.int32)
+    inv = torch.empty(p, dtype=torch.int64, device=dev)
+    inv[order] = torch.arange(p, device=dev)
+    pos = torch.where(flat >= 0, inv, p).view(t, k).sort(dim=1).values
+    return Routing(
+        sorted_token=(order // k).to(torch.int32),
+        sorted_weight=topk_weights.reshape(-1).float()[order].contiguous(),
+        tiles=tiles.contiguous(),
+        combine_pos=pos.to(torch.int32).contiguous(),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Grouped GEMMs
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _w13_kernel(
+    xq_ptr,
+    xs_ptr,
+    w1_ptr,
+    s1_ptr,
+    w3_ptr,
+    s3_ptr,
+    tok_ptr,
+    rw_ptr,
+    tiles_ptr,
+    hq_ptr,
+    hs_ptr,
+    D,
+    I,
+    limit,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    OUT_DTYPE: tl.constexpr,
+    HAS_LIMIT: tl.constexpr,
+    FLOOR: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    expert = tl.load(tiles_ptr + tile * 3)
+    if expert < 0:
+        return
+    row0 = tl.load(tiles_ptr + tile * 3 + 1)
+    row_end = tl.load(tiles_ptr + tile * 3 + 2)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    rmask = rows < row_end
+    tok = tl.load(tok_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ncl = tl.where(offs_n < I, offs_n, 0).to(tl.int64)
+    w_base = expert.to(tl.int64) * stride_we + ncl[:, None] * stride_wn
+    s_base = expert.to(tl.int64) * stride_se + ncl * stride_sn
+    KG: tl.constexpr = BLOCK_K // 32
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        for s in tl.static_range(KG):
+            kk = k0 + s * 32
+            kmask = kk < D
+            offs_k = kk + tl.arange(0, 32)
+            a = tl.load(xq_ptr + tok[:, None] * D + offs_k[None, :], mask=kmask, other=0.0)
+            sa = tl.load(xs_ptr + tok * (D // 32) + kk // 32, mask=kmask, other=0.0)
+            pk = kk // 2 + tl.arange(0, 16)
+            b1 = fp4_to_fp8(
+                tl.load(w1_ptr + w_base + pk[None, :], mask=kmask, other=0), BLOCK_N, 16
+            )
+            b3 = fp4_to_fp8(
+                tl.load(w3_ptr + w_base + pk[None, :], mask=kmask, other=0), BLOCK_N, 16
+            )
+            sb1 = e8m0_to_fp32(tl.load(s1_ptr + s_base + kk // 32, mask=kmask, other=0))
+            sb3 = e8m0_to_fp32(tl.load(s3_ptr + s_base + kk // 32, mask=kmask, other=0))
+            acc_g += tl.dot(a, tl.trans(b1)) * (sa[:, None] * sb1[None, :])
+            acc_u += tl.dot(a, tl.trans(b3)) * (sa[:, None] * sb3[None, :])
+    g = acc_g.to(OUT_DTYPE).to(tl.float32)
+    u = acc_u.to(OUT_DTYPE).to(tl.float32)
+    rw = tl.load(rw_ptr + rows, mask=rmask, other=0.0)
+    h = swiglu_quant_tile(g, u, rw[:, None], limit, HAS_LIMIT, OUT_DTYPE)
+    q, sc = quant_groups_fp8(h, BLOCK_M, BLOCK_N, FLOOR)
+    r64 = rows.to(tl.int64)
+    omask = rmask[:, None] & (offs_n < I)[None, :]
+    tl.store(hq_ptr + r64[:, None] * I + offs_n[None, :], q, mask=omask)
+    gcol = tl.program_id(1) * (BLOCK_N // 32) + tl.arange(0, BLOCK_N // 32)
+    gmask = rmask[:, None] & (gcol < I // 32)[None, :]
+    tl.store(hs_ptr + r64[:, None] * (I // 32) + gcol[None, :], sc, mask=gmask)
+
+
+@triton.jit
+def _w2_kernel(
+    hq_ptr,
+    hs_ptr,
+    w2_ptr,
+    s2_ptr,
+    tiles_ptr,
+    y_ptr,
+    D,
+    I,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    expert = tl.load(tiles_ptr + tile * 3)
+    if expert < 0:
+        return
+    row0 = tl.load(tiles_ptr + tile * 3 + 1)
+    row_end = tl.load(tiles_ptr + tile * 3 + 2)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    rmask = rows < row_end
+    r64 = tl.where(rmask, rows, row0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ncl = tl.where(offs_n < D, offs_n, 0).to(tl.int64)
+    w_base = expert.to(tl.int64) * stride_we + ncl[:, None] * stride_wn
+    s_base = expert.to(tl.int64) * stride_se + ncl * stride_sn
+    KG: tl.constexpr = BLOCK_K // 32
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        for s in tl.static_range(KG):
+            kk = k0 + s * 32
+            kmask = kk < I
+            offs_k = kk + tl.arange(0, 32)
+            a = tl.load(hq_ptr + r64[:, None] * I + offs_k[None, :], mask=kmask, other=0.0)
+            sa = tl.load(hs_ptr + r64 * (I // 32) + kk // 32, mask=kmask, other=0.0)
+            pk = kk // 2 + tl.arange(0, 16)
+            b = fp4_to_fp8(tl.load(w2_ptr + w_base + pk[None, :], mask=kmask, other=0), BLOCK_N, 16)
+            sb = e8m0_to_fp32(tl.load(s2_ptr + s_base + kk // 32, mask=kmask, other=0))
+            acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
+    omask = rmask[:, None] & (offs_n < D)[None, :]
+    tl.store(y_ptr + r64[:, None] * D + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=omask)
+
+
+@triton.jit
+def _combine_kernel(y_ptr, pos_ptr, out_ptr, D, P, TOPK: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    cmask = cols < D
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        p = tl.load(pos_ptr + t * TOPK + j)
+        y = tl.load(y_ptr + p.to(tl.int64) * D + cols, mask=cmask & (p < P), other=0.0)
+        acc += y.to(tl.float32)
+    tl.store(out_ptr + t * D + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
+
+
+_TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+def moe_experts(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w1: torch.Tensor,
+    s1: torch.Tensor,
+    w3: torch.Tensor,
+    s3: torch.Tensor,
+    w2: torch.Tensor,
+    s2: torch.Tensor,
+    swiglu_limit: float,
+    *,
+    batch_invariant: bool = False,
+    config: MoeConfig | None = None,
+) -> torch.Tensor:
+    """Routed FP4 experts on the GPU; same contract and numerics as `ref.moe.moe_experts`."""
+    t, d = x.shape
+    k = topk_ids.shape[1]
+    e, i = w1.shape[0], w1.shape[1]
+    out = torch.empty_like(x)
+    if t == 0 or k == 0:
+        return out.zero_()
+    cfg = config or pick_config(t * k, e, batch_invariant)
+    for name, s in (("s1", s1), ("s3", s3), ("s2", s2)):
+        if s.dtype != torch.float8_e8m0fnu:
+            raise NotImplementedError(f"triton moe_experts: {name} must be float8_e8m0fnu")
+    route = build_routing(topk_weights, topk_ids, e, cfg.block_m)
+    xq, xs = act_quant_fp8(x)
+    p = t * k
+    hq = torch.empty(p, i, dtype=torch.float8_e4m3fn, device=x.device)
+    hs = torch.empty(p, i // 32, dtype=torch.float32, device=x.device)
+    y = torch.empty(p, d, dtype=x.dtype, device=x.device)
+    w1, w3, w2 = w1.contiguous(), w3.contiguous(), w2.contiguous()
+    s1u, s3u, s2u = (s.contiguous().view(torch.uint8) for s in (s1, s3, s2))
+    n_tiles = route.tiles.shape[0]
+    _w13_kernel[(n_tiles, triton.cdiv(i, cfg.block_n1))](
+        xq,
+        xs,
+        w1,
+        s1u,
+        w3,
+        s3u,
+        route.sorted_token,
+        route.sorted_weight,
+        route.tiles,
+        hq,
+        hs,
+        d,
+        i,
+        float(swiglu_limit),
+        w1.stride(0),
+        w1.stride(1),
+        s1u.stride(0),
+        s1u.stride(1),
+        OUT_DTYPE=_TL_DTYPE[x.dtype],
+        HAS_LIMIT=swiglu_limit > 0,
+        FLOOR=ACT_AMAX_FLOOR,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n1,
+        BLOCK_K=cfg.block_k,
+        num_warps=cfg.warps1,
+        num_stages=cfg.stages,
+    )
+    _w2_kernel[(n_tiles, triton.cdiv(d, cfg.block_n2))](
+        hq,
+        hs,
+        w2,
+        s2u,
+        route.tiles,
+        y,
+        d,
+        i,
+        w2.stride(0),
+        w2.stride(1),
+        s2u.stride(0),
+        s2u.stride(1),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n2,
+        BLOCK_K=cfg.block_k,
+        num_warps=cfg.warps2,
+        num_stages=cfg.stages,
+    )
+    block = 1024
+    _combine_kernel[(t, triton.cdiv(d, block))](
+        y, route.combine_pos, out, d, p, TOPK=k, BLOCK=block
+    )
+    return out

@@ -1,0 +1,157 @@
+"""Triton activation quantisation: plain, fused with RMSNorm, fused with clamped SwiGLU x routing
+weight. Same numerics as `ref/quant.py` (RMSNorm's rsqrt may differ from torch's in the last bit).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..quant import ACT_AMAX_FLOOR
+from ._common import quant_groups_fp8
+
+_GROUPS = 8  # 32-column groups per program in the row-chunked kernels (256 columns)
+
+
+@triton.jit
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, FLOOR: tl.constexpr, WIDTH: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    col = tl.program_id(1) * WIDTH + tl.arange(0, WIDTH)
+    mask = col < K
+    x = tl.load(x_ptr + row * K + col, mask=mask, other=0.0).to(tl.float32)
+    q, s = quant_groups_fp8(tl.reshape(x, (1, WIDTH)), 1, WIDTH, FLOOR)
+    tl.store(q_ptr + row * K + col, tl.reshape(q, (WIDTH,)), mask=mask)
+    g = tl.program_id(1) * (WIDTH // 32) + tl.arange(0, WIDTH // 32)
+    tl.store(s_ptr + row * (K // 32) + g, tl.reshape(s, (WIDTH // 32,)), mask=g < K // 32)
+
+
+def _outputs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    k = x.shape[-1]
+    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty((*x.shape[:-1], k // 32), dtype=torch.float32, device=x.device)
+    return q, s
+
+
+def act_quant_fp8(x: torch.Tensor, **_: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] -> (x_fp8 [..., K], scale [..., K/32] fp32)."""
+    x = x.contiguous()
+    q, s = _outputs(x)
+    rows, k = x.numel() // x.shape[-1], x.shape[-1]
+    if rows:
+        width = 32 * _GROUPS
+        _act_quant_kernel[(rows, triton.cdiv(k, width))](
+            x, q, s, k, FLOOR=ACT_AMAX_FLOOR, WIDTH=width
+        )
+    return q, s
+
+
+@triton.jit
+def _rms_norm_quant_kernel(
+    x_ptr, w_ptr, q_ptr, s_ptr, K, eps, FLOOR: tl.constexpr, BLOCK: tl.constexpr
+):
+    row = tl.program_id(0).to(tl.int64)
+    col = tl.arange(0, BLOCK)
+    mask = col < K
+    x = tl.load(x_ptr + row * K + col, mask=mask, other=0.0)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=0) / K
+    w = tl.load(w_ptr + col, mask=mask, other=0.0).to(tl.float32)
+    y = (w * (xf * tl.math.rsqrt(var + eps))).to(x.dtype).to(tl.float32)
+    q, s = quant_groups_fp8(tl.reshape(y, (1, BLOCK)), 1, BLOCK, FLOOR)
+    tl.store(q_ptr + row * K + col, tl.reshape(q, (BLOCK,)), mask=mask)
+    g = tl.arange(0, BLOCK // 32)
+    tl.store(s_ptr + row * (K // 32) + g, tl.reshape(s, (BLOCK // 32,)), mask=g < K // 32)
+
+
+def rms_norm_act_quant_fp8(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, **_: object
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm (fp32, rounded to x.dtype) then per-32 FP8 quantisation, one pass per row."""
+    x = x.contiguous()
+    q, s = _outputs(x)
+    rows, k = x.numel() // x.shape[-1], x.shape[-1]
+    if rows:
+        block = max(32, triton.next_power_of_2(k))
+        _rms_norm_quant_kernel[(rows,)](
+            x,
+            weight.contiguous(),
+            q,
+            s,
+            k,
+            float(eps),
+            FLOOR=ACT_AMAX_FLOOR,
+            BLOCK=block,
+            num_warps=8 if block >= 4096 else 4,
+        )
+    return q, s
+
+
+@triton.jit
+def swiglu_quant_tile(g, u, w, limit, HAS_LIMIT: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """V4.1's clamped SwiGLU times the routing weight, rounded to OUT_DTYPE, as fp32."""
+    if HAS_LIMIT:
+        u = tl.clamp(u, -limit, limit)
+        g = tl.minimum(g, limit)
+    h = w * (g / (1.0 + tl.exp(-g)) * u)
+    return h.to(OUT_DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _swiglu_quant_kernel(
+    g_ptr,
+    u_ptr,
+    w_ptr,
+    q_ptr,
+    s_ptr,
+    K,
+    limit,
+    HAS_W: tl.constexpr,
+    HAS_LIMIT: tl.constexpr,
+    FLOOR: tl.constexpr,
+    WIDTH: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    col = tl.program_id(1) * WIDTH + tl.arange(0, WIDTH)
+    mask = col < K
+    g = tl.load(g_ptr + row * K + col, mask=mask, other=0.0)
+    u = tl.load(u_ptr + row * K + col, mask=mask, other=0.0).to(tl.float32)
+    if HAS_W:
+        w = tl.load(w_ptr + row).to(tl.float32)
+    else:
+        w = 1.0
+    h = swiglu_quant_tile(g.to(tl.float32), u, w, limit, HAS_LIMIT, g_ptr.dtype.element_ty)
+    q, s = quant_groups_fp8(tl.reshape(h, (1, WIDTH)), 1, WIDTH, FLOOR)
+    tl.store(q_ptr + row * K + col, tl.reshape(q, (WIDTH,)), mask=mask)
+    gi = tl.program_id(1) * (WIDTH // 32) + tl.arange(0, WIDTH // 32)
+    tl.store(s_ptr + row * (K // 32) + gi, tl.reshape(s, (WIDTH // 32,)), mask=gi < K // 32)
+
+
+def swiglu_act_quant_fp8(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    route_weight: torch.Tensor | None,
+    swiglu_limit: float,
+    **_: object,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """silu(min(gate, L)) * clamp(up, +-L) * route_weight -> per-32 FP8 (the W2 input)."""
+    gate, up = gate.contiguous(), up.contiguous()
+    q, s = _outputs(gate)
+    rows, k = gate.numel() // gate.shape[-1], gate.shape[-1]
+    if rows:
+        w = route_weight.contiguous().float() if route_weight is not None else gate
+        width = 32 * _GROUPS
+        _swiglu_quant_kernel[(rows, triton.cdiv(k, width))](
+            gate,
+            up,
+            w,
+            q,
+            s,
+            k,
+            float(swiglu_limit),
+            HAS_W=route_weight is not None,
+            HAS_LIMIT=swiglu_limit > 0,
+            FLOOR=ACT_AMAX_FLOOR,
+            WIDTH=width,
+        )
+    return q, s

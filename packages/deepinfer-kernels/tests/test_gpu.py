@@ -1,0 +1,259 @@
+"""GPU tiers against the ref tier on fresh random inputs (relative-norm errors, METHOD.md's
+tolerances), every output element written (outputs land on NaN-poisoned memory), and batch
+invariance bitwise. Skipped without CUDA; on the H200: `pytest packages/deepinfer-kernels/tests`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from deepinfer_kernels import quant
+from deepinfer_kernels.ref import linear as ref_linear
+from deepinfer_kernels.ref import moe as ref_moe
+from deepinfer_kernels.ref import quant as ref_quant
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (triton tier)")
+pytestmark = cuda
+
+DEV = "cuda"
+
+
+def _poison() -> None:
+    """Fill the allocator's free blocks with NaN so an unwritten output element shows up."""
+    torch.cuda.synchronize()
+    free, _ = torch.cuda.mem_get_info()
+    blocks = [torch.full((1 << 24,), float("nan"), device=DEV) for _ in range(8)]
+    del blocks, free
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert not torch.isnan(a).any(), "NaN in output: an element was not written"
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator(device=DEV).manual_seed(seed)
+
+
+# -- activation quantisation -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 32), (7, 5120), (300, 2304), (3, 4, 1280)])
+def test_act_quant_matches_ref_bitwise(dtype, shape):
+    from deepinfer_kernels.triton import quant as tq
+
+    x = (torch.randn(shape, device=DEV, generator=_gen(1)) * 4).to(dtype)
+    x.view(-1)[:32] = 0.0  # a zero group: the amax floor
+    _poison()
+    q, s = tq.act_quant_fp8(x)
+    rq, rs = ref_quant.act_quant_fp8(x)
+    assert torch.equal(s, rs)
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+
+
+def _quantised_close(q, s, rq, rs):
+    got = quant.act_dequant_fp8(q, s)
+    want = quant.act_dequant_fp8(rq, rs)
+    assert _rel(got, want) < 1e-2
+    assert (got != want).float().mean().item() < 0.01
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 512), (9, 5120), (130, 1280), (2, 3, 1024)])
+def test_rms_norm_act_quant_close_to_ref(dtype, shape):
+    from deepinfer_kernels.triton import quant as tq
+
+    g = _gen(2)
+    x = (torch.randn(shape, device=DEV, generator=g) * 2).to(dtype)
+    w = torch.rand(shape[-1], device=DEV, generator=g) + 0.5
+    _poison()
+    q, s = tq.rms_norm_act_quant_fp8(x, w, 1e-6)
+    _quantised_close(q, s, *ref_quant.rms_norm_act_quant_fp8(x, w, 1e-6))
+
+
+@pytest.mark.parametrize("limit", [0.0, 10.0, 1.0])
+def test_swiglu_act_quant_close_to_ref(limit):
+    from deepinfer_kernels.triton import quant as tq
+
+    g = _gen(3)
+    gate = (torch.randn(37, 2304, device=DEV, generator=g) * 4).bfloat16()
+    up = (torch.randn(37, 2304, device=DEV, generator=g) * 4).bfloat16()
+    rw = torch.rand(37, 1, device=DEV, generator=g)
+    _poison()
+    q, s = tq.swiglu_act_quant_fp8(gate, up, rw, limit)
+    _quantised_close(q, s, *ref_quant.swiglu_act_quant_fp8(gate, up, rw, limit))
+
+
+# -- FP8 GEMM ------------------------------------------------------------------------------------
+
+
+def _gemm_inputs(m, n, k, seed):
+    g = _gen(seed)
+    x = torch.randn(m, k, device=DEV, generator=g) * torch.exp(
+        torch.randn(m, 1, device=DEV, generator=g)
+    )
+    w, ws = quant.quantize_fp8_blocks(torch.randn(n, k, device=DEV, generator=g) * 0.02)
+    xq, xs = quant.act_quant_fp8(x)
+    return xq, xs, w, ws
+
+
+SHAPES = [
+    (1, 40, 64),
+    (7, 512, 160),
+    (33, 2112, 2048),
+    (64, 1024, 1280),
+    (130, 96, 5120),
+    (257, 2304, 512),
+    (1000, 640, 1024),
+]
+
+
+@pytest.mark.parametrize(("m", "n", "k"), SHAPES)
+def test_fp8_gemm_close_to_ref(m, n, k):
+    from deepinfer_kernels.triton import linear as tl_linear
+
+    xq, xs, w, ws = _gemm_inputs(m, n, k, seed=m + n + k)
+    want = ref_linear.fp8_gemm(xq, xs, w, ws, torch.float32)
+    _poison()
+    got = tl_linear.fp8_gemm(xq, xs, w, ws, torch.float32)
+    assert _rel(got, want) < 1e-3
+    got16 = tl_linear.fp8_gemm(xq, xs, w, ws, torch.bfloat16)
+    assert got16.dtype == torch.bfloat16 and _rel(got16, want) < 1e-2
+
+
+@pytest.mark.parametrize("mode", ["split4", "bf16", "fp32scale", "invariant"])
+def test_fp8_gemm_variants(mode):
+    from deepinfer_kernels.triton import linear as tl_linear
+
+    m, n, k = 45, 384, 1280
+    xq, xs, w, ws = _gemm_inputs(m, n, k, seed=7)
+    want = ref_linear.fp8_gemm(xq, xs, w, ws, torch.float32)
+    cfg = {
+        "split4": tl_linear.GemmConfig(16, 64, 128, 4, 4, 3),
+        "bf16": tl_linear.GemmConfig(64, 64, 64, 1, 4, 3, dequant_bf16=True),
+        "fp32scale": None,
+        "invariant": tl_linear.INVARIANT,
+    }[mode]
+    scale = ws.float() if mode == "fp32scale" else ws
+    _poison()
+    got = tl_linear.fp8_gemm(xq, xs, w, scale, torch.float32, config=cfg)
+    assert _rel(got, want) < 1e-3
+
+
+def test_fp8_linear_op_dispatches_to_triton():
+    from deepinfer_kernels import REGISTRY, ops
+
+    x = torch.randn(5, 256, device=DEV, generator=_gen(8)).bfloat16()
+    w, ws = quant.quantize_fp8_blocks(torch.randn(128, 256, device=DEV, generator=_gen(9)))
+    assert REGISTRY.resolve("fp8_linear", x, w, ws).tier == "triton"
+    got = ops.fp8_linear(x, w, ws)
+    assert _rel(got, ref_linear.fp8_linear(x, w, ws)) < 1e-2
+
+
+@pytest.mark.parametrize(("n", "k"), [(2112, 7168), (512, 1280)])
+def test_fp8_gemm_batch_invariant_bitwise(n, k):
+    from deepinfer_kernels.triton import linear as tl_linear
+
+    xq, xs, w, ws = _gemm_inputs(301, n, k, seed=11)
+    full = tl_linear.fp8_gemm(xq, xs, w, ws, torch.bfloat16, batch_invariant=True)
+    for lo, hi in ((0, 1), (17, 18), (300, 301), (5, 69), (100, 300)):
+        part = tl_linear.fp8_gemm(xq[lo:hi], xs[lo:hi], w, ws, torch.bfloat16, batch_invariant=True)
+        assert torch.equal(part, full[lo:hi])
+
+
+# -- MoE -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("t", "e"), [(1, 8), (5, 384), (300, 64), (2000, 16)])
+def test_moe_gate_close_to_ref(t, e):
+    from deepinfer_kernels.triton import moe as tmoe
+
+    g = _gen(t + e)
+    d = 512
+    x = torch.randn(t, d, device=DEV, generator=g).bfloat16()
+    wg = (torch.randn(e, d, device=DEV, generator=g) * 0.05).bfloat16()
+    bias = torch.randn(e, device=DEV, generator=g) * 0.1
+    k = min(6, e)
+    rw, ri = ref_moe.moe_gate(x, wg, bias, k, 1.5, 1.0)
+    _poison()
+    gw, gi = tmoe.moe_gate(x, wg, bias, k, 1.5, 1.0)
+    same = (gi.sort(-1).values == ri.sort(-1).values).all(-1)
+    assert same.float().mean().item() >= 0.99  # near-ties in fp32 may swap an expert
+    order_g, order_r = gi.argsort(-1), ri.argsort(-1)
+    wg_sorted = gw.gather(-1, order_g)[same]
+    wr_sorted = rw.gather(-1, order_r)[same]
+    assert _rel(wg_sorted, wr_sorted) < 1e-5
+
+
+def _moe_inputs(t, d, i, e, k, seed, neg=False):
+    g = _gen(seed)
+    x = torch.randn(t, d, device=DEV, generator=g).bfloat16()
+
+    def fp4(n, kk):
+        packed = torch.randint(
+            -128, 128, (e, n, kk // 2), device=DEV, generator=g, dtype=torch.int8
+        )
+        scale = torch.randint(
+            118, 123, (e, n, kk // 32), device=DEV, generator=g, dtype=torch.uint8
+        )
+        return packed, scale.view(torch.float8_e8m0fnu)
+
+    (w1, s1), (w3, s3), (w2, s2) = fp4(i, d), fp4(i, d), fp4(d, i)
+    ids = torch.rand(t, e, device=DEV, generator=g).topk(k, dim=-1).indices
+    if neg:
+        ids[::3, -1] = -1  # experts held by another rank
+    tw = torch.rand(t, k, device=DEV, generator=g)
+    return x, tw, ids, w1, s1, w3, s3, w2, s2
+
+
+MOE_SHAPES = [
+    (1, 256, 128, 8, 2),
+    (3, 512, 256, 16, 6),
+    (64, 256, 128, 8, 2),
+    (300, 512, 256, 64, 6),
+    (2048, 256, 128, 4, 2),
+]
+
+
+@pytest.mark.parametrize(("t", "d", "i", "e", "k"), MOE_SHAPES)
+@pytest.mark.parametrize("cfg_name", ["auto", "DECODE", "PREFILL", "INVARIANT"])
+def test_moe_experts_close_to_ref(t, d, i, e, k, cfg_name):
+    from deepinfer_kernels.triton import moe as tmoe
+
+    args = _moe_inputs(t, d, i, e, k, seed=t + e, neg=t % 2 == 1)
+    want = ref_moe.moe_experts(*args, 10.0)
+    cfg = None if cfg_name == "auto" else getattr(tmoe, cfg_name)
+    _poison()
+    got = tmoe.moe_experts(*args, 10.0, config=cfg)
+    assert got.dtype == torch.bfloat16
+    assert _rel(got, want) < 1.5e-2
+
+
+def test_moe_experts_real_dims_decode():
+    from deepinfer_kernels.triton import moe as tmoe
+
+    args = _moe_inputs(24, 5120, 2304, 384, 6, seed=5)
+    want = ref_moe.moe_experts(*args, 10.0)
+    got = tmoe.moe_experts(*args, 10.0)
+    assert _rel(got, want) < 1.5e-2
+
+
+def test_moe_experts_batch_invariant_bitwise():
+    from deepinfer_kernels.triton import moe as tmoe
+
+    x, tw, ids, *ws = _moe_inputs(200, 512, 256, 16, 6, seed=21)
+    full = tmoe.moe_experts(x, tw, ids, *ws, 10.0, batch_invariant=True)
+    for lo, hi in ((0, 1), (57, 58), (199, 200), (3, 40)):
+        part = tmoe.moe_experts(x[lo:hi], tw[lo:hi], ids[lo:hi], *ws, 10.0, batch_invariant=True)
+        assert torch.equal(part, full[lo:hi])
+
+
+def test_moe_ops_dispatch_to_triton():
+    from deepinfer_kernels import REGISTRY, ops
+
+    x, tw, ids, *ws = _moe_inputs(4, 256, 128, 8, 2, seed=31)
+    assert REGISTRY.resolve("moe_experts", x, tw, ids, *ws, 10.0).tier == "triton"
+    assert (
+        _rel(ops.moe_experts(x, tw, ids, *ws, 10.0), ref_moe.moe_experts(x, tw, ids, *ws, 10.0))
+        < 1.5e-2
+    )

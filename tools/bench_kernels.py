@@ -1,0 +1,301 @@
+"""Benchmark the deepinfer-kernels GPU ops on this machine and print one table.
+
+For each op and shape: median time (CUDA events via triton.testing.do_bench), achieved TFLOP/s and
+GB/s (the fewest bytes the op must move: each input read once, each output written once), percent
+of the ceilings (FP8 dense 1495 TFLOP/s as DeepGEMM measured on our H200; copy bandwidth measured
+here), and the speed-up over a torch baseline timed in the same run:
+- fp8_gemm: dequantise the FP8 weight to bf16 + bf16 torch.matmul (`torch` column); the bf16
+  matmul alone, with the weight dequantised beforehand, is in `mm_only`.
+- moe: a loop over the active experts, each dequantising its FP4 weights to bf16 and running
+  bf16 matmuls with the same clamped SwiGLU.
+Decode shapes rotate among several weight sets / routings so the L2 cache does not serve them.
+
+Usage (on the GPU machine): python tools/bench_kernels.py [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+FP8_CEILING_TFLOPS = 1495.0
+
+
+def _bench(fn, rep_ms: int = 100) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")
+
+
+def measure_copy_gbs() -> float:
+    """Device-to-device copy of 2 GiB: bytes read + bytes written over the time."""
+    a = torch.empty(1 << 31, dtype=torch.uint8, device="cuda").random_()
+    b = torch.empty_like(a)
+    ms = _bench(lambda: b.copy_(a))
+    return 2 * a.numel() / ms / 1e6
+
+
+class Rotating:
+    """Calls fn(*args_i) cycling over several argument sets (to defeat the L2 cache)."""
+
+    def __init__(self, fn, arg_sets):
+        self.fn, self.arg_sets, self.i = fn, arg_sets, 0
+
+    def __call__(self):
+        args = self.arg_sets[self.i % len(self.arg_sets)]
+        self.i += 1
+        return self.fn(*args)
+
+
+def gemm_rows(shapes, quick):
+    from deepinfer_kernels import quant
+    from deepinfer_kernels.triton import linear as tl_linear
+
+    rows = []
+    for m, n, k in shapes:
+        copies = max(1, min(4, (256 << 20) // (n * k)))  # > 256 MiB of weights in rotation
+        sets = []
+        for _ in range(copies):
+            w, ws = quant.quantize_fp8_blocks(torch.randn(n, k, device="cuda") * 0.02)
+            x = torch.randn(m, k, device="cuda").bfloat16()
+            xq, xs = quant.act_quant_fp8(x)
+            sets.append((x, xq, xs, w, ws))
+        flops = 2.0 * m * n * k
+        nbytes = n * k + (n // 32 + 1) * (k // 32) + m * k + m * k // 8 + 2 * m * n
+
+        def torch_base(x, xq, xs, w, ws):
+            wd = quant.dequantize_fp8_blocks(w, ws, torch.bfloat16)
+            return x @ wd.t()
+
+        w_bf16 = [quant.dequantize_fp8_blocks(s[3], s[4], torch.bfloat16) for s in sets]
+        t_torch = _bench(Rotating(torch_base, sets))
+        t_mm = _bench(
+            Rotating(lambda x, wd: x @ wd.t(), [(s[0], wd) for s, wd in zip(sets, w_bf16)])
+        )
+        del w_bf16
+        variants = [("fp8", None, False), ("inv", None, True)]
+        if not quick:
+            bf = tl_linear.GemmConfig(
+                128 if m > 256 else 64, 128, 64, 1, 8 if m > 256 else 4, 3, True
+            )
+            variants.append(("bf16deq", bf, False))
+        for name, cfg, inv in variants:
+            fn = Rotating(
+                lambda x, xq, xs, w, ws, cfg=cfg, inv=inv: tl_linear.fp8_gemm(
+                    xq, xs, w, ws, torch.bfloat16, batch_invariant=inv, config=cfg
+                ),
+                sets,
+            )
+            ms = _bench(fn)
+            rows.append(
+                dict(
+                    op=f"fp8_gemm[{name}]",
+                    shape=f"{m}x{n}x{k}",
+                    ms=ms,
+                    flops=flops,
+                    bytes=nbytes,
+                    torch_ms=t_torch,
+                    mm_only_ms=t_mm,
+                )
+            )
+        del sets
+    return rows
+
+
+def moe_rows(tokens_list, quick):
+    from deepinfer_kernels import quant
+    from deepinfer_kernels.triton import moe as tmoe
+
+    d, i, e, k, limit = 5120, 2304, 384, 6, 10.0
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def fp4(n, kk):
+        packed = torch.randint(
+            -128, 128, (e, n, kk // 2), device="cuda", generator=g, dtype=torch.int8
+        )
+        scale = torch.randint(
+            118, 123, (e, n, kk // 32), device="cuda", generator=g, dtype=torch.uint8
+        )
+        return packed, scale.view(torch.float8_e8m0fnu)
+
+    (w1, s1), (w3, s3), (w2, s2) = fp4(i, d), fp4(i, d), fp4(d, i)
+    per_expert_bytes = 3 * (i * d // 2 + i * d // 32)
+    rows = []
+    for t in tokens_list:
+        sets = []
+        for _ in range(8 if t <= 256 else 1):
+            x = torch.randn(t, d, device="cuda", generator=g).bfloat16()
+            ids = torch.rand(t, e, device="cuda", generator=g).topk(k, dim=-1).indices
+            tw = torch.rand(t, k, device="cuda", generator=g)
+            sets.append((x, tw, ids))
+        active = sum(int(torch.unique(s[2]).numel()) for s in sets) / len(sets)
+        nbytes = active * per_expert_bytes + 2 * t * d * 2 + t * k * 12
+        flops = 6.0 * t * k * d * i
+
+        def base(x, tw, ids):
+            y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+            for ex in torch.unique(ids).tolist():
+                r, c = torch.nonzero(ids == ex, as_tuple=True)
+                a = quant.dequantize_fp4(w1[ex], s1[ex], torch.bfloat16)
+                b = quant.dequantize_fp4(w3[ex], s3[ex], torch.bfloat16)
+                o = quant.dequantize_fp4(w2[ex], s2[ex], torch.bfloat16)
+                xe = x[r]
+                gte, up = (
+                    (xe @ a.t()).float().clamp(max=limit),
+                    (xe @ b.t()).float().clamp(-limit, limit),
+                )
+                h = (F.silu(gte) * up * tw[r, c, None]).bfloat16()
+                y.index_add_(0, r, (h @ o.t()).float())
+            return y.bfloat16()
+
+        t_torch = (
+            _bench(Rotating(base, sets), rep_ms=50 if t > 256 else 100)
+            if (t <= 256 or not quick)
+            else float("nan")
+        )
+        for name, inv in (("auto", False), ("inv", True)):
+            fn = Rotating(
+                lambda x, tw, ids, inv=inv: tmoe.moe_experts(
+                    x, tw, ids, w1, s1, w3, s3, w2, s2, limit, batch_invariant=inv
+                ),
+                sets,
+            )
+            rows.append(
+                dict(
+                    op=f"moe_experts[{name}]",
+                    shape=f"T={t} E=384 k=6 D=5120 I=2304",
+                    ms=_bench(fn),
+                    flops=flops,
+                    bytes=nbytes,
+                    torch_ms=t_torch,
+                    mm_only_ms=float("nan"),
+                )
+            )
+    # the gate at one decode and one prefill size
+    wg = (torch.randn(e, d, device="cuda", generator=g) * 0.02).bfloat16()
+    bias = torch.randn(e, device="cuda", generator=g) * 0.1
+    for t in (64, 8192):
+        x = torch.randn(t, d, device="cuda", generator=g).bfloat16()
+        ms = _bench(lambda x=x: tmoe.moe_gate(x, wg, bias, k, 1.5))
+        ref_ms = _bench(lambda x=x: _torch_gate(x, wg, bias, k, 1.5))
+        rows.append(
+            dict(
+                op="moe_gate",
+                shape=f"T={t} E=384 D=5120",
+                ms=ms,
+                flops=2.0 * t * e * d,
+                bytes=e * d * 2 + t * d * 2 + t * k * 12,
+                torch_ms=ref_ms,
+                mm_only_ms=float("nan"),
+            )
+        )
+    return rows
+
+
+def _torch_gate(x, wg, bias, k, route_scale):
+    s = torch.sqrt(F.softplus(x.float() @ wg.float().t()))
+    ids = (s + bias).topk(k, dim=-1).indices
+    w = s.gather(-1, ids)
+    return w / (w.sum(-1, keepdim=True) + 1e-20) * route_scale, ids
+
+
+def quant_rows():
+    from deepinfer_kernels.triton import quant as tq
+
+    rows = []
+    x = torch.randn(8192, 5120, device="cuda").bfloat16()
+    w = torch.rand(5120, device="cuda") + 0.5
+    nbytes = x.numel() * 2 + x.numel() + x.numel() // 8
+    for name, fn in (
+        ("act_quant_fp8", lambda: tq.act_quant_fp8(x)),
+        ("rms_norm_act_quant_fp8", lambda: tq.rms_norm_act_quant_fp8(x, w, 1e-6)),
+    ):
+        rows.append(
+            dict(
+                op=name,
+                shape="8192x5120 bf16",
+                ms=_bench(fn),
+                flops=0.0,
+                bytes=nbytes,
+                torch_ms=float("nan"),
+                mm_only_ms=float("nan"),
+            )
+        )
+    gate = torch.randn(8192 * 6, 2304, device="cuda").bfloat16()
+    up = torch.randn_like(gate)
+    rw = torch.rand(8192 * 6, 1, device="cuda")
+    nb = gate.numel() * 5 + gate.numel() // 8
+    rows.append(
+        dict(
+            op="swiglu_act_quant_fp8",
+            shape="49152x2304 bf16",
+            ms=_bench(lambda: tq.swiglu_act_quant_fp8(gate, up, rw, 10.0)),
+            flops=0.0,
+            bytes=nb,
+            torch_ms=float("nan"),
+            mm_only_ms=float("nan"),
+        )
+    )
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer variants (no bf16-dequant GEMM)")
+    ap.add_argument(
+        "--json", default=os.path.join(os.environ.get("OUT", "."), "bench_kernels.json")
+    )
+    ap.add_argument("--only", default="gemm,moe,quant", help="comma list of gemm, moe, quant")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_kernels: needs a CUDA GPU")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    copy_gbs = measure_copy_gbs()
+    parts = set(args.only.split(","))
+    rows = []
+    if "quant" in parts:
+        rows += quant_rows()
+    if "gemm" in parts:
+        shapes = [
+            (1, 5120, 8192),
+            (16, 5120, 8192),
+            (64, 5120, 8192),
+            (64, 32768, 1280),
+            (128, 5120, 8192),
+            (256, 5120, 8192),
+            (2048, 5120, 8192),
+            (8192, 5120, 8192),
+            (8192, 32768, 1280),
+            (16384, 5120, 8192),
+        ]
+        if args.quick:
+            shapes = [s for s in shapes if s[0] in (1, 64, 256, 8192)]
+        rows += gemm_rows(shapes, args.quick)
+    if "moe" in parts:
+        rows += moe_rows([1, 16, 64, 256, 8192], args.quick)
+    dev = torch.cuda.get_device_name()
+    with open(args.json, "w") as f:
+        json.dump(dict(device=dev, copy_gbs=copy_gbs, rows=rows), f, indent=1)
+    print(
+        f"\n{dev}, torch {torch.__version__}; copy ceiling measured {copy_gbs:.0f} GB/s; "
+        f"FP8 ceiling {FP8_CEILING_TFLOPS:.0f} TFLOP/s (DeepGEMM on H200)"
+    )
+    hdr = f"{'op':<24}{'shape':<30}{'ms':>9}{'TFLOP/s':>9}{'GB/s':>8}{'%fp8':>6}{'%bw':>6}{'xtorch':>8}{'xmm':>7}"
+    print(hdr)
+    for r in rows:
+        tf = r["flops"] / r["ms"] / 1e9
+        gbs = r["bytes"] / r["ms"] / 1e6
+        print(
+            f"{r['op']:<24}{r['shape']:<30}{r['ms']:>9.4f}{tf:>9.1f}{gbs:>8.0f}"
+            f"{100 * tf / FP8_CEILING_TFLOPS:>6.1f}{100 * gbs / copy_gbs:>6.1f}"
+            f"{r['torch_ms'] / r['ms']:>8.2f}{r['mm_only_ms'] / r['ms']:>7.2f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
