@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 from _oracle import chi2_quantile, chi_square, random_batch, random_probs
@@ -53,53 +51,39 @@ def test_first_emitted_token_is_distributed_as_p(draft_kind, seeded):
     assert 0 < int((out.num_accepted == 0).sum()) < out.num_accepted.shape[0]
 
 
-@functools.cache
-def _cond_target(prefix: tuple[int, ...], vocab: int) -> torch.Tensor:
-    """A fixed 'target model': distribution of the next token given the prefix."""
-    g = torch.Generator().manual_seed(1000 + hash(prefix) % 1000)
-    return random_probs(1, vocab, g)[0]
-
-
-@functools.cache
-def _cond_draft(prefix: tuple[int, ...], vocab: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(5000 + hash(prefix) % 1000)
-    return random_probs(1, vocab, g, zero_frac=0.0)[0]
-
-
 def test_first_two_emitted_tokens_follow_the_target_chain():
     """Joint of (y0, y1) equals p(y0) p(y1 | y0) with target rows conditioned on the drafts."""
     vocab, trials, k = 4, 20000, 2
     g = torch.Generator().manual_seed(11)
-    xs, qs, ps = [], [], []
-    for _ in range(trials):
-        x0 = int(torch.multinomial(_cond_draft((), vocab).double(), 1, generator=g))
-        x1 = int(torch.multinomial(_cond_draft((x0,), vocab).double(), 1, generator=g))
-        xs += [x0, x1]
-        qs += [_cond_draft((), vocab), _cond_draft((x0,), vocab)]
-        ps += [_cond_target((), vocab), _cond_target((x0,), vocab), _cond_target((x0, x1), vocab)]
-    cu = torch.arange(trials + 1, dtype=torch.int64) * k
+    # A fixed target "model" p(. | prefix) and drafter q(. | prefix) as lookup tables.
+    p0 = random_probs(1, vocab, g)[0]
+    p1 = random_probs(vocab, vocab, g)  # p1[a] = p(. | a)
+    p2 = random_probs(vocab * vocab, vocab, g).reshape(vocab, vocab, vocab)
+    q0 = random_probs(1, vocab, g, zero_frac=0.0)[0]
+    q1 = random_probs(vocab, vocab, g, zero_frac=0.0)
+    x0 = torch.multinomial(q0.double(), trials, replacement=True, generator=g)
+    x1 = torch.multinomial(q1[x0].double(), 1, generator=g)[:, 0]
+    drafts = torch.stack([x0, x1], dim=1).reshape(-1)
+    draft_probs = torch.stack([q0.expand(trials, vocab), q1[x0]], dim=1).reshape(-1, vocab)
+    target = torch.stack([p0.expand(trials, vocab), p1[x0], p2[x0, x1]], dim=1).reshape(-1, vocab)
     out = rejection_sample(
-        cu,
-        torch.tensor(xs),
-        torch.stack(qs),
-        torch.stack(ps),
+        torch.arange(trials + 1, dtype=torch.int64) * k,
+        drafts,
+        draft_probs,
+        target,
         seeds=torch.arange(trials, dtype=torch.int64),
         positions=torch.arange(k + 1, dtype=torch.int64).repeat(trials),
     )
-    counts = [0] * (vocab * vocab)
-    for b in range(trials):
-        toks = out.tokens(b)
-        if len(toks) == 1:  # the second token would come from the next step: sample it
-            nxt = _cond_target((toks[0],), vocab).double()
-            toks.append(int(torch.multinomial(nxt, 1, generator=g)))
-        counts[toks[0] * vocab + toks[1]] += 1
-    expected = []
-    for a in range(vocab):
-        for b in range(vocab):
-            expected.append(float(_cond_target((), vocab)[a]) * float(_cond_target((a,), vocab)[b]))
+    y0 = out.output_token_ids[:, 0]
+    # Where only one token was emitted, the second comes from the next step: sample it here.
+    y1_next_step = torch.multinomial(p1[y0].double(), 1, generator=g)[:, 0]
+    y1 = torch.where(out.num_accepted >= 1, out.output_token_ids[:, 1], y1_next_step)
+    counts = torch.bincount(y0 * vocab + y1, minlength=vocab * vocab).tolist()
+    expected = [float(p0[a]) * float(p1[a, b]) for a in range(vocab) for b in range(vocab)]
     total = sum(expected)
     stat, df = chi_square(counts, [e / total for e in expected])
     assert stat < chi2_quantile(0.9999, df)
+    assert 0 < int((out.num_accepted == 1).sum()) < trials  # both branches were exercised
 
 
 @settings(max_examples=30, deadline=None)

@@ -111,8 +111,9 @@ def rejection_sample(
         device,
     )[:, 0]
     accept = (q_x > 0) & (p_x >= u * q_x)
-    target_argmax = target_probs.argmax(dim=-1)  # [T + B]; ties go to the lowest token id
-    if bool(greedy.any()):
+    any_greedy = bool(greedy.any())
+    if any_greedy:
+        target_argmax = target_probs.argmax(dim=-1)  # [T + B]; ties go to the lowest token id
         is_greedy = greedy[layout.seq_of_draft]
         accept = torch.where(is_greedy, x == target_argmax[layout.target_row_of_draft], accept)
     num_accepted = layout.count_leading_true(accept)
@@ -143,7 +144,8 @@ def rejection_sample(
         device,
     )
     next_tokens = sample_from_weights(weights, draw_u)
-    next_tokens = torch.where(greedy, target_argmax[next_row], next_tokens)
+    if any_greedy:
+        next_tokens = torch.where(greedy, target_argmax[next_row], next_tokens)
     return layout.assemble(draft_token_ids, num_accepted, next_tokens)
 
 
