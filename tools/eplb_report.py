@@ -2,7 +2,10 @@
 
 For 384 logical experts spread over 8, 16 and 64 GPUs with 0, 32 and 64 redundant slots, prints
 the busiest GPU's load over the mean GPU load (1.00 = perfect) for the identity placement
-(expert e on GPU e // (384 / gpus)) and for EPLB's global and hierarchical policies. Each layer's
+(expert e on GPU e // (384 / gpus)) and for EPLB's global and hierarchical policies (expected
+load, each expert's tokens split evenly over its replicas), plus "routed": the global placement
+with real token-to-replica routing (``select_replicas``, batch-invariant hash of request id and
+position) of tokens drawn from the load. Each layer's
 load is Zipf over the experts (load of the r-th most popular expert ~ 1 / r**s) with the ranks
 shuffled per layer, so hot experts are scattered the way real routers scatter them. Values are the
 mean over layers. Runs on CPU in seconds:
@@ -15,7 +18,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from deepinfer_parallel.eplb import identity_gpu_load, rebalance_experts
+from deepinfer_parallel.eplb import identity_gpu_load, rebalance_experts, select_replicas
 
 NUM_EXPERTS = 384
 GPU_COUNTS = (8, 16, 64)
@@ -37,11 +40,34 @@ def imbalance(gpu_load: torch.Tensor) -> float:
     return float((gpu_load.max(dim=1).values / gpu_load.mean(dim=1)).mean())
 
 
+def routed_imbalance(load: torch.Tensor, placement, num_tokens: int, seed: int) -> float:
+    """Mean over layers of max/mean GPU token count when ``num_tokens`` tokens drawn from
+    ``load`` are routed to replicas with the batch-invariant hash (1 expert per token draw)."""
+    g = torch.Generator().manual_seed(seed + 1)
+    ratios = []
+    for layer in range(load.shape[0]):
+        topk = torch.multinomial(load[layer], num_tokens, replacement=True, generator=g)[:, None]
+        slots = select_replicas(
+            topk,
+            placement.log2phy[layer],
+            placement.logcnt[layer],
+            batch_invariant=True,
+            request_ids=torch.arange(num_tokens) // 256,
+            positions=torch.arange(num_tokens) % 256,
+        )
+        per_gpu = torch.bincount(
+            slots[:, 0] // placement.slots_per_gpu, minlength=placement.num_gpus
+        ).double()
+        ratios.append(float(per_gpu.max() / per_gpu.mean()))
+    return sum(ratios) / len(ratios)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--zipf-s", type=float, default=1.0, help="Zipf exponent (default 1.0)")
     parser.add_argument("--layers", type=int, default=8, help="MoE layers to average over")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tokens", type=int, default=65_536, help="routed token draws per layer")
     args = parser.parse_args()
 
     load = zipf_load(args.layers, NUM_EXPERTS, args.zipf_s, args.seed)
@@ -50,7 +76,10 @@ def main() -> None:
         f"max/mean GPU load (1.00 = perfect); hierarchical: {NUM_GROUPS} groups, "
         f"{GPUS_PER_NODE} GPUs/node"
     )
-    header = f"{'gpus':>5} {'redundant':>9} {'slots':>6} {'identity':>9} {'global':>8} {'hier':>8}"
+    header = (
+        f"{'gpus':>5} {'redundant':>9} {'slots':>6} {'identity':>9} {'global':>8} {'hier':>8} "
+        f"{'routed':>8}"
+    )
     print(header)
     print("-" * len(header))
     for gpus in GPU_COUNTS:
@@ -58,15 +87,24 @@ def main() -> None:
         nodes = max(1, gpus // GPUS_PER_NODE)
         for redundant in REDUNDANT:
             slots = NUM_EXPERTS + redundant
-            cells = []
+            cells, placements = [], []
             for policy in ("global", "hierarchical"):
                 try:
                     p = rebalance_experts(load, slots, NUM_GROUPS, nodes, gpus, policy)
                     cells.append(f"{imbalance(p.gpu_load(load)):8.2f}")
+                    placements.append(p)
                 except ValueError as err:
                     cells.append(f"{'n/a':>8}")
                     reason = str(err)
-            line = f"{gpus:>5} {redundant:>9} {slots:>6} {before:>9.2f} {cells[0]} {cells[1]}"
+            if placements:
+                routed = routed_imbalance(load, placements[0], args.tokens, args.seed)
+                cells.append(f"{routed:8.2f}")
+            else:
+                cells.append(f"{'n/a':>8}")
+            line = (
+                f"{gpus:>5} {redundant:>9} {slots:>6} {before:>9.2f} {cells[0]} {cells[1]} "
+                f"{cells[2]}"
+            )
             if "n/a" in line:
                 line += f"   ({reason.split(' so that')[0]})"
             print(line)
