@@ -72,14 +72,16 @@ def rejection_sample(
         cu_num_draft_tokens: ``[B + 1]`` int64 prefix sums of the draft counts ``K_b >= 0``.
         draft_token_ids: ``[T]`` integer draft tokens, ``T = sum K_b``.
         draft_probs: ``[T, V]`` the (final, processed) distribution each draft was drawn from, or
-            ``None`` for one-hot drafts (e.g. argmax MTP drafts).
+            ``None`` for one-hot drafts (e.g. argmax MTP drafts). Same device as
+            ``target_probs``; the other index tensors may live on the CPU.
         target_probs: ``[T + B, V]`` final target distributions, ``K_b + 1`` rows per sequence
             (see :mod:`deepinfer_spec.verify_batch`). Rows should sum to 1.
         seeds: ``[B]`` int64 per-sequence seeds; makes every draw a counter-based function of
             (seed, position). ``None``: draw from ``generator``.
         positions: ``[T + B]`` int64, position in its sequence of the token each target row
             decides; required with ``seeds``.
-        generator: torch generator for the unseeded draws (ignored with ``seeds``).
+        generator: torch generator for the unseeded draws, on the device of ``target_probs``
+            (ignored with ``seeds``).
         greedy: ``[B]`` bool, sequences at temperature 0: accept a draft iff it is the target's
             argmax and emit the argmax (the exact limit of the rule for one-hot ``p``).
 
@@ -92,7 +94,9 @@ def rejection_sample(
     check_row_keys(seeds, positions, batch, total + batch)
     greedy = _check_greedy(greedy, batch, target_probs.device)
     device = target_probs.device
-    x = draft_token_ids.to(torch.int64)
+    x = draft_token_ids.to(device, torch.int64)
+    if seeds is not None:
+        seeds, positions = seeds.to(device), positions.to(device)
     vocab = target_probs.shape[1]
 
     # 1. Accept coins, one per draft row, keyed by the position the draft would occupy.
@@ -123,7 +127,8 @@ def rejection_sample(
     all_accepted = num_accepted == layout.num_drafts
     next_row = layout.first_target_row + num_accepted  # [B] target rows
     weights = target_probs[next_row].to(torch.float64)  # [B, V]
-    rejected_draft = (cu_num_draft_tokens[:-1] + num_accepted).clamp_max(max(total - 1, 0))
+    first_draft_row = layout.first_target_row - torch.arange(batch, device=device)  # cu[:-1]
+    rejected_draft = (first_draft_row + num_accepted).clamp_max(max(total - 1, 0))
     if total:
         if draft_probs is None:
             q = torch.zeros_like(weights)
@@ -146,7 +151,7 @@ def rejection_sample(
     next_tokens = sample_from_weights(weights, draw_u)
     if any_greedy:
         next_tokens = torch.where(greedy, target_argmax[next_row], next_tokens)
-    return layout.assemble(draft_token_ids, num_accepted, next_tokens)
+    return layout.assemble(x, num_accepted, next_tokens)
 
 
 def _check_greedy(greedy: torch.Tensor | None, batch: int, device: torch.device) -> torch.Tensor:

@@ -50,10 +50,12 @@ def accept_while_equal(
         raise ValueError(
             f"target_token_ids must be [sum K + B] = [{rows}], got {list(target_token_ids.shape)}"
         )
+    layout = layout.to(target_token_ids.device)
     y = target_token_ids.to(torch.int64)
-    match = draft_token_ids.to(torch.int64) == y[layout.target_row_of_draft]
+    x = draft_token_ids.to(y.device, torch.int64)
+    match = x == y[layout.target_row_of_draft]
     num_accepted = layout.count_leading_true(match)
-    return layout.assemble(draft_token_ids, num_accepted, y[layout.first_target_row + num_accepted])
+    return layout.assemble(x, num_accepted, y[layout.first_target_row + num_accepted])
 
 
 def verify_sampling_rows(

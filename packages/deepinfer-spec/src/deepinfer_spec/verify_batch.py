@@ -94,6 +94,12 @@ class DraftLayout:
             seq_of_target_row=torch.repeat_interleave(seq_ids, num_drafts + 1),
         )
 
+    def to(self, device: torch.device | str) -> DraftLayout:
+        """The same layout with every tensor on ``device``."""
+        return DraftLayout(
+            **{name: getattr(self, name).to(device) for name in self.__dataclass_fields__}
+        )
+
     def count_leading_true(self, ok: torch.Tensor) -> torch.Tensor:
         """``[B]`` length of each sequence's leading run of True in ``ok [T]`` (bool)."""
         # First failing index per sequence; K_b when none fails.
@@ -183,7 +189,7 @@ def check_verify_inputs(
             f"draft_probs must be None or [sum K, V] = [{total}, {vocab}], got "
             f"{list(draft_probs.shape)}"
         )
-    return layout
+    return layout.to(target_probs.device)
 
 
 def check_row_keys(
