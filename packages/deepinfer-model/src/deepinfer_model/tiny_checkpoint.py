@@ -238,7 +238,7 @@ def _hc_base(numel: int, hc: int) -> torch.Tensor:
     return base
 
 
-def _float_tensor(spec: TensorSpec, hc: int, g: torch.Generator) -> torch.Tensor:
+def init_float_tensor(spec: TensorSpec, hc: int, g: torch.Generator) -> torch.Tensor:
     """Initial values of a plain-float tensor, chosen so activations stay O(1) through the
     layers: norms and Engram stream weights 1, sinks and router biases 0, embeddings N(0, 1),
     projections N(0, 1/fan_in), mHC mixing small around a sane base."""
@@ -260,7 +260,7 @@ def _float_tensor(spec: TensorSpec, hc: int, g: torch.Generator) -> torch.Tensor
         return _normal(shape, 1.0 / shape[-1] ** 0.5, g)
     raise NotImplementedError(
         f"tiny checkpoint: no initialisation rule for {name} {list(shape)} {spec.dtype}; "
-        "add one to deepinfer_model.tiny_checkpoint._float_tensor"
+        "add one to deepinfer_model.tiny_checkpoint.init_float_tensor"
     )
 
 
@@ -285,7 +285,7 @@ def tiny_weights(
             continue  # a scale is generated with its weight
         g = _generator(seed, name)
         if spec.dtype in _PLAIN_FLOATS:
-            out[name] = _float_tensor(spec, hc, g).to(spec.dtype)
+            out[name] = init_float_tensor(spec, hc, g).to(spec.dtype)
             continue
         prefix = name.removesuffix(".weight")
         scale = by_name.get(prefix + ".scale")
