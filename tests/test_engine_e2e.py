@@ -9,7 +9,6 @@ import re
 
 import pytest
 import torch
-
 from deepinfer import LLM, SamplingParams
 from deepinfer_model.cache import CacheSpec, KVCache
 from deepinfer_model.forward_batch import ForwardBatch
@@ -19,8 +18,14 @@ PROMPTS = ["Hello, my name is", "The capital of France is a city that", "1 2 3"]
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(accelerator="cpu", dtype="float32", kv_cache_bytes=64 << 20, max_num_seqs=8,
-               block_size=8, max_model_len=256)
+    return LLM(
+        accelerator="cpu",
+        dtype="float32",
+        kv_cache_bytes=64 << 20,
+        max_num_seqs=8,
+        block_size=8,
+        max_model_len=256,
+    )
 
 
 def plain_greedy(model, config, prompt_ids: list[int], n: int) -> list[int]:
@@ -64,18 +69,27 @@ def test_async_on_equals_off_and_seeded_is_reproducible(llm):
 
 
 def test_structured_output_parses(llm):
-    sp = SamplingParams(temperature=1.0, seed=1, max_tokens=12,
-                        so_args={"schema_type": "regex", "schema": "[0-9]{2}-[a-c]"})
+    sp = SamplingParams(
+        temperature=1.0,
+        seed=1,
+        max_tokens=12,
+        so_args={"schema_type": "regex", "schema": "[0-9]{2}-[a-c]"},
+    )
     out = llm.generate([PROMPTS[2]], sp, use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "stop" and re.fullmatch("[0-9]{2}-[a-c]", out.text)
 
 
 def test_chat_and_bad_input(llm):
-    out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(temperature=0, max_tokens=2),
-                   use_tqdm=False)[0]
+    out = llm.chat(
+        [{"role": "user", "content": "hi"}],
+        SamplingParams(temperature=0, max_tokens=2),
+        use_tqdm=False,
+    )[0]
     assert len(out.outputs[0].token_ids) >= 1 and out.prompt.startswith("<｜begin▁of▁sentence｜>")
-    with pytest.raises(ValueError, match="prompt 1: .*role"):
-        llm.chat([[{"role": "user", "content": "a"}], [{"role": "wizard", "content": "b"}]],
-                 use_tqdm=False)
+    with pytest.raises(ValueError, match=r"prompt 1: .*role"):
+        llm.chat(
+            [[{"role": "user", "content": "a"}], [{"role": "wizard", "content": "b"}]],
+            use_tqdm=False,
+        )
     with pytest.raises(ValueError, match="prompt 0: token id"):
         llm.generate([[1, 10**6]], use_tqdm=False)

@@ -7,9 +7,8 @@ import re
 
 import jsonschema
 import pytest
-from test_engine_toy import PROMPTS, greedy_reference, make
-
 from deepinfer_sampling.params import SamplingParams
+from test_engine_toy import PROMPTS, greedy_reference, make
 
 SCHEMA = {
     "type": "object",

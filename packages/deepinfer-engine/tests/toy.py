@@ -15,9 +15,9 @@ from deepinfer_engine.model_runner import ModelBundle
 from deepinfer_model.forward_batch import ForwardBatch, ForwardOutput
 from tokenizers import models, pre_tokenizers
 
-CHARS = list('abcdefghijklmnopqrstuvwxy {}[]":,.0123456789') + ["\n"]  # no "z"
+CHARS = [*'abcdefghijklmnopqrstuvwxy {}[]":,.0123456789', "\n"]  # no "z"
 SPECIALS = ["<bos>", "<eos>"]
-VOCAB = SPECIALS + CHARS
+VOCAB = [*SPECIALS, *CHARS]
 EOS = 1
 NAN_TOKEN = VOCAB.index("y")  # "y" at position 1 gives non-finite logits
 
@@ -92,8 +92,6 @@ class ToySpec:
 
 
 class ToyModel:
-    supports_keep_tokens = True
-
     def forward(self, batch: ForwardBatch, cache: ToyCache) -> ForwardOutput:
         cu = batch.cu_seqlens.tolist()
         ids = batch.input_ids.tolist()
@@ -104,9 +102,9 @@ class ToyModel:
             # the cache must continue exactly where the engine says it does
             assert int(cache.n[slot]) == int(batch.context_lens[b]), "cache/context mismatch"
             h = cache.h[slot].clone()
-            skip = int(batch.keep_tokens[b]) if batch.keep_tokens is not None else 0
+            floor = int(batch.yoco_floor[b]) if batch.yoco_floor is not None else 0
             for j in range(cu[b], cu[b + 1]):
-                h = 0.9 * h + _EMB[ids[j]] + (_SKIP if j - cu[b] < skip else _POS[pos[j] % 11])
+                h = 0.9 * h + _EMB[ids[j]] + (_SKIP if pos[j] < floor else _POS[pos[j] % 11])
                 logits = torch.tanh(h) @ _OUT
                 if ids[j] == NAN_TOKEN and pos[j] == 1:
                     logits = logits * float("nan")
@@ -118,9 +116,7 @@ class ToyModel:
         return ForwardOutput(logits=logits)
 
 
-def toy_bundle(
-    max_len: int = 256, bytes_per_slot: int = 4096, keep_tokens: bool = False
-) -> ModelBundle:
+def toy_bundle(max_len: int = 256, bytes_per_slot: int = 4096, yoco: bool = False) -> ModelBundle:
     def make_cache(spec, num_blocks, num_slots, device, dtype):
         return ToyCache(
             torch.zeros(num_slots, _EMB.shape[1], dtype=torch.float64),
@@ -137,7 +133,7 @@ def toy_bundle(
         sliding_window=8,
         cache_spec=lambda block_size, dtype: ToySpec(block_size, bytes_per_slot=bytes_per_slot),
         make_cache=make_cache,
-        supports_keep_tokens=keep_tokens,
+        supports_yoco_floor=yoco,
         name="toy",
     )
 

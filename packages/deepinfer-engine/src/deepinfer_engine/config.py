@@ -78,7 +78,7 @@ class EngineConfig:
 
     model: str | None = None
     accelerator: str | None = None  # nvidia | ascend | cpu; None = detect
-    dtype: str = "bfloat16"  # activation/cache dtype name; "float32" is used by tests
+    dtype: str | None = None  # bfloat16 | float16 | float32; None = bfloat16 on GPU, float32 on CPU
     seed: int = 0
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
@@ -100,7 +100,7 @@ class EngineConfig:
         """Normalise and check every field; errors name the field and the allowed values."""
         if self.accelerator is not None:
             self.accelerator = _parse_choice("accelerator", self.accelerator, ACCELERATORS)
-        if self.dtype not in ("bfloat16", "float16", "float32"):
+        if self.dtype is not None and self.dtype not in ("bfloat16", "float16", "float32"):
             raise ValueError(
                 f"dtype={self.dtype!r} is not allowed; allowed values: bfloat16, float16, float32"
             )
@@ -127,6 +127,15 @@ class EngineConfig:
         self.use_nextn_decode = _parse_int("use_nextn_decode", self.use_nextn_decode, 0)
         self.enable_mtp_varlen = _parse_bool("enable_mtp_varlen", self.enable_mtp_varlen)
         self.batch_invariant = _parse_bool("batch_invariant", self.batch_invariant)
+
+    def torch_dtype(self, device: str):
+        """The compute/cache dtype: `dtype`, else bfloat16 on GPU and float32 on CPU."""
+        import torch
+
+        name = self.dtype or ("float32" if device == "cpu" else "bfloat16")
+        return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[
+            name
+        ]
 
     @property
     def max_backtrack(self) -> int:

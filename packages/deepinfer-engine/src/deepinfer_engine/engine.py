@@ -31,7 +31,6 @@ from deepinfer_engine.validation import ValidatedRequest
 
 logger = logging.getLogger("deepinfer.engine")
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _MAX_SEED = (1 << 63) - 1
 
 
@@ -80,7 +79,7 @@ class Engine:
         self.bundle = bundle
         self.tokenizer = bundle.tokenizer
         self.device = torch.device(resolve_device(config.accelerator))
-        self.dtype = _DTYPES[config.dtype]
+        self.dtype = config.torch_dtype(self.device.type)
         spec = bundle.cache_spec(config.block_size, self.dtype)
         budget = self._kv_budget_bytes()
         max_model_len = config.max_model_len or bundle.max_position_embeddings
@@ -153,15 +152,15 @@ class Engine:
         need = bundle.sliding_window + config.max_backtrack
         if k < need:
             raise ValueError(
-                f"yoco_prefill_keep_tokens (DEEPINFER_YOCO_PREFILL_KEEP_TOKENS)={k} is smaller than "
-                f"the window ({bundle.sliding_window}) + maximum backtracking "
+                f"yoco_prefill_keep_tokens (DEEPINFER_YOCO_PREFILL_KEEP_TOKENS)={k} is smaller "
+                f"than the window ({bundle.sliding_window}) + maximum backtracking "
                 f"(DEEPINFER_USE_NEXTN_DECODE {config.use_nextn_decode} + 1) = {need}: the decoder "
                 "layers' SWA rings would not be full after a truncated prefill"
             )
-        if not bundle.supports_keep_tokens:
+        if not bundle.supports_yoco_floor:
             raise NotImplementedError(
                 "yoco_prefill_truncation_mode='compact' needs the model to run decoder layers "
-                "only on each prompt's last K tokens (ForwardBatch.keep_tokens in "
+                "only on each prompt's last K tokens (ForwardBatch.yoco_floor in "
                 "deepinfer_model); this model's forward does not support it. Use 'off'."
             )
         return k

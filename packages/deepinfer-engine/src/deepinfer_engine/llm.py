@@ -10,7 +10,7 @@ from typing import Any
 from deepinfer_sampling.params import SamplingParams
 
 from deepinfer_engine.config import EngineConfig, resolve_device
-from deepinfer_engine.engine import _DTYPES, Engine, Request
+from deepinfer_engine.engine import Engine, Request
 from deepinfer_engine.model_runner import ModelBundle
 from deepinfer_engine.outputs import RequestOutput
 from deepinfer_engine.validation import validate_requests
@@ -38,7 +38,7 @@ class LLM:
                 "tiny checkpoint"
             )
         device = resolve_device(cfg.accelerator)
-        loaded = load_model(cfg.model, device=device, dtype=_DTYPES[cfg.dtype])
+        loaded = load_model(cfg.model, device=device, dtype=cfg.torch_dtype(device))
         self.engine = Engine(cfg, ModelBundle.from_loaded(loaded))
 
     @classmethod

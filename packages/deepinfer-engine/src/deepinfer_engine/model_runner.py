@@ -13,6 +13,7 @@ On CPU everything is synchronous and the same code runs.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -41,13 +42,14 @@ class ModelBundle:
     sliding_window: int
     cache_spec: Callable[[int, torch.dtype], Any]
     make_cache: Callable[[Any, int, int, torch.device, torch.dtype], Any]
-    supports_keep_tokens: bool = False
+    supports_yoco_floor: bool = False
     name: str = "model"
 
     @classmethod
     def from_loaded(cls, loaded: Any) -> ModelBundle:
         """Wrap a `deepinfer_model.loader.LoadedModel`."""
         from deepinfer_model.cache import CacheSpec, KVCache
+        from deepinfer_model.forward_batch import ForwardBatch
 
         cfg = loaded.config
 
@@ -66,8 +68,8 @@ class ModelBundle:
             sliding_window=cfg.sliding_window,
             cache_spec=spec,
             make_cache=make,
-            # The model declares support for ForwardBatch.keep_tokens (YOCO compact prefill).
-            supports_keep_tokens=bool(getattr(loaded.model, "supports_keep_tokens", False)),
+            # YOCO compact prefill needs ForwardBatch.yoco_floor in the model's batch type.
+            supports_yoco_floor="yoco_floor" in {f.name for f in dataclasses.fields(ForwardBatch)},
             name=str(loaded.path),
         )
 
@@ -182,23 +184,20 @@ class ModelRunner:
             logits_indices=t64(logits_rows),
         )
         if self.keep_tokens is not None:
-            # Contract (see /work/briefs/contract-model-engine.md): ForwardBatch.keep_tokens[b]
-            # = number of leading tokens of sequence b's chunk that run only the encoder.
-            batch.keep_tokens = t64([self._encoder_only(c) for c in out.chunks])
+            batch.yoco_floor = t64([self._yoco_floor(c) for c in out.chunks])
         # Prefill chunks that sample nothing still run: they write their KV into the cache.
         res = self.bundle.model.forward(batch, self.cache)
         return LaunchedStep(out, res.logits if logits_rows else None, sample_chunks)
 
-    def _encoder_only(self, c: ScheduledChunk) -> int:
-        """YOCO compact prefill: leading tokens of this chunk that skip the decoder layers.
+    def _yoco_floor(self, c: ScheduledChunk) -> int:
+        """YOCO compact prefill: the first position that runs the decoder layers.
 
-        A prompt of N > K tokens runs the decoder layers (21..) only on its last K tokens, i.e.
-        on positions >= N - K. N is the *original* prompt length even when a preempted sequence
-        recomputes prompt + outputs, so preemption does not change what is truncated.
+        A prompt of N > K tokens runs the decoder layers only on positions >= N - K; shorter
+        prompts are exact (0). N is the *original* prompt length for the sequence's whole life
+        (prompt chunks, decode steps, and recompute after preemption), as the model requires.
         """
         assert self.keep_tokens is not None
-        cut = c.seq.num_prompt_tokens - self.keep_tokens
-        return max(0, min(cut - c.start, c.num_tokens))
+        return max(0, c.seq.num_prompt_tokens - self.keep_tokens)
 
     # ---- sampling ----------------------------------------------------------------------------
     @torch.inference_mode()
