@@ -211,21 +211,6 @@ def main() -> None:
     t0 = time.perf_counter()
     bench = Bench(args)
     setup_s = time.perf_counter() - t0
-    rows = []
-    for b in args.batches:
-        rows.append(
-            bench.measure(
-                f"decode B={b} ctx={args.context}",
-                lambda b=b: bench.decode_batch(b),
-                args.iters,
-                prepare=lambda b=b: bench.fill_context(b),
-            )
-        )
-    if args.prefill:
-        rows.append(
-            bench.measure(f"prefill 1x{args.prefill}", bench.prefill_batch, max(1, args.iters - 1))
-        )
-
     dev = torch.cuda.get_device_name() if bench.dev.type == "cuda" else "cpu"
     c = bench.config
     print(
@@ -236,11 +221,26 @@ def main() -> None:
     )
     head = f"| row | tokens | layer {bench.layer_ids[0]} ms | layer {bench.layer_ids[1]} ms "
     print(head + "| ms/token (src layer) | peak GiB | act+tmp GiB |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
+    print("|---|---:|---:|---:|---:|---:|---:|", flush=True)
+    jobs = [
+        (
+            f"decode B={b} ctx={args.context}",
+            lambda b=b: bench.decode_batch(b),
+            args.iters,
+            lambda b=b: bench.fill_context(b),
+        )
+        for b in args.batches
+    ]
+    if args.prefill:
+        jobs.append(
+            (f"prefill 1x{args.prefill}", bench.prefill_batch, max(1, args.iters - 1), None)
+        )
+    for label, make, iters, prepare in jobs:  # rows print as they finish
+        r = bench.measure(label, make, iters, prepare=prepare)
         print(
             f"| {r['row']} | {r['tokens']} | {r['ms'][0]:.2f} | {r['ms'][1]:.2f} | "
-            f"{r['ms'][0] / r['tokens']:.4f} | {r['peak_gib']:.2f} | {r['act_gib']:.2f} |"
+            f"{r['ms'][0] / r['tokens']:.4f} | {r['peak_gib']:.2f} | {r['act_gib']:.2f} |",
+            flush=True,
         )
 
 
