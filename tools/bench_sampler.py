@@ -6,6 +6,9 @@ Configs (per row, every row seeded):
   all     penalties (presence, frequency, repetition over 64 generated tokens), logit bias,
           min_tokens (half the rows), temperature 0.8, top-k 50, top-p 0.9, min-p 0.05
   top_p   temperature 0.8, top-p 0.9 only (whole-vocabulary path: sorts every row)
+Logits: float32, Zipf-like like a language model's (p ~ rank^-1.2 over a random permutation of
+the vocabulary, plus small noise); --flat uses N(0, 3^2) logits instead, whose top-p set is tens
+of thousands of tokens wide (worst case for the top-p path: it falls back to sorting).
 Baseline: logits / T -> softmax -> sort -> cumsum top-p mask -> torch.multinomial, in the same
 process on the same logits. Time per call is the mean over repeated calls (device synchronised
 before and after); batch building (SamplingBatch.build) is timed separately.
@@ -17,7 +20,6 @@ import argparse
 import time
 
 import torch
-
 from deepinfer_sampling import Sampler, SamplingBatch, SamplingParams, SamplingRow
 
 
@@ -55,6 +57,14 @@ def make_rows(config: str, num_rows: int, vocab: int, gen: torch.Generator) -> l
     return rows
 
 
+def make_logits(num_rows: int, vocab: int, flat: bool, gen: torch.Generator) -> torch.Tensor:
+    """float32 [num_rows, vocab] benchmark logits."""
+    if flat:
+        return torch.randn(num_rows, vocab, generator=gen) * 3
+    ranks = torch.argsort(torch.rand(num_rows, vocab, generator=gen), dim=1).float() + 1
+    return -1.2 * torch.log(ranks) + 0.1 * torch.randn(num_rows, vocab, generator=gen)
+
+
 def timeit(fn, device: torch.device, iters: int) -> float:
     """Mean seconds per call of fn()."""
     fn()
@@ -75,6 +85,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 64, 256])
     ap.add_argument("--devices", nargs="+", default=None, help="default: cpu, plus cuda if present")
     ap.add_argument("--configs", nargs="+", default=["all", "top_p"])
+    ap.add_argument("--flat", action="store_true", help="N(0, 9) logits instead of Zipf-like")
     args = ap.parse_args()
     devices = args.devices or (["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"])
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -91,7 +102,7 @@ def main() -> None:
             for num_rows in args.rows:
                 iters = 50 if device.type == "cuda" else max(2, 64 // num_rows)
                 rows = make_rows(config, num_rows, args.vocab, gen)
-                logits = (torch.randn(num_rows, args.vocab, generator=gen) * 3).to(device)
+                logits = make_logits(num_rows, args.vocab, args.flat, gen).to(device)
                 t0 = time.perf_counter()
                 batch = SamplingBatch.build(
                     rows, vocab_size=args.vocab, device=device, eos_token_ids=[0]
@@ -105,7 +116,8 @@ def main() -> None:
                 )
                 print(lines[-1], flush=True)
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA"
-    print(f"\nvocab {args.vocab}, float32 logits, torch {torch.__version__}, {name}")
+    kind = "N(0,9)" if args.flat else "Zipf-like"
+    print(f"\nvocab {args.vocab}, float32 {kind} logits, torch {torch.__version__}, {name}")
     print("\n".join(lines))
 
 

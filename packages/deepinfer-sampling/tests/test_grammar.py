@@ -5,9 +5,6 @@ import re
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from deepinfer_sampling import (
     GrammarCache,
     Sampler,
@@ -18,6 +15,8 @@ from deepinfer_sampling import (
     tokenizer_info_from_tokenizer,
     tokenizer_info_from_vocab,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -47,7 +46,9 @@ def generate(so_args, seed, *, temperature=1.0, max_steps=400):
             assert token == EOS
             return b"".join(VOCAB[t] for t in out).decode("utf-8")
         out.append(token)
-    raise AssertionError(f"no termination within {max_steps} steps: {b''.join(VOCAB[t] for t in out)!r}")
+    raise AssertionError(
+        f"no termination within {max_steps} steps: {b''.join(VOCAB[t] for t in out)!r}"
+    )
 
 
 SCHEMA = {

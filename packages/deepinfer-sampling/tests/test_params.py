@@ -3,10 +3,9 @@
 import dataclasses
 
 import pytest
+from deepinfer_sampling import SamplingParams, StructuredOutput
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from deepinfer_sampling import SamplingParams, StructuredOutput
 
 BAD_VALUES = {
     "n": [0, -1, 1.5, True, "2"],
@@ -82,8 +81,11 @@ def test_so_args_normalisation():
     schema = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
     as_dict = SamplingParams(so_args={"schema_type": "json", "schema": schema}).so_args
     as_text = SamplingParams(
-        so_args={"schema_type": "json_schema", "schema": ' {"type": "object", "properties": '
-        '{"b": {"type": "integer"}, "a": {"type": "string"}}}'}
+        so_args={
+            "schema_type": "json_schema",
+            "schema": ' {"type": "object", "properties": '
+            '{"b": {"type": "integer"}, "a": {"type": "string"}}}',
+        }
     ).so_args
     assert isinstance(as_dict, StructuredOutput) and as_dict == as_text
     assert as_dict.schema_type == "json_schema"

@@ -4,10 +4,9 @@ import math
 
 import pytest
 import torch
+from deepinfer_sampling.rng import counter_uniform, row_keys, uniform_from_keys
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from deepinfer_sampling.rng import counter_uniform, row_keys, uniform_from_keys
 
 M32 = 0xFFFFFFFF
 
@@ -102,7 +101,9 @@ def test_bad_inputs_name_parameter():
     with pytest.raises(ValueError, match="stream"):
         counter_uniform(torch.tensor([1]), torch.tensor([1]), 3, stream=-1)
     with pytest.raises(ValueError, match="columns"):
-        counter_uniform(torch.tensor([1]), torch.tensor([1]), torch.zeros(2, 2, 2, dtype=torch.long))
+        counter_uniform(
+            torch.tensor([1]), torch.tensor([1]), torch.zeros(2, 2, 2, dtype=torch.long)
+        )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

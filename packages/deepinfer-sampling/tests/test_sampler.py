@@ -4,10 +4,9 @@ import math
 
 import pytest
 import torch
+from deepinfer_sampling import Sampler, SamplingBatch, SamplingParams, SamplingRow
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from deepinfer_sampling import Sampler, SamplingBatch, SamplingParams, SamplingRow
 
 SAMPLER = Sampler()
 
@@ -70,8 +69,11 @@ def make_rows(draw_params, vocab, gen):
     for p in draw_params:
         n_out = int(torch.randint(0, 6, (), generator=gen))
         out = torch.randint(0, vocab, (n_out,), generator=gen).tolist()
-        rows.append(SamplingRow(p, position=int(torch.randint(0, 1000, (), generator=gen)),
-                                output_token_ids=out))
+        rows.append(
+            SamplingRow(
+                p, position=int(torch.randint(0, 1000, (), generator=gen)), output_token_ids=out
+            )
+        )
     return rows
 
 
@@ -91,8 +93,11 @@ def test_tokens_stay_in_kept_set(plist, vocab, data_seed):
     for i, r in enumerate(rows):
         for s in range(40):
             seed = None if (r.params.seed is None and s % 2) else s * 7919 + i
-            rep_rows.append(SamplingRow(r.params.replace(seed=None, seq_seed=seed), r.position,
-                                        r.output_token_ids))
+            rep_rows.append(
+                SamplingRow(
+                    r.params.replace(seed=None, seq_seed=seed), r.position, r.output_token_ids
+                )
+            )
             rep_logits.append(logits[i])
     batch = SamplingBatch.build(rep_rows, vocab_size=vocab, eos_token_ids=eos)
     tokens = SAMPLER(torch.stack(rep_logits), batch, torch.Generator().manual_seed(1)).token_ids
@@ -133,8 +138,9 @@ def test_seeded_samples_match_exact_distribution(params, cap):
     logits = torch.tensor([2.0, 1.5, 1.2, 0.7, 0.1, -0.4, -1.0, 0.9])
     out_ids = [0, 3, 3]
     ref = reference_distribution(logits.tolist(), params, out_ids)
-    rows = [SamplingRow(params.replace(seed=s), position=5, output_token_ids=out_ids)
-            for s in range(n)]
+    rows = [
+        SamplingRow(params.replace(seed=s), position=5, output_token_ids=out_ids) for s in range(n)
+    ]
     batch = SamplingBatch.build(rows, vocab_size=vocab, candidate_cap=cap)
     tokens = SAMPLER(logits.expand(n, vocab), batch).token_ids
     counts = torch.bincount(tokens, minlength=vocab).tolist()
@@ -142,8 +148,10 @@ def test_seeded_samples_match_exact_distribution(params, cap):
     chi2 = sum((counts[t] - n * p) ** 2 / (n * p) for t, p in ref.items())
     assert chi2 < chi2_quantile(max(len(ref) - 1, 1))
     # Same with one seed and many positions (the other axis of the counter).
-    rows = [SamplingRow(params.replace(seed=12345), position=s, output_token_ids=out_ids)
-            for s in range(n)]
+    rows = [
+        SamplingRow(params.replace(seed=12345), position=s, output_token_ids=out_ids)
+        for s in range(n)
+    ]
     batch = SamplingBatch.build(rows, vocab_size=vocab, candidate_cap=cap)
     tokens = SAMPLER(logits.expand(n, vocab), batch).token_ids
     counts = torch.bincount(tokens, minlength=vocab).tolist()
@@ -208,8 +216,10 @@ def test_dtype_determinism(plist, data_seed):
     batch = SamplingBatch.build(rows, vocab_size=vocab)
     # bf16-representable logits: every float dtype holds the same values, so tokens agree.
     base = (torch.randn(len(rows), vocab, generator=gen) * 4).to(torch.bfloat16)
-    tokens = [SAMPLER(base.to(dt), batch).token_ids for dt in
-              (torch.bfloat16, torch.float16, torch.float32, torch.float64)]
+    tokens = [
+        SAMPLER(base.to(dt), batch).token_ids
+        for dt in (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+    ]
     for t in tokens[1:]:
         assert torch.equal(t, tokens[0])
     # Same-dtype determinism for arbitrary float64 logits.
@@ -221,10 +231,14 @@ def test_min_tokens_bias_and_greedy():
     vocab = 10
     logits = torch.zeros(3, vocab)
     logits[:, 9] = 20.0  # EOS is overwhelmingly likely
-    p = SamplingParams(temperature=1.0, min_tokens=2, stop_token_ids=[8], seed=1,
-                       logit_bias={8: 30.0})
-    rows = [SamplingRow(p, 3, [1]), SamplingRow(p, 3, [1, 2]),
-            SamplingRow(SamplingParams(temperature=0, logit_bias={4: 25.0}), 0)]
+    p = SamplingParams(
+        temperature=1.0, min_tokens=2, stop_token_ids=[8], seed=1, logit_bias={8: 30.0}
+    )
+    rows = [
+        SamplingRow(p, 3, [1]),
+        SamplingRow(p, 3, [1, 2]),
+        SamplingRow(SamplingParams(temperature=0, logit_bias={4: 25.0}), 0),
+    ]
     out = SAMPLER(logits, SamplingBatch.build(rows, vocab_size=vocab, eos_token_ids=[9]))
     assert out.token_ids[0].item() not in (8, 9)  # below min_tokens: EOS and stop id banned
     assert out.token_ids[1].item() == 8  # reached: the biased stop id wins
@@ -235,8 +249,10 @@ def test_logprobs_are_raw_log_softmax():
     vocab = 40
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(3, vocab, generator=gen)
-    rows = [SamplingRow(SamplingParams(logprobs=3, seed=i, top_k=4, temperature=0.5), 1)
-            for i in range(3)]
+    rows = [
+        SamplingRow(SamplingParams(logprobs=3, seed=i, top_k=4, temperature=0.5), 1)
+        for i in range(3)
+    ]
     out = SAMPLER(logits, SamplingBatch.build(rows, vocab_size=vocab))
     for r in range(3):
         row = [float(v) for v in logits[r]]
@@ -270,9 +286,14 @@ def test_cpu_and_cuda_sample_same_tokens():
         dict(temperature=0.6, min_p=0.1, presence_penalty=0.5, repetition_penalty=1.1),
         dict(temperature=0.0),
     ]
-    rows = [SamplingRow(SamplingParams(seed=i, **configs[i % len(configs)]), position=100 + i,
-                        output_token_ids=torch.randint(0, vocab, (20,), generator=gen).tolist())
-            for i in range(n)]
+    rows = [
+        SamplingRow(
+            SamplingParams(seed=i, **configs[i % len(configs)]),
+            position=100 + i,
+            output_token_ids=torch.randint(0, vocab, (20,), generator=gen).tolist(),
+        )
+        for i in range(n)
+    ]
     logits = (torch.randn(n, vocab, generator=gen) * 3).to(torch.bfloat16)
     cpu = SAMPLER(logits, SamplingBatch.build(rows, vocab_size=vocab)).token_ids
     gpu = SAMPLER(logits.cuda(), SamplingBatch.build(rows, vocab_size=vocab, device="cuda"))

@@ -3,7 +3,7 @@
 Stands alone (torch + xgrammar). xgrammar is imported only when a grammar is used.
 """
 
-from .batch import CANDIDATE_CAP, SamplingBatch, SamplingRow
+from .batch import CANDIDATE_CAP, NO_TOP_K, RowGroup, SamplingBatch, SamplingRow
 from .grammar import (
     GrammarCache,
     GrammarMatcher,
@@ -29,6 +29,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CANDIDATE_CAP",
+    "NO_TOP_K",
     "SCHEMA_TYPES",
     "STREAM_DRAFT",
     "STREAM_SAMPLE",
@@ -36,6 +37,7 @@ __all__ = [
     "STREAM_SPEC_RESIDUAL",
     "GrammarCache",
     "GrammarMatcher",
+    "RowGroup",
     "Sampler",
     "SamplerOutput",
     "SamplingBatch",

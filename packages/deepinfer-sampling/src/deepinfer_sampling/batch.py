@@ -2,12 +2,15 @@
 
 The engine describes each row to sample with a `SamplingRow` (params, position, tokens generated
 so far, grammar state) and calls `SamplingBatch.build(rows, vocab_size=..., device=...)` once per
-step. All decisions that depend only on parameters (which rows are greedy, which filters any row
-uses) are made here on the CPU, so the Sampler's hot path never synchronises with the device.
+step. Everything that depends only on parameters and token histories (which rows are greedy,
+which filters any row uses, penalty counts, RNG keys) is prepared here on the CPU, so the
+Sampler's hot path runs few device kernels and never synchronises with the device (except on
+the rare top-p fallback, see sampler.py).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -17,11 +20,13 @@ from .grammar import GrammarMatcher, allocate_token_bitmask
 from .params import SamplingParams
 from .rng import STREAM_SAMPLE, row_keys
 
-__all__ = ["CANDIDATE_CAP", "SamplingBatch", "SamplingRow"]
+__all__ = ["CANDIDATE_CAP", "NO_TOP_K", "RowGroup", "SamplingBatch", "SamplingRow"]
 
-# Rows with 1 <= top_k <= CANDIDATE_CAP sample among torch.topk candidates; other sampling rows
-# work on the whole vocabulary.
+# Rows with 1 <= top_k <= CANDIDATE_CAP sample among torch.topk candidates; top-p rows without
+# such a top-k first try this many candidates.
 CANDIDATE_CAP = 1024
+# top_k of rows without a top-k limit, in RowGroup.top_k.
+NO_TOP_K = 1 << 62
 
 
 @dataclass(frozen=True)
@@ -43,59 +48,70 @@ class SamplingRow:
 
 
 @dataclass
+class RowGroup:
+    """Rows of a batch that take the same sampling path, with their parameters as columns.
+
+    rows: int64 [r] batch row indices, or None when the group is the whole batch in order.
+    temperature: float64 [r, 1] (1 for greedy rows). top_k: int64 [r, 1] (NO_TOP_K = off).
+    top_p: float64 [r, 1]. log_min_p: float64 [r, 1], log(min_p) (-inf = off).
+    rng_keys: int64 [4, r] counter-RNG keys (seq_seed, position, STREAM_SAMPLE);
+    seeded: bool [r] (None when all rows are seeded); unseeded rows draw fresh keys.
+    Flags (Python, so unused filters cost nothing): use_min_p, use_top_p, use_top_k (some row's
+    top_k is below max_top_k, so a per-row mask is needed), max_top_k (largest top_k).
+    """
+
+    num_rows: int
+    rows: torch.Tensor | None
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    log_min_p: torch.Tensor
+    rng_keys: torch.Tensor
+    seeded: torch.Tensor | None
+    use_min_p: bool
+    use_top_p: bool
+    use_top_k: bool
+    max_top_k: int
+
+
+@dataclass
 class SamplingBatch:
     """Per-row sampling inputs for logits [R, V], on one device.
 
-    Row groups (LongTensor of row indices; None when empty):
-        greedy_rows: temperature == 0 rows (argmax).
-        topk_rows: sampling rows with 1 <= top_k <= candidate_cap (sample among top-k candidates).
-        full_rows: other sampling rows (whole vocabulary).
-    Per-row parameters, float64/int64 [R] (greedy rows hold neutral values):
-        temperature, top_k (0 = off), top_p, min_p.
-    rng_keys: int64 [4, R] counter-RNG keys of (seq_seed, position, STREAM_SAMPLE); meaningful
-        where `seeded` [R] bool is True; other rows get fresh keys from the generator at sampling.
-    Penalties (None when no row uses any):
-        output_token_ids: int64 [R, L], padded with -1.
-        presence_penalty, frequency_penalty, repetition_penalty: float32 [R].
-    Sparse edits (None when empty):
-        logit_bias: (rows int64 [B], cols int64 [B], values float32 [B]).
-        stop_mask: (rows int64 [M], cols int64 [M]): EOS/stop ids banned for rows below min_tokens.
-    Grammar (None when no row has one):
-        grammar_rows: int64 [G]; grammar_bitmask: int32 [G, ceil(V / 32)].
-    Logprobs:
-        num_logprobs: -1 when no row asks, else the largest N asked (top-N returned for all rows).
-    Flags (Python bools, so the Sampler skips unused filters without device syncs):
-        use_top_p, use_min_p: some non-greedy row uses the filter; full_rows_need_sort: a full row
-        uses top-p or a top-k above candidate_cap.
+    Row groups (None when empty):
+        greedy: temperature == 0 rows (argmax).
+        topk: sampling rows with 1 <= top_k <= candidate_cap (sample among top-k candidates).
+        top_p: other rows with top-p (or a top-k above candidate_cap): try candidate_cap
+            candidates, fall back to sorting the row when its kept set reaches past them.
+        plain: rows with at most temperature and min-p (whole vocabulary, no sort).
+    Penalties (None when no row uses any), on the unique generated tokens of each row:
+        penalty_token_ids: int64 [R, U] unique ids (padding repeats the row's first entry, or
+            token 0 with neutral constants),
+        penalty_repetition: float32 [R, U], the row's repetition penalty,
+        penalty_subtract: float32 [R, U] = frequency * count + presence.
+    Sparse edits (None when empty): logit_edits = (rows int64 [E], cols int64 [E], values
+        float32 [E]) added to the logits: logit_bias values, and -inf for EOS/stop ids of rows
+        below min_tokens.
+    Grammar (None when no row has one): grammar_rows int64 [G], grammar_bitmask int32
+        [G, ceil(V / 32)].
+    num_logprobs: -1 when no row asks, else the largest N asked (top-N returned for all rows).
     """
 
     num_rows: int
     vocab_size: int
     device: torch.device
-    greedy_rows: torch.Tensor | None
-    topk_rows: torch.Tensor | None
-    full_rows: torch.Tensor | None
-    max_top_k: int
     candidate_cap: int
-    temperature: torch.Tensor
-    top_k: torch.Tensor
-    top_p: torch.Tensor
-    min_p: torch.Tensor
-    seeded: torch.Tensor
-    all_seeded: bool
-    rng_keys: torch.Tensor
-    output_token_ids: torch.Tensor | None = None
-    presence_penalty: torch.Tensor | None = None
-    frequency_penalty: torch.Tensor | None = None
-    repetition_penalty: torch.Tensor | None = None
-    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    stop_mask: tuple[torch.Tensor, torch.Tensor] | None = None
+    greedy: RowGroup | None
+    topk: RowGroup | None
+    top_p: RowGroup | None
+    plain: RowGroup | None
+    penalty_token_ids: torch.Tensor | None = None
+    penalty_repetition: torch.Tensor | None = None
+    penalty_subtract: torch.Tensor | None = None
+    logit_edits: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     grammar_rows: torch.Tensor | None = None
     grammar_bitmask: torch.Tensor | None = None
     num_logprobs: int = -1
-    use_top_p: bool = False
-    use_min_p: bool = False
-    full_rows_need_sort: bool = False
 
     @staticmethod
     def build(
@@ -109,18 +125,18 @@ class SamplingBatch:
         """Build the batch for logits [len(rows), vocab_size] on `device`.
 
         eos_token_ids: the tokenizer's EOS ids; with each row's stop_token_ids they are banned
-        while the row has fewer than min_tokens output tokens.
-        Fills grammar bitmasks (CPU, xgrammar) for rows with a grammar.
+            while the row has fewer than min_tokens output tokens.
         candidate_cap: rows with top_k <= candidate_cap sample among top-k candidates, and
-            top-p rows first try that many candidates (tests lower it to exercise fallbacks;
-            tokens do not depend on it beyond float rounding).
+            top-p rows first try that many candidates (tests lower it to exercise the
+            fallbacks; tokens do not depend on it beyond float rounding).
+        Fills grammar bitmasks (CPU, xgrammar) for rows with a grammar.
         """
-        if candidate_cap < 1:
-            raise ValueError(f"candidate_cap must be >= 1, got {candidate_cap}")
         if not rows:
             raise ValueError("rows must not be empty")
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+        if candidate_cap < 1:
+            raise ValueError(f"candidate_cap must be >= 1, got {candidate_cap}")
         device = torch.device(device)
         num_rows = len(rows)
         params = [r.params for r in rows]
@@ -131,97 +147,129 @@ class SamplingBatch:
         def to_dev(values, dtype):
             return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
-        def index(rows_list):
-            return to_dev(rows_list, torch.int64) if rows_list else None
-
-        greedy, topk, full = [], [], []
-        top_k_eff = []
+        top_k_eff = [p.top_k if 0 < p.top_k < vocab_size else 0 for p in params]
+        greedy, topk, top_p, plain = [], [], [], []
         for i, p in enumerate(params):
-            k = p.top_k if 0 < p.top_k < vocab_size else 0
-            top_k_eff.append(k)
             if p.temperature == 0.0:
                 greedy.append(i)
-            elif 0 < k <= candidate_cap:
+            elif 0 < top_k_eff[i] <= candidate_cap:
                 topk.append(i)
+            elif p.top_p < 1.0 or top_k_eff[i] > 0:
+                top_p.append(i)
             else:
-                full.append(i)
-        sampling = [i for i in range(num_rows) if params[i].temperature > 0.0]
-
-        seeds = [p.seq_seed if p.seq_seed is not None else 0 for p in params]
+                plain.append(i)
         keys = row_keys(
-            torch.tensor(seeds, dtype=torch.int64),
+            torch.tensor([p.seq_seed or 0 for p in params], dtype=torch.int64),
             torch.tensor([r.position for r in rows], dtype=torch.int64),
             STREAM_SAMPLE,
         )
-        seeded = [p.seq_seed is not None for p in params]
+
+        def group(members: list[int], candidates_are_top_k: bool = False) -> RowGroup | None:
+            if not members:
+                return None
+            ps = [params[i] for i in members]
+            ks = [top_k_eff[i] for i in members]
+            limits = [k if k > 0 else NO_TOP_K for k in ks]
+            seeded = [p.seq_seed is not None for p in ps]
+            return RowGroup(
+                num_rows=len(members),
+                rows=None if members == list(range(num_rows)) else to_dev(members, torch.int64),
+                temperature=to_dev([[p.temperature or 1.0] for p in ps], torch.float64),
+                top_k=to_dev([[k] for k in limits], torch.int64),
+                top_p=to_dev([[p.top_p] for p in ps], torch.float64),
+                log_min_p=to_dev(
+                    [[math.log(p.min_p) if p.min_p > 0 else -math.inf] for p in ps],
+                    torch.float64,
+                ),
+                rng_keys=keys[:, members].to(device, non_blocking=True),
+                seeded=None if all(seeded) else to_dev(seeded, torch.bool),
+                use_min_p=any(p.min_p > 0 for p in ps),
+                use_top_p=any(p.top_p < 1.0 for p in ps),
+                # Top-k candidates are already cut at max_top_k; a mask is needed only below it.
+                use_top_k=min(ks) < max(ks) if candidates_are_top_k else max(ks) > 0,
+                max_top_k=max(ks),
+            )
 
         batch = SamplingBatch(
             num_rows=num_rows,
             vocab_size=vocab_size,
             device=device,
-            greedy_rows=index(greedy),
-            topk_rows=index(topk),
-            full_rows=index(full),
-            max_top_k=max((top_k_eff[i] for i in topk), default=0),
             candidate_cap=candidate_cap,
-            temperature=to_dev([p.temperature or 1.0 for p in params], torch.float64),
-            top_k=to_dev(top_k_eff, torch.int64),
-            top_p=to_dev([p.top_p for p in params], torch.float64),
-            min_p=to_dev([p.min_p for p in params], torch.float64),
-            seeded=to_dev(seeded, torch.bool),
-            all_seeded=all(seeded[i] for i in sampling),
-            rng_keys=keys.to(device, non_blocking=True),
-            use_top_p=any(params[i].top_p < 1.0 for i in sampling),
-            use_min_p=any(params[i].min_p > 0.0 for i in sampling),
-            full_rows_need_sort=any(params[i].top_p < 1.0 or top_k_eff[i] > 0 for i in full),
+            greedy=group(greedy),
+            topk=group(topk, candidates_are_top_k=True),
+            top_p=group(top_p),
+            plain=group(plain),
         )
-
-        if any(
-            p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params
-        ):
-            width = max(1, max(len(r.output_token_ids) for r in rows))
-            padded = [
-                list(r.output_token_ids) + [-1] * (width - len(r.output_token_ids)) for r in rows
-            ]
-            batch.output_token_ids = to_dev(padded, torch.int64)
-            batch.presence_penalty = to_dev([p.presence_penalty for p in params], torch.float32)
-            batch.frequency_penalty = to_dev([p.frequency_penalty for p in params], torch.float32)
-            batch.repetition_penalty = to_dev([p.repetition_penalty for p in params], torch.float32)
-
-        bias_rows, bias_cols, bias_vals = [], [], []
-        for i, p in enumerate(params):
-            for token, value in (p.logit_bias or {}).items():
-                if token >= vocab_size:
-                    raise ValueError(
-                        f"rows[{i}].params.logit_bias key {token} must be < vocab_size {vocab_size}"
-                    )
-                bias_rows.append(i)
-                bias_cols.append(token)
-                bias_vals.append(value)
-        if bias_rows:
-            batch.logit_bias = (
-                to_dev(bias_rows, torch.int64),
-                to_dev(bias_cols, torch.int64),
-                to_dev(bias_vals, torch.float32),
-            )
-
-        stop_rows, stop_cols = [], []
-        for i, (r, p) in enumerate(zip(rows, params, strict=True)):
-            if len(r.output_token_ids) < p.min_tokens:
-                banned = {t for t in (*eos_token_ids, *p.stop_token_ids) if t < vocab_size}
-                stop_rows.extend([i] * len(banned))
-                stop_cols.extend(sorted(banned))
-        if stop_rows:
-            batch.stop_mask = (to_dev(stop_rows, torch.int64), to_dev(stop_cols, torch.int64))
+        batch._build_penalties(rows, to_dev)
+        batch._build_logit_edits(rows, eos_token_ids, to_dev)
 
         grammar_rows = [i for i, r in enumerate(rows) if r.grammar is not None]
         if grammar_rows:
             bitmask = allocate_token_bitmask(len(grammar_rows), vocab_size)
             for g, i in enumerate(grammar_rows):
                 rows[i].grammar.fill_bitmask(bitmask, g)
-            batch.grammar_rows = index(grammar_rows)
+            batch.grammar_rows = to_dev(grammar_rows, torch.int64)
             batch.grammar_bitmask = bitmask.to(device, non_blocking=True)
 
         asked = [p.logprobs for p in params if p.logprobs is not None]
         batch.num_logprobs = min(max(asked), vocab_size) if asked else -1
         return batch
+
+    def _build_penalties(self, rows: Sequence[SamplingRow], to_dev) -> None:
+        """Unique generated tokens per row with their penalty constants (CPU work)."""
+        params = [r.params for r in rows]
+        if not any(
+            p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params
+        ):
+            return
+        ids_rows, rep_rows, sub_rows = [], [], []
+        for r, p in zip(rows, params, strict=True):
+            counts: dict[int, int] = {}
+            for t in r.output_token_ids:
+                if not 0 <= t < self.vocab_size:
+                    raise ValueError(f"output_token_ids must be in [0, {self.vocab_size}), got {t}")
+                counts[t] = counts.get(t, 0) + 1
+            ids_rows.append(list(counts))
+            rep_rows.append([p.repetition_penalty] * len(counts))
+            sub_rows.append([p.frequency_penalty * c + p.presence_penalty for c in counts.values()])
+        width = max(1, max(len(ids) for ids in ids_rows))
+        for ids, rep, sub in zip(ids_rows, rep_rows, sub_rows, strict=True):
+            # Padding repeats the first entry whole (or a neutral edit of token 0): the Sampler
+            # scatters computed values, and duplicates then write identical values.
+            first = (ids[0], rep[0], sub[0]) if ids else (0, 1.0, 0.0)
+            pad = width - len(ids)
+            ids.extend([first[0]] * pad)
+            rep.extend([first[1]] * pad)
+            sub.extend([first[2]] * pad)
+        self.penalty_token_ids = to_dev(ids_rows, torch.int64)
+        self.penalty_repetition = to_dev(rep_rows, torch.float32)
+        self.penalty_subtract = to_dev(sub_rows, torch.float32)
+
+    def _build_logit_edits(
+        self, rows: Sequence[SamplingRow], eos_token_ids: Sequence[int], to_dev
+    ) -> None:
+        """logit_bias entries and min_tokens bans, as one sparse list of additions."""
+        edit_rows, edit_cols, edit_vals = [], [], []
+        for i, r in enumerate(rows):
+            p = r.params
+            for token, value in (p.logit_bias or {}).items():
+                if token >= self.vocab_size:
+                    raise ValueError(
+                        f"rows[{i}].params.logit_bias key {token} must be < vocab_size "
+                        f"{self.vocab_size}"
+                    )
+                edit_rows.append(i)
+                edit_cols.append(token)
+                edit_vals.append(value)
+            if len(r.output_token_ids) < p.min_tokens:
+                banned = {t for t in (*eos_token_ids, *p.stop_token_ids) if t < self.vocab_size}
+                for token in sorted(banned):
+                    edit_rows.append(i)
+                    edit_cols.append(token)
+                    edit_vals.append(-math.inf)  # -inf + any bias stays -inf
+        if edit_rows:
+            self.logit_edits = (
+                to_dev(edit_rows, torch.int64),
+                to_dev(edit_cols, torch.int64),
+                to_dev(edit_vals, torch.float32),
+            )

@@ -1,4 +1,4 @@
-"""Structured outputs with xgrammar: tokenizer info, a compile cache, per-request matchers, bitmasks.
+"""Structured outputs with xgrammar: tokenizer info, compile cache, per-request matchers, bitmasks.
 
 xgrammar imports transformers when it loads, so it is imported inside the functions that need it:
 `import deepinfer_sampling` stays light, and only requests with a grammar pay for it.
@@ -48,7 +48,8 @@ def tokenizer_info_from_vocab(
     """xgrammar TokenizerInfo from a plain vocabulary list (index = token id).
 
     vocab: token strings as the tokenizer stores them ("raw": the literal text or bytes of each
-        token; "byte_level": GPT-2 style byte-to-unicode strings; "byte_fallback": "<0x0A>" and "▁").
+        token; "byte_level": GPT-2 style byte-to-unicode strings; "byte_fallback": "<0x0A>",
+        "▁").
     stop_token_ids: ids that end generation (EOS etc.); a grammar accepts one of them at its end.
     vocab_size: the model's (possibly padded) logits width, >= len(vocab); ids past the vocab are
         never allowed by a grammar.
@@ -173,7 +174,7 @@ class GrammarMatcher:
         return bool(self._matcher.fill_next_token_bitmask(bitmask, row))
 
     def accept_token(self, token_id: int) -> bool:
-        """Advance by one sampled token. Returns False (state unchanged) if the grammar rejects it."""
+        """Advance by one sampled token. False (state unchanged) if the grammar rejects it."""
         ok = bool(self._matcher.accept_token(int(token_id)))
         self.num_accepted += ok
         return ok
@@ -208,7 +209,7 @@ class GrammarMatcher:
 
 
 class GrammarCache:
-    """Compiles structured-output requests against one tokenizer, cached by (schema_type, schema)."""
+    """Compiles structured outputs against one tokenizer, cached by (schema_type, schema)."""
 
     def __init__(self, tokenizer_info: xgrammar.TokenizerInfo, *, max_threads: int = 8) -> None:
         import xgrammar as xgr

@@ -1,4 +1,4 @@
-"""Counter-based random numbers: uniforms that are a pure function of (seed, position, column, stream).
+"""Counter-based random numbers: uniforms, pure functions of (seed, position, column, stream).
 
 A seeded request must sample the same token whatever batch it is in, on CPU or CUDA, with or
 without speculative decoding. So its randomness is not drawn from a stateful generator: every
@@ -56,7 +56,7 @@ _TWO_POW_MINUS_53 = 2.0**-53
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """32-bit avalanche mixer on int64 tensors holding values in [0, 2**32). Returns a new tensor."""
+    """32-bit avalanche mixer on int64 tensors holding values in [0, 2**32); returns a new one."""
     x = x ^ (x >> 16)
     x = (x * _MUL_A) & _MASK32
     x ^= x >> 15
@@ -152,7 +152,7 @@ def counter_uniform(
     columns: int | torch.Tensor,
     stream: int = 0,
 ) -> torch.Tensor:
-    """Uniform draws in the open interval (0, 1), a pure function of (seed, position, column, stream).
+    """Uniforms in the open interval (0, 1), a pure function of (seed, position, column, stream).
 
     Bit-identical on CPU and CUDA, independent of batch order and size.
 

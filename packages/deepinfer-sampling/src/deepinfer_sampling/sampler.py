@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .batch import SamplingBatch
+from .batch import RowGroup, SamplingBatch
 from .grammar import apply_token_bitmask
 from .rng import uniform_from_keys
 
@@ -62,32 +62,27 @@ class Sampler:
         """Sample one token per row.
 
         logits: [R, V] any float dtype, on batch.device; not modified.
-        generator: source of fresh randomness for rows without a seed (must live on the CPU or
-            on the logits' device); None uses torch's default generator of that device.
+        generator: source of fresh randomness for rows without a seed (on the CPU or on the
+            logits' device); None uses torch's default generator of the logits' device.
         """
-        if logits.dim() != 2 or logits.shape != (batch.num_rows, batch.vocab_size):
-            raise ValueError(
-                f"logits must be [num_rows={batch.num_rows}, vocab={batch.vocab_size}], got "
-                f"{tuple(logits.shape)}"
-            )
-        if not logits.is_floating_point():
-            raise ValueError(f"logits must be a float tensor, got {logits.dtype}")
         x = self.processed_logits(logits, batch)
-        keys = _rng_keys(batch, generator)
-        token_ids = torch.empty(batch.num_rows, dtype=torch.int64, device=x.device)
-        if batch.greedy_rows is not None:
-            rows = batch.greedy_rows
-            token_ids[rows] = x[rows].argmax(dim=1)
-        if batch.topk_rows is not None:
-            rows = batch.topk_rows
-            values, ids = torch.topk(x[rows], batch.max_top_k, dim=1, sorted=True)
-            token_ids[rows] = _sample_candidates(values, ids, batch, rows, keys[:, rows])
-        if batch.full_rows is not None:
-            rows = batch.full_rows
-            if batch.full_rows_need_sort:
-                token_ids[rows] = _sample_top_p_rows(x[rows], batch, rows, keys[:, rows])
-            else:
-                token_ids[rows] = _sample_candidates(x[rows], None, batch, rows, keys[:, rows])
+        groups = [
+            (group, fn)
+            for group, fn in (
+                (batch.greedy, _sample_greedy),
+                (batch.topk, _sample_topk),
+                (batch.top_p, _sample_top_p),
+                (batch.plain, _sample_plain),
+            )
+            if group is not None
+        ]
+        if len(groups) == 1 and groups[0][0].rows is None:
+            group, fn = groups[0]
+            token_ids = fn(x, group, batch, generator)
+        else:
+            token_ids = torch.empty(batch.num_rows, dtype=torch.int64, device=x.device)
+            for group, fn in groups:
+                token_ids[group.rows] = fn(x[group.rows], group, batch, generator)
 
         out = SamplerOutput(token_ids=token_ids)
         if batch.num_logprobs >= 0:
@@ -98,20 +93,29 @@ class Sampler:
             out.top_logprobs = top_values - lse
         return out
 
-
     def processed_logits(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Steps 1-4 (penalties, logit bias, min_tokens, grammar) on a float32 copy.
 
         logits: [R, V] any float dtype. Returns float32 [R, V] (disallowed tokens at -inf).
         """
+        if logits.dim() != 2 or logits.shape != (batch.num_rows, batch.vocab_size):
+            raise ValueError(
+                f"logits must be [num_rows={batch.num_rows}, vocab={batch.vocab_size}], got "
+                f"{tuple(logits.shape)}"
+            )
+        if not logits.is_floating_point():
+            raise ValueError(f"logits must be a float tensor, got {logits.dtype}")
         x = logits.to(torch.float32, copy=True)
-        _apply_penalties(x, batch)
-        if batch.logit_bias is not None:
-            rows, cols, values = batch.logit_bias
+        if batch.penalty_token_ids is not None:
+            # Only the [R, U] generated tokens are touched, never a whole-vocabulary pass.
+            ids = batch.penalty_token_ids
+            old = x.gather(1, ids)
+            rep = batch.penalty_repetition
+            new = torch.where(old > 0, old / rep, old * rep) - batch.penalty_subtract
+            x.scatter_(1, ids, new)
+        if batch.logit_edits is not None:
+            rows, cols, values = batch.logit_edits
             x.index_put_((rows, cols), values, accumulate=True)
-        if batch.stop_mask is not None:
-            rows, cols = batch.stop_mask
-            x.index_put_((rows, cols), torch.tensor(float("-inf"), device=x.device))
         if batch.grammar_bitmask is not None:
             apply_token_bitmask(x, batch.grammar_bitmask, batch.grammar_rows)
         return x
@@ -120,166 +124,178 @@ class Sampler:
         """The exact distribution each row samples from, float64 [R, V].
 
         Greedy rows are one-hot at their argmax; other rows are softmax(logits / T) restricted
-        to the tokens kept by min-p, top-k and top-p, renormalised. Works on the whole vocabulary
-        (sorts every row): for verification and tests, not the hot path.
+        to the tokens kept by min-p, top-k and top-p, renormalised. Sorts every row: for
+        verification and tests, not the hot path.
         """
         x = self.processed_logits(logits, batch)
         out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
-        rows = torch.arange(batch.num_rows, device=x.device)
-        values, ids = torch.sort(x, dim=1, descending=True, stable=True)
-        v = values.to(torch.float64) / batch.temperature[:, None]
-        keep = _keep_sorted(v, batch, rows, top_k_possible=True)
-        weight = torch.where(keep, torch.exp(v - v[:, :1]), 0.0)
-        out.scatter_(1, ids, weight / weight.sum(dim=1, keepdim=True))
-        if batch.greedy_rows is not None:
-            greedy = batch.greedy_rows
-            out[greedy] = 0.0
-            out[greedy, x[greedy].argmax(dim=1)] = 1.0
+        for group in (batch.topk, batch.top_p, batch.plain):
+            if group is None:
+                continue
+            rows = group.rows if group.rows is not None else slice(None)
+            values, ids = torch.sort(x[rows], dim=1, descending=True, stable=True)
+            v = values.to(torch.float64) / group.temperature
+            keep = _keep(v, group, is_sorted=True, force_top_k=True)
+            weight = torch.exp(v - v[:, :1])
+            if keep is not None:
+                weight = torch.where(keep, weight, 0.0)
+            out[rows] = torch.zeros_like(weight).scatter_(
+                1, ids, weight / weight.sum(dim=1, keepdim=True)
+            )
+        if batch.greedy is not None:
+            group = batch.greedy
+            rows = group.rows if group.rows is not None else torch.arange(batch.num_rows)
+            rows = rows.to(x.device)
+            out[rows] = 0.0
+            out[rows, x[rows].argmax(dim=1)] = 1.0
         return out
 
-def _rng_keys(batch: SamplingBatch, generator: torch.Generator | None) -> torch.Tensor:
-    """int64 [4, R]: the batch's seeded keys, fresh random keys for unseeded rows."""
-    if batch.all_seeded:
-        return batch.rng_keys
-    gen_device = generator.device if generator is not None else batch.device
-    fresh = torch.randint(
-        0, 1 << 32, (4, batch.num_rows), dtype=torch.int64, generator=generator, device=gen_device
-    ).to(batch.device)
-    return torch.where(batch.seeded, batch.rng_keys, fresh)
 
-
-def _apply_penalties(x: torch.Tensor, batch: SamplingBatch) -> None:
-    """Presence, frequency and repetition penalties on x [R, V] in place, touching only the
-    [R, L] generated tokens (no full-vocabulary pass)."""
-    tokens = batch.output_token_ids
-    if tokens is None:
-        return
-    sorted_tokens, _ = torch.sort(tokens, dim=1)
-    valid = sorted_tokens >= 0
-    # Occurrences of each token: the width of its run in the sorted row.
-    counts = torch.searchsorted(sorted_tokens, sorted_tokens, right=True) - torch.searchsorted(
-        sorted_tokens, sorted_tokens, right=False
-    )
-    first = valid.clone()
-    first[:, 1:] &= sorted_tokens[:, 1:] != sorted_tokens[:, :-1]
-    cols = sorted_tokens.clamp(min=0)
-    old = x.gather(1, cols)
-    rep = batch.repetition_penalty[:, None]
-    new = torch.where(old > 0, old / rep, old * rep)
-    new = new - batch.frequency_penalty[:, None] * counts.to(torch.float32)
-    new = new - batch.presence_penalty[:, None]
-    # One non-zero delta per (row, token), zeros elsewhere: scatter_add is then exact and
-    # order-independent. -inf logits stay -inf.
-    delta = torch.where(first & torch.isfinite(old), new - old, 0.0)
-    x.scatter_add_(1, cols, delta)
-
-
-def _sample_candidates(
-    values: torch.Tensor,
-    ids: torch.Tensor | None,
-    batch: SamplingBatch,
-    rows: torch.Tensor,
-    keys: torch.Tensor,
+def _rng_keys(
+    group: RowGroup, generator: torch.Generator | None, device: torch.device
 ) -> torch.Tensor:
-    """Filter and draw among candidates.
+    """int64 [4, r]: the group's seeded keys, fresh random keys for its unseeded rows."""
+    if group.seeded is None:
+        return group.rng_keys
+    gen_device = generator.device if generator is not None else device
+    fresh = torch.randint(
+        0, 1 << 32, (4, group.num_rows), dtype=torch.int64, generator=generator, device=gen_device
+    ).to(device)
+    return torch.where(group.seeded, group.rng_keys, fresh)
 
-    values: float [r, C] logits of the candidates; sorted descending when top-k/top-p may apply
-        (ids given), else the whole vocabulary in id order (ids None, no top-k/top-p).
-    ids: int64 [r, C] token ids of the candidates, or None (column = token id).
-    rows: int64 [r] batch rows; keys: int64 [4, r] counter-RNG keys.
-    Returns int64 [r] token ids.
+
+def _sample_greedy(x, group, batch, generator) -> torch.Tensor:
+    """x float32 [r, V] -> int64 [r]: argmax (first index on ties)."""
+    return x.argmax(dim=1)
+
+
+def _sample_topk(x, group, batch, generator) -> torch.Tensor:
+    """Rows with a top-k <= candidate_cap: draw among the group's max_top_k candidates."""
+    values, ids = torch.topk(x, group.max_top_k, dim=1, sorted=True)
+    v = values.to(torch.float64) / group.temperature
+    keep = _keep(v, group, is_sorted=True)
+    return _draw(v, ids, keep, _rng_keys(group, generator, x.device))
+
+
+def _sample_plain(x, group, batch, generator) -> torch.Tensor:
+    """Rows with only temperature and min-p: draw over the whole vocabulary, unsorted."""
+    v = x.to(torch.float64) / group.temperature
+    keep = _keep(v, group, is_sorted=False)
+    return _draw(v, None, keep, _rng_keys(group, generator, x.device))
+
+
+def _sample_top_p(x, group, batch, generator) -> torch.Tensor:
+    """Rows using top-p without a small top-k: x float32 [r, V] -> int64 [r].
+
+    Tries the batch.candidate_cap most likely tokens first: when the kept set ends inside them
+    (the usual case for a language model), nothing is sorted. Rows whose kept set reaches past
+    them (or whose top-k is larger than the cap) are redone on the fully sorted row. Both ways
+    renormalise top-p by the same whole-vocabulary sum, so the token does not depend on the way.
     """
-    v = values.to(torch.float64) / batch.temperature[rows, None]
-    keep = _keep_sorted(v, batch, rows, top_k_possible=ids is not None)
-    return _draw(v, ids, keep, keys)
+    vocab = x.shape[1]
+    keys = _rng_keys(group, generator, x.device)
+    v_max = x.max(dim=1, keepdim=True).values.to(torch.float64) / group.temperature
+    # Mass min-p keeps, in units of exp(v - v_max). Rows with a top-k (necessarily above the
+    # cap here) renormalise over their top-k set instead (NaN: _keep uses the sorted cumsum).
+    v_all = x.to(torch.float64) / group.temperature
+    weight_all = torch.exp(v_all - v_max)
+    if group.use_min_p:
+        weight_all = torch.where(v_all >= v_max + group.log_min_p, weight_all, 0.0)
+    total = weight_all.sum(dim=1, keepdim=True)
+    if group.use_top_k:
+        total = torch.where(group.top_k < vocab, float("nan"), total)
+
+    cap = min(batch.candidate_cap, vocab)
+    values, ids = torch.topk(x, cap, dim=1, sorted=True)
+    v = values.to(torch.float64) / group.temperature
+    keep = _keep(v, group, is_sorted=True, total=total)
+    tokens = _draw(v, ids, keep, keys)
+    if cap == vocab:
+        return tokens
+    uncovered = torch.isnan(total[:, 0])
+    if keep is not None:
+        uncovered |= keep[:, -1]
+    else:
+        uncovered[:] = True
+    if bool(uncovered.any()):  # a device sync, only on this path
+        slow = uncovered.nonzero().squeeze(1)
+        sub = _subgroup(group, slow)
+        values, ids = torch.sort(x[slow], dim=1, descending=True, stable=True)
+        v = values.to(torch.float64) / sub.temperature
+        keep = _keep(v, sub, is_sorted=True, total=total[slow])
+        tokens[slow] = _draw(v, ids, keep, keys[:, slow])
+    return tokens
+
+
+def _subgroup(group: RowGroup, index: torch.Tensor) -> RowGroup:
+    """The rows `index` (int64 [s], positions within the group) of a group."""
+    return RowGroup(
+        num_rows=int(index.shape[0]),
+        rows=None,
+        temperature=group.temperature[index],
+        top_k=group.top_k[index],
+        top_p=group.top_p[index],
+        log_min_p=group.log_min_p[index],
+        rng_keys=group.rng_keys[:, index],
+        seeded=None,
+        use_min_p=group.use_min_p,
+        use_top_p=group.use_top_p,
+        use_top_k=group.use_top_k,
+        max_top_k=group.max_top_k,
+    )
+
+
+def _keep(
+    v: torch.Tensor,
+    group: RowGroup,
+    *,
+    is_sorted: bool,
+    total: torch.Tensor | None = None,
+    force_top_k: bool = False,
+) -> torch.Tensor | None:
+    """bool [r, C]: which candidates survive min-p, top-k and top-p (None: all of them).
+
+    v: float64 [r, C] logits / temperature. is_sorted: v is sorted descending along each row
+    (then the kept set is a prefix and top-k/top-p apply); otherwise v is in token order and
+    only min-p may apply (the batch guarantees such rows use neither top-k nor top-p).
+    total: float64 [r, 1], the mass top-p renormalises by, in units of exp(v - v_max); NaN or
+    None: the sum over the kept candidates. force_top_k: apply the top-k mask even when the
+    group's candidates are already cut at top-k.
+    """
+    keep = None
+    v_max = v[:, :1] if is_sorted else v.max(dim=1, keepdim=True).values
+    if group.use_min_p:
+        keep = v >= v_max + group.log_min_p
+    if is_sorted and (group.use_top_k or force_top_k):
+        in_top_k = torch.arange(v.shape[1], device=v.device) < group.top_k
+        keep = in_top_k if keep is None else keep & in_top_k
+    if is_sorted and group.use_top_p:
+        weight = torch.exp(v - v_max)
+        if keep is not None:
+            weight = torch.where(keep, weight, 0.0)
+        cumulative = torch.cumsum(weight, dim=1)
+        kept_mass = cumulative[:, -1:]
+        if total is not None:
+            kept_mass = torch.where(torch.isnan(total), kept_mass, total)
+        in_top_p = cumulative - weight < group.top_p * kept_mass
+        keep = in_top_p if keep is None else keep & in_top_p
+    return keep
 
 
 def _draw(
-    v: torch.Tensor, ids: torch.Tensor | None, keep: torch.Tensor, keys: torch.Tensor
+    v: torch.Tensor, ids: torch.Tensor | None, keep: torch.Tensor | None, keys: torch.Tensor
 ) -> torch.Tensor:
     """Gumbel-max over kept candidates: argmax(v - log(-log u)) ~ softmax(v) restricted to keep.
 
     v: float64 [r, C]; ids: int64 [r, C] token ids or None (column = token id); keep: bool
-    [r, C]; keys: int64 [4, r]. The uniform of a candidate depends only on its token id.
-    Returns int64 [r] token ids.
+    [r, C] or None (all); keys: int64 [4, r]. A candidate's uniform depends only on its token
+    id, so the draw does not depend on candidate order or count. Returns int64 [r] token ids.
     """
     u = uniform_from_keys(keys, ids if ids is not None else v.shape[1])
-    score = torch.where(keep, v - torch.log(-torch.log(u)), float("-inf"))
+    score = v - torch.log(-torch.log(u))
+    if keep is not None:
+        score = torch.where(keep, score, float("-inf"))
     choice = score.argmax(dim=1)
     if ids is None:
         return choice
     return ids.gather(1, choice[:, None]).squeeze(1)
-
-
-def _sample_top_p_rows(
-    x: torch.Tensor, batch: SamplingBatch, rows: torch.Tensor, keys: torch.Tensor
-) -> torch.Tensor:
-    """Rows using top-p without a small top-k: x float32 [r, V] processed logits -> int64 [r].
-
-    Tries the batch.candidate_cap most likely tokens first: when the kept set ends inside them (the
-    usual case), nothing is sorted. Rows whose kept set reaches past them (or whose top-k is
-    larger than the cap) are redone on the fully sorted row. Both ways use the same
-    renormalising mass (a whole-vocabulary sum), so a row's token does not depend on the path.
-    """
-    num_rows, vocab = x.shape
-    temperature = batch.temperature[rows, None]
-    v_max = x.max(dim=1, keepdim=True).values.to(torch.float64) / temperature
-    # Mass of the tokens min-p keeps, relative to the top token (exp(v - v_max)); rows with a
-    # top-k (necessarily > candidate_cap here) renormalise over the top-k set instead (NaN:
-    # _keep_sorted then uses the sorted cumulative sum).
-    v_all = x.to(torch.float64) / temperature
-    weight_all = torch.exp(v_all - v_max)
-    if batch.use_min_p:
-        weight_all = torch.where(
-            v_all >= v_max + torch.log(batch.min_p[rows, None]), weight_all, 0.0
-        )
-    total = weight_all.sum(dim=1, keepdim=True)
-    total = torch.where(batch.top_k[rows, None] == 0, total, float("nan"))
-
-    cap = min(batch.candidate_cap, vocab)
-    values, ids = torch.topk(x, cap, dim=1, sorted=True)
-    v = values.to(torch.float64) / temperature
-    keep = _keep_sorted(v, batch, rows, top_k_possible=True, total=total)
-    tokens = _draw(v, ids, keep, keys)
-    uncovered = (keep[:, -1] | torch.isnan(total[:, 0])) & (cap < vocab)
-    if bool(uncovered.any()):  # a device sync, only on this path
-        slow = uncovered.nonzero().squeeze(1)
-        values, ids = torch.sort(x[slow], dim=1, descending=True, stable=True)
-        v = values.to(torch.float64) / temperature[slow]
-        keep = _keep_sorted(v, batch, rows[slow], top_k_possible=True, total=total[slow])
-        tokens[slow] = _draw(v, ids, keep, keys[:, slow])
-    return tokens
-
-def _keep_sorted(
-    v: torch.Tensor,
-    batch: SamplingBatch,
-    rows: torch.Tensor,
-    *,
-    top_k_possible: bool,
-    total: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """bool [r, C]: which candidates survive min-p, top-k and top-p.
-
-    v: float64 [r, C] logits / temperature. With top_k_possible, v is sorted descending along
-    each row (the kept set is then a prefix); otherwise v is in token order and only min-p may
-    apply (the batch guarantees these rows use neither top-k nor top-p).
-    total: float64 [r, 1], the mass top-p renormalises by (in units of exp(v - v_max)); NaN or
-    None: the sum over the kept candidates.
-    """
-    v_max = v[:, :1] if top_k_possible else v.max(dim=1, keepdim=True).values
-    keep = torch.isfinite(v)
-    if batch.use_min_p:
-        keep &= v >= v_max + torch.log(batch.min_p[rows, None])
-    if top_k_possible:
-        top_k = batch.top_k[rows, None]
-        position = torch.arange(v.shape[1], device=v.device)
-        keep &= (top_k == 0) | (position < top_k)
-        if batch.use_top_p:
-            weight = torch.where(keep, torch.exp(v - v_max), 0.0)
-            cumulative = torch.cumsum(weight, dim=1)
-            mass_before = cumulative - weight
-            kept_mass = cumulative[:, -1:]
-            if total is not None:
-                kept_mass = torch.where(torch.isnan(total), kept_mass, total)
-            keep &= mass_before < batch.top_p[rows, None] * kept_mass
-    return keep
