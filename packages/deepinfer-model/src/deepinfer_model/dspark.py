@@ -30,7 +30,7 @@ from .config import ModelConfig
 from .forward_batch import ForwardBatch, StepContext
 from .layers.attention import Attention, write_ring
 from .layers.block import Block
-from .layers.linear import Embedding, FP8Linear, Linear, RMSNorm
+from .layers.linear import Embedding, FP8Linear, Linear, RMSNorm, dense
 from .layers.mhc import identity_pre
 
 
@@ -88,7 +88,7 @@ class MarkovHead(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         emb = self.embed(ids)
-        return torch.nn.functional.linear(emb.float(), self.head.weight.float()), emb
+        return dense(emb.float(), self.head.weight.float()), emb
 
 
 class ConfidenceHead(nn.Module):
@@ -100,7 +100,7 @@ class ConfidenceHead(nn.Module):
 
     def forward(self, x: torch.Tensor, markov: torch.Tensor) -> torch.Tensor:
         z = torch.cat([x.float(), markov.float()], dim=-1)
-        return torch.nn.functional.linear(z, self.proj.weight.float()).squeeze(-1)
+        return dense(z, self.proj.weight.float()).squeeze(-1)
 
 
 class DSparkStage(Block):

@@ -17,7 +17,11 @@ class ForwardBatch:
     (tokens already in the cache); slots: [B] int64 (per-slot state index); block_tables:
     [B, max_blocks] int32 page ids (-1 padded); logits_indices: [R] int64 flat rows whose logits
     are wanted; return_hidden: also return the DSpark target-layer hidden states of all T rows.
-    keep_tokens: optional [B] int64 (YOCO compact prefill); see `Model.forward`.
+    yoco_floor: optional [B] int64 (YOCO compact prefill, "decoder SWA bounded replay"): the
+    first position of each sequence that runs the layers after the CED split layer (layers
+    > `config.decoder_start_layer`); tokens before it stop after that layer, and those layers'
+    windows never reach below it. 0 (or None) = exact path. Pass the same value for a sequence's
+    whole life (prompt chunks and decode steps) once set.
     """
 
     input_ids: torch.Tensor
@@ -28,7 +32,7 @@ class ForwardBatch:
     block_tables: torch.Tensor
     logits_indices: torch.Tensor
     return_hidden: bool = False
-    keep_tokens: torch.Tensor | None = None
+    yoco_floor: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -108,6 +112,13 @@ class StepContext:
     compressed: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
     topk: dict[int, torch.Tensor] = field(default_factory=dict)
     candidates: list[torch.Tensor] | None = None
+    floor: list[int] | None = None
+
+    block_rows: list[int] | None = None
+    """Rows of `batch.block_tables` per sequence of this context (None: 0..B-1)."""
+
+    def block_table(self, b: int) -> torch.Tensor:
+        return self.batch.block_tables[b if self.block_rows is None else self.block_rows[b]]
 
     @property
     def num_tokens(self) -> int:
@@ -144,6 +155,13 @@ class StepContext:
                     "(context_lens[b] onwards)"
                 )
         lens = [cu[i + 1] - cu[i] for i in range(b)]
+        floor = None
+        if batch.yoco_floor is not None:
+            if batch.yoco_floor.shape != (b,):
+                raise ValueError(f"ForwardBatch.yoco_floor: must be [{b}]")
+            floor = [int(v) for v in batch.yoco_floor.tolist()]
+            if min(floor) < 0:
+                raise ValueError("ForwardBatch.yoco_floor: positions must be >= 0")
         seq_of = torch.repeat_interleave(
             torch.arange(b, device=batch.input_ids.device),
             torch.tensor(lens, device=batch.input_ids.device),
@@ -156,4 +174,48 @@ class StepContext:
             lens=lens,
             ctx=ctx,
             slots=[int(s) for s in batch.slots.tolist()],
+            floor=floor,
         )
+
+    def late_subset(self) -> tuple[StepContext, torch.Tensor] | None:
+        """The context of the tokens at or after each sequence's YOCO floor (None when every
+        token is kept), and the kept flat rows [T']. Sequences with no kept token drop out;
+        per-sequence and per-token state handed down by earlier layers is subset alike."""
+        if self.floor is None:
+            return None
+        dev = self.positions.device
+        floor_t = torch.tensor(self.floor, device=dev)
+        keep = self.positions >= floor_t[self.seq_of]
+        if bool(keep.all()):
+            return None
+        rows = torch.nonzero(keep).flatten()
+        seqs = [b for b in range(self.num_seqs) if self.ctx[b] + self.lens[b] > self.floor[b]]
+        starts, lens, ctxs = [], [], []
+        for b in seqs:
+            first = max(self.ctx[b], self.floor[b])
+            starts.append(sum(lens))
+            lens.append(self.ctx[b] + self.lens[b] - first)
+            ctxs.append(first)
+        remap = {b: i for i, b in enumerate(seqs)}
+        seq_of = torch.tensor(
+            [remap[int(b)] for b in self.seq_of[rows].tolist()], device=dev, dtype=torch.int64
+        )
+        sub = StepContext(
+            batch=self.batch,
+            positions=self.positions[rows],
+            seq_of=seq_of,
+            starts=starts,
+            lens=lens,
+            ctx=ctxs,
+            slots=[self.slots[b] for b in seqs],
+            compressed={k: [v[b] for b in seqs] for k, v in self.compressed.items()},
+            topk={k: v[rows] for k, v in self.topk.items()},
+            candidates=None,
+            floor=[self.floor[b] for b in seqs],
+            block_rows=[b if self.block_rows is None else self.block_rows[b] for b in seqs],
+        )
+        if self.candidates is not None:
+            sub.candidates = [
+                self.candidates[b][ctxs[i] - self.ctx[b] :] for i, b in enumerate(seqs)
+            ]
+        return sub, rows

@@ -8,7 +8,6 @@ the checkpoint's (`embed.weight`, `layers.N.attn.wq_a.weight` + `.scale`, ..., `
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from deepinfer_kernels import ops
 from torch import nn
 
@@ -18,7 +17,7 @@ from .dspark import DSparkStage
 from .forward_batch import ForwardBatch, ForwardOutput, StepContext
 from .layers.block import Block
 from .layers.engram import EngramHasher
-from .layers.linear import Embedding, RMSNorm
+from .layers.linear import Embedding, RMSNorm, dense
 from .layers.mhc import identity_pre
 
 
@@ -32,7 +31,7 @@ class Head(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.weight.float())
+        return dense(x.float(), self.weight.float())
 
 
 class Model(nn.Module):
@@ -73,14 +72,16 @@ class Model(nn.Module):
 
         Returns logits [R, vocab] fp32 for `batch.logits_indices` and, if
         `batch.return_hidden`, the DSpark inputs [T, D * len(dspark_target_layer_ids)]: for each
-        target layer the mean over the hc streams of that layer's input (before its Engram-free
-        block), concatenated in target order.
+        target layer the mean over the hc streams of that layer's input, concatenated in target
+        order.
+
+        YOCO compact prefill (`batch.yoco_floor`, reference §3 "decoder SWA bounded replay"):
+        layers 0 .. `decoder_start_layer` (all of layer 20, which also publishes the shared
+        compressed KV, index keys and candidates) run on every token; later layers run only on
+        tokens at positions >= the sequence's floor, with their windows cut at the floor. This
+        is approximate by design (the exact path is `yoco_floor=None`); hidden rows of tokens
+        below the floor are zero, and their logits cannot be requested.
         """
-        if batch.keep_tokens is not None:
-            raise NotImplementedError(
-                "ForwardBatch.keep_tokens (YOCO compact prefill: decoder layers on the last K "
-                "tokens only) is not implemented in deepinfer_model yet"
-            )
         ctx = StepContext.from_batch(batch)
         cfg = self.config
         ids = batch.input_ids
@@ -92,20 +93,49 @@ class Model(nn.Module):
         hashes = self.engram_hasher(ids, ctx, cache) if self.engram_hasher is not None else None
         h = self.embed(ids).to(self.dtype).unsqueeze(1).repeat(1, cfg.hc_mult, 1)
         pre = identity_pre(ids.shape[0], cfg.hc_mult, ids.device)
-        hidden = []
+        hidden: dict[int, torch.Tensor] = {}
+        rows_of = None  # YOCO compact: flat rows still running, after the CED split layer
+        full_t = ids.shape[0]
         for i, layer in enumerate(self.layers):
+            if rows_of is not None and rows_of.numel() == 0:
+                # every token of the step lies below its YOCO floor: nothing left to run
+                if batch.return_hidden and i in cfg.dspark_target_layer_ids:
+                    hidden[i] = h.new_zeros(full_t, cfg.hidden_size)
+                continue
             if layer.engram is not None:
                 h = layer.engram(h, hashes[:, layer.engram.layer_index])
             if batch.return_hidden and i in cfg.dspark_target_layer_ids:
-                hidden.append((i, h.float().mean(1).to(h.dtype)))
+                hidden[i] = self._scatter(h.float().mean(1).to(h.dtype), rows_of, full_t)
             h, pre = layer(h, pre, ctx, cache)
+            if i == cfg.decoder_start_layer and ctx.floor is not None:
+                late = ctx.late_subset()
+                if late is not None:
+                    ctx, rows_of = late
+                    h, pre = h[rows_of], pre[rows_of]
+        if rows_of is not None:
+            pos_of = torch.full((full_t,), -1, dtype=torch.int64, device=ids.device)
+            pos_of[rows_of] = torch.arange(rows_of.shape[0], device=ids.device)
+            rows = pos_of[rows]
+            if rows.numel() and int(rows.min()) < 0:
+                raise ValueError(
+                    "ForwardBatch.logits_indices: a requested row lies before its sequence's "
+                    "yoco_floor, so the decoder layers never ran on it"
+                )
         y = self.norm(ops.hc_pre(h[rows], pre[rows]))
         logits = self.head(y)
         out_hidden = None
         if batch.return_hidden:
-            by_layer = dict(hidden)
-            out_hidden = torch.cat([by_layer[i] for i in cfg.dspark_target_layer_ids], dim=-1)
+            out_hidden = torch.cat([hidden[i] for i in cfg.dspark_target_layer_ids], dim=-1)
         return ForwardOutput(logits=logits, hidden=out_hidden)
+
+    @staticmethod
+    def _scatter(x: torch.Tensor, rows: torch.Tensor | None, total: int) -> torch.Tensor:
+        """Rows [T', ...] back to [total, ...] (zeros for rows that skipped the late layers)."""
+        if rows is None:
+            return x
+        out = x.new_zeros(total, *x.shape[1:])
+        out[rows] = x
+        return out
 
 
 @torch.no_grad()

@@ -26,4 +26,12 @@ def sparse_sink_attention(
     ``p_i = exp(l_i) / (sum_j exp(l_j) + exp(sink_h))``, ``l_i = scale * q . kv_i``.
     q: [T, H, d]; kv: [N, d]; indices: [T, K] int, -1 = empty slot; returns [T, H, d].
     """
-    return REGISTRY.call("sparse_sink_attention", q, kv, indices, sink, scale)
+    return REGISTRY.call(
+        "sparse_sink_attention",
+        q,
+        kv,
+        indices,
+        sink,
+        scale,
+        batch_invariant=REGISTRY.batch_invariant,
+    )

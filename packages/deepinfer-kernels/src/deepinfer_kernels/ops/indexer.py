@@ -26,7 +26,7 @@ REGISTRY.register(
 
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """``score[t, n] = sum_h weights[t, h] * relu(q[t, h] . k[n])``; [T, N] fp32."""
-    return REGISTRY.call("indexer_scores", q, weights, k)
+    return REGISTRY.call("indexer_scores", q, weights, k, batch_invariant=REGISTRY.batch_invariant)
 
 
 def index_topk(scores: torch.Tensor, lens: torch.Tensor, topk: int) -> torch.Tensor:

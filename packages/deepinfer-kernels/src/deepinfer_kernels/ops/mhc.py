@@ -19,7 +19,7 @@ for _op in ("hc_mixes", "hc_split_sinkhorn", "hc_pre", "hc_post"):
 
 def hc_mixes(h: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
     """``(flat(h) . fn^T) * rsqrt(mean(flat(h)^2) + norm_eps)``: [T, hc, D] -> [T, mix] fp32."""
-    return REGISTRY.call("hc_mixes", h, fn, norm_eps)
+    return REGISTRY.call("hc_mixes", h, fn, norm_eps, batch_invariant=REGISTRY.batch_invariant)
 
 
 def hc_split_sinkhorn(

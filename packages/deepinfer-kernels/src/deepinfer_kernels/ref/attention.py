@@ -13,6 +13,8 @@ def sparse_sink_attention(
     indices: torch.Tensor,
     sink: torch.Tensor,
     scale: float,
+    *,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """Each query row attends to the KV rows its `indices` name; -1 entries are ignored.
 
@@ -35,14 +37,15 @@ def sparse_sink_attention(
         return out.to(q.dtype)
     kvf = kv.float()
     sinkf = sink.float()
-    for s in range(0, t, _CHUNK):
-        idx = indices[s : s + _CHUNK].long()
+    step = 1 if batch_invariant else _CHUNK
+    for s in range(0, t, step):
+        idx = indices[s : s + step].long()
         valid = idx >= 0
         keys = kvf[idx.clamp_min(0)]  # [c, K, d]
-        logits = torch.einsum("chd,ckd->chk", q[s : s + _CHUNK].float(), keys) * scale
+        logits = torch.einsum("chd,ckd->chk", q[s : s + step].float(), keys) * scale
         logits = logits.masked_fill(~valid.unsqueeze(1), float("-inf"))
         m = torch.maximum(logits.amax(-1), sinkf)  # [c, H]; finite thanks to the sink
         p = torch.exp(logits - m.unsqueeze(-1))
         denom = p.sum(-1) + torch.exp(sinkf - m)
-        out[s : s + _CHUNK] = torch.einsum("chk,ckd->chd", p, keys) / denom.unsqueeze(-1)
+        out[s : s + step] = torch.einsum("chk,ckd->chd", p, keys) / denom.unsqueeze(-1)
     return out.to(q.dtype)

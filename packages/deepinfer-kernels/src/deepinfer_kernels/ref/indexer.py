@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 
 
-def indexer_scores(q: torch.Tensor, weights: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+def indexer_scores(
+    q: torch.Tensor, weights: torch.Tensor, k: torch.Tensor, *, batch_invariant: bool = False
+) -> torch.Tensor:
     """``score[t, n] = sum_h weights[t, h] * relu(q[t, h] . k[n])``.
 
     q: [T, IH, Id]; weights: [T, IH] (already scaled); k: [N, Id]. Returns [T, N] fp32.
@@ -15,7 +17,11 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, k: torch.Tensor) -> t
             "indexer_scores: q [T,IH,Id] and k [N,Id] expected, "
             f"got {list(q.shape)}, {list(k.shape)}"
         )
-    s = torch.einsum("thd,nd->thn", q.float(), k.float()).relu_()
+    kt = k.float().t()
+    if batch_invariant:
+        s = torch.stack([q[i].float() @ kt for i in range(q.shape[0])]).relu_()
+    else:
+        s = torch.einsum("thd,nd->thn", q.float(), k.float()).relu_()
     return (s * weights.float().unsqueeze(-1)).sum(1)
 
 

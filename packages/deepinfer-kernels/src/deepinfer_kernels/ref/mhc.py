@@ -5,7 +5,16 @@ from __future__ import annotations
 import torch
 
 
-def hc_mixes(h: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
+def _rows_mm(a: torch.Tensor, b_t: torch.Tensor, batch_invariant: bool) -> torch.Tensor:
+    """a [M, K] @ b_t [K, N]; one row at a time when `batch_invariant` (no M-dependent tiling)."""
+    if not batch_invariant or a.shape[0] <= 1:
+        return a @ b_t
+    return torch.cat([a[i : i + 1] @ b_t for i in range(a.shape[0])])
+
+
+def hc_mixes(
+    h: torch.Tensor, fn: torch.Tensor, norm_eps: float, *, batch_invariant: bool = False
+) -> torch.Tensor:
     """Mixing logits of the residual streams. h: [T, hc, D]; fn: [mix, hc*D] fp32.
 
     ``m = (flat(h) . fn^T) * rsqrt(mean(flat(h)^2) + norm_eps)``, one statistic per token over
@@ -13,7 +22,7 @@ def hc_mixes(h: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor
     """
     x = h.flatten(1).float()
     rstd = torch.rsqrt(x.square().mean(-1, keepdim=True) + norm_eps)
-    return (x @ fn.float().t()) * rstd
+    return _rows_mm(x, fn.float().t(), batch_invariant) * rstd
 
 
 def hc_split_sinkhorn(
@@ -56,5 +65,7 @@ def hc_post(
     y: [T, D]; residual: [T, hc, D]; post: [T, hc]; comb: [T, hc, hc]. Returns [T, hc, D] y.dtype.
     """
     out = post.float().unsqueeze(-1) * y.float().unsqueeze(1)
-    out = out + torch.einsum("tjk,tjd->tkd", comb.float(), residual.float())
+    res = residual.float()
+    for j in range(res.shape[1]):  # elementwise, so every row is computed alike
+        out = out + comb[:, j, :].float().unsqueeze(-1) * res[:, j : j + 1, :]
     return out.to(y.dtype)

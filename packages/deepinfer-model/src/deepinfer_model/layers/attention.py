@@ -23,7 +23,7 @@ from ..config import ModelConfig
 from ..forward_batch import StepContext
 from .compressor import Compressor
 from .indexer import Indexer
-from .linear import FP8Linear, RMSNorm
+from .linear import FP8Linear, RMSNorm, dense
 from .rope import layer_inv_freq
 
 
@@ -49,7 +49,8 @@ def window_indices(ctx: StepContext, window: int, ring_len: int) -> torch.Tensor
     from_step = ctx.num_seqs * ring_len + start_t + q - ctx_t
     from_ring = seq.unsqueeze(1) * ring_len + q.remainder(ring_len)
     idx = torch.where(q >= ctx_t, from_step, from_ring)
-    return torch.where(q < 0, -1, idx)
+    lowest = 0 if ctx.floor is None else torch.tensor(ctx.floor, device=dev)[seq].unsqueeze(1)
+    return torch.where(q < lowest, -1, torch.where(q < 0, -1, idx))
 
 
 def write_ring(ring: torch.Tensor, ctx: StepContext, kv: torch.Tensor) -> None:
@@ -133,7 +134,7 @@ class Attention(nn.Module):
         o = rope_tail(o, positions, self.inv_freq, self.rope_dim, inverse=True)
         o = o.reshape(o.shape[0], self.n_groups, -1)
         wo_a = self.wo_a.dequantized(o.dtype).view(self.n_groups, self.o_lora_rank, -1)
-        o = torch.einsum("tgd,grd->tgr", o, wo_a)
+        o = torch.stack([dense(o[:, g], wo_a[g]) for g in range(self.n_groups)], dim=1)
         return self.wo_b(o.flatten(1))
 
     # -- compressed branch ----------------------------------------------------------------------
@@ -141,7 +142,6 @@ class Attention(nn.Module):
         """kv source: compress, write index keys and compressed KV to pages, read them back."""
         latent, seq, entry = self.compressor(x, ctx, cache)
         r = self.ratio
-        bt = ctx.batch.block_tables
         if latent.shape[0]:
             keys = self.indexer.index_keys(latent, entry, self.inv_freq, self.fake_quant_kv)
             kv = rope_tail(latent, entry * r, self.inv_freq, self.rope_dim)
@@ -151,14 +151,14 @@ class Attention(nn.Module):
                 sel = seq == b
                 if not bool(sel.any()):
                     continue
-                pages, rows = cache.entry_location(bt[b], entry[sel], r)
+                pages, rows = cache.entry_location(ctx.block_table(b), entry[sel], r)
                 cache.compressed_kv[self.layer_id][pages, rows] = kv[sel].to(cache.dtype)
                 cache.index_k[self.layer_id][pages, rows] = keys[sel].to(cache.dtype)
         out = []
         for b in range(ctx.num_seqs):
             n_c = (ctx.ctx[b] + ctx.lens[b]) // r
             ids = torch.arange(n_c, device=x.device)
-            pages, rows = cache.entry_location(bt[b], ids, r)
+            pages, rows = cache.entry_location(ctx.block_table(b), ids, r)
             out.append(
                 (
                     cache.compressed_kv[self.layer_id][pages, rows].to(x.dtype),

@@ -11,11 +11,26 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from deepinfer_kernels import ops, quant
+from deepinfer_kernels import REGISTRY, ops, quant
 from torch import nn
 
 FP8_DTYPE = torch.float8_e4m3fn
 SCALE_DTYPE = torch.float8_e8m0fnu
+
+
+def dense(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ w [N, K]^T in the common dtype of x and w -> [..., N].
+
+    With DEEPINFER_BATCH_INVARIANT=1 each row is its own product, so a row's result does not
+    depend on how many rows share the call (prefill == decode bitwise, even through the
+    quantisers downstream).
+    """
+    x2 = x.reshape(-1, x.shape[-1])
+    if REGISTRY.batch_invariant and x2.shape[0] > 1:
+        y = torch.cat([F.linear(x2[i : i + 1], w) for i in range(x2.shape[0])])
+    else:
+        y = F.linear(x2, w)
+    return y.view(*x.shape[:-1], w.shape[0])
 
 
 def _frozen(
@@ -59,7 +74,7 @@ class Linear(nn.Module):
         self.weight = _frozen((out_features, in_features), dtype, device)
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        y = torch.nn.functional.linear(x.to(self.weight.dtype), self.weight)
+        y = dense(x.to(self.weight.dtype), self.weight)
         return y.to(out_dtype or x.dtype)
 
 
