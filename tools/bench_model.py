@@ -16,6 +16,18 @@ Rows:
 Peak memory is `torch.cuda.max_memory_allocated()` during the row, and the part of it above
 the weights + KV cache allocated before the row (activations and temporaries).
 
+Baseline recorded 2026-11-30, one H200, bf16, `--iters 2` (ms per call, median):
+
+| row | tokens | layer 20 ms | layer 21 ms | peak GiB | act+tmp GiB |
+|---|---:|---:|---:|---:|---:|
+| decode B=1 ctx=8192 | 1 | 30.0 | 25.0 | 22.1 | 0.5 |
+| decode B=32 ctx=8192 | 32 | 271.8 | 243.5 | 22.7 | 1.2 |
+| decode B=256 ctx=8192 | 256 | 975.4 | 618.3 | 30.7 | 9.2 |
+| prefill 1x8192 | 8192 | 838.0 | 778.9 | 38.8 | 17.3 |
+
+(weights 13.8 GiB for the two layers; the rest of the static peak is the KV cache for
+256 x 8K tokens of every kv source and 43 window rings.)
+
 Usage: python tools/bench_model.py [--device cuda] [--context 8192] [--batches 1,32,256]
        [--prefill 8192] [--iters 3] [--tiny] [--experts N]
        (--tiny: the tiny config; --experts: fewer routed experts; both only to check on CPU)
