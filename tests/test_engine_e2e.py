@@ -28,14 +28,19 @@ def llm():
     )
 
 
-def plain_greedy(model, config, prompt_ids: list[int], n: int) -> list[int]:
-    """Greedy decoding that recomputes the whole sequence from an empty cache at every step."""
+def plain_greedy(model, config, prompt_ids: list[int], n: int, floor: int = 0) -> list[int]:
+    """Greedy decoding that recomputes the whole sequence from an empty cache at every step.
+
+    floor > 0: the model's own YOCO compact semantics (`ForwardBatch.yoco_floor`), one shot.
+    """
     toks, out = list(prompt_ids), []
     spec = CacheSpec.from_config(config, block_size=8, dtype=torch.float32)
     for _ in range(n):
         blocks = (len(toks) + 7) // 8
         cache = KVCache(config, spec, blocks, 1, device="cpu", dtype=torch.float32)
         batch = ForwardBatch.build([toks], [0], [0], [list(range(blocks))])
+        if floor:
+            batch.yoco_floor = torch.tensor([floor])
         with torch.inference_mode():
             t = int(model.forward(batch, cache).logits[0].argmax())
         toks.append(t)
@@ -93,3 +98,18 @@ def test_chat_and_bad_input(llm):
         )
     with pytest.raises(ValueError, match="prompt 0: token id"):
         llm.generate([[1, 10**6]], use_tqdm=False)
+
+
+def test_yoco_compact_matches_the_models_truncated_prefill_under_chunking():
+    k = 10  # tiny window 8 + (use_nextn_decode 1 + 1)
+    llm = LLM(accelerator="cpu", kv_cache_bytes=64 << 20, max_num_seqs=4, block_size=8,
+              max_model_len=256, max_num_batched_tokens=7, yoco_prefill_truncation_mode="compact",
+              yoco_prefill_keep_tokens=k, use_nextn_decode=1)
+    prompt = "The quick brown fox jumps over the lazy dog"
+    out = llm.generate([prompt, "1 2 3"], SamplingParams(temperature=0, max_tokens=3),
+                       use_tqdm=False)
+    model, cfg = llm.engine.bundle.model, llm.engine.bundle.model.config
+    for o in out:
+        ids = o.prompt_token_ids
+        ref = plain_greedy(model, cfg, ids, 3, floor=max(0, len(ids) - k))
+        assert o.outputs[0].token_ids == ref

@@ -21,6 +21,7 @@ each (ignore_eos), with async scheduling on and then off, in the same process. R
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import statistics
 import time
@@ -183,13 +184,16 @@ def main() -> None:
     for name in args.models:
         t = time.perf_counter()
         if name == "tiny":
-            llm = LLM(None, accelerator=accel, max_num_seqs=max(args.batches))
+            llm = LLM(
+                None, accelerator=accel, max_num_seqs=max(args.batches), gpu_memory_utilization=0.5
+            )
         else:
             llm = LLM.from_bundle(
                 slice_bundle(args.device, args.slice_experts),
                 accelerator=accel,
                 max_num_seqs=max(args.batches),
                 max_model_len=4096,
+                gpu_memory_utilization=0.5,
             )
         print(f"# {name}: built in {time.perf_counter() - t:.1f}s on {args.device}", flush=True)
         for b in args.batches:
@@ -197,6 +201,10 @@ def main() -> None:
                 r = run_one(llm, b, args.prompt_len, args.max_tokens, async_on)
                 rows.append((name, b, "on" if async_on else "off", r))
                 print(f"#   {name} B={b} async={'on' if async_on else 'off'}: {r}", flush=True)
+        del llm  # give the KV cache and weights back before the next model
+        gc.collect()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
     dev = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(
         f"\nengine benchmark on {dev}: prompt {args.prompt_len} tokens, "
