@@ -237,8 +237,8 @@ def test_hub_repo_id_resolves_through_snapshot_download_offline(tmp_path: Path) 
         print(sorted(reader.entries))
         try:
             resolve_checkpoint("acme/absent")
-        except Exception as e:
-            print("absent:", type(e).__name__)
+        except FileNotFoundError as e:
+            print("absent:", type(e.__cause__).__name__, "acme/absent" in str(e))
         """
     )
     env = os.environ | {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub")}
@@ -247,7 +247,7 @@ def test_hub_repo_id_resolves_through_snapshot_download_offline(tmp_path: Path) 
     ).stdout.splitlines()
     assert Path(out[0]) == snap
     assert out[1] == str(sorted(_random_state()))
-    assert out[2] == "absent: LocalEntryNotFoundError"
+    assert out[2] == "absent: LocalEntryNotFoundError True"
 
 
 def test_hub_download_asks_only_for_text_model_files(tmp_path: Path, monkeypatch) -> None:
@@ -300,3 +300,11 @@ def test_peak_rss_while_loading_stays_under_1_2x_checkpoint(tmp_path: Path) -> N
     peak, size = map(int, out.stdout.split())
     assert size == n * per_tensor * 4
     assert peak <= 1.2 * size, (peak / size, peak, size)
+
+
+def test_load_model_needs_a_config(tmp_path: Path) -> None:
+    from deepinfer_model.loader import load_model
+
+    _write_sharded(tmp_path, _random_state(), SHARDS)
+    with pytest.raises(CheckpointError, match=r"no config\.json"):
+        load_model(tmp_path, "cpu", torch.float32, progress=False)

@@ -39,7 +39,8 @@ def resolve_checkpoint(
 
     `source` is an existing directory, or a hub repo id `owner/name` (optionally pinned with
     `revision`), which is downloaded (or found in the hub cache) via `snapshot_download`.
-    Raises FileNotFoundError when `source` is neither an existing directory nor a valid repo id.
+    Raises FileNotFoundError when `source` is neither an existing directory nor a repo id that
+    the hub (or its cache, offline) can provide.
     """
     path = Path(source).expanduser()
     if path.is_dir():
@@ -54,13 +55,19 @@ def resolve_checkpoint(
     # purely local load should not pay for or depend on it.
     from huggingface_hub import snapshot_download
 
-    local = snapshot_download(
-        repo_id=text,
-        revision=revision,
-        allow_patterns=list(allow_patterns),
-        cache_dir=None if cache_dir is None else os.fspath(cache_dir),
-        local_files_only=local_files_only,
-    )
+    try:
+        local = snapshot_download(
+            repo_id=text,
+            revision=revision,
+            allow_patterns=list(allow_patterns),
+            cache_dir=None if cache_dir is None else os.fspath(cache_dir),
+            local_files_only=local_files_only,
+        )
+    except Exception as e:  # offline miss, unknown repo, network: say what was tried
+        raise FileNotFoundError(
+            f"checkpoint source {text!r} is not a local directory, and fetching it as a hub "
+            f"repo id failed: {type(e).__name__}: {e}"
+        ) from e
     return Path(local)
 
 
