@@ -34,7 +34,7 @@ def py_uniform(seed: int, position: int, column: int, stream: int) -> float:
     spread = (column * ((0x6A09E667 >> 1) | 1)) & M32
     hi = py_mix32(py_mix32(keys[0] ^ spread) ^ keys[1])
     lo = py_mix32(py_mix32(keys[2] ^ spread) ^ keys[3])
-    return ((hi << 21) | (lo >> 11)) / 2.0**53 + 2.0**-54
+    return ((hi << 20) | (lo >> 12)) / 2.0**52 + 2.0**-53
 
 
 seeds_st = st.integers(0, 2**63 - 1)

@@ -11,8 +11,11 @@ uniform is a hash of its coordinates
 
 The hash uses only integer ops that are exact in torch int64 on every device: all intermediate
 values stay in [0, 2**63) (32-bit lanes, multipliers below 2**31, so products never overflow and
-right shifts are logical), and the 53-bit result converts to float64 exactly. Hence the uniforms
-are bit-identical on CPU and CUDA.
+right shifts are logical), and the 52-bit result k gives (k + 0.5) / 2**52 exactly in float64.
+Hence the uniforms are bit-identical on CPU and CUDA. On CUDA the same integer recipe runs as
+one fused elementwise kernel (torch's jiterator, compiled on first use) instead of ~30 small
+kernels; tests check it against the CPU path bit for bit, and any failure to build it falls
+back to the plain torch ops.
 
 Reserved streams (add new ones here so two users never share draws):
 
@@ -24,6 +27,8 @@ Reserved streams (add new ones here so two users never share draws):
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 
@@ -52,7 +57,7 @@ _COLUMN_STEP = 0x6A09E667 >> 1 | 1
 # Distinct starting words of the four key lanes.
 _LANE_INIT = (0x2545F491, 0x3C6EF372, 0x1B873593, 0x5BE0CD19)
 _MAX_COLUMN = 1 << 31
-_TWO_POW_MINUS_53 = 2.0**-53
+_TWO_POW_MINUS_52 = 2.0**-52
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -115,7 +120,7 @@ def uniform_from_keys(keys: torch.Tensor, columns: int | torch.Tensor) -> torch.
         columns: int C (columns 0..C-1), LongTensor [C] (the same columns for every row) or
             LongTensor [R, C] (per-row columns, e.g. candidate token ids). Values in [0, 2**31).
     Returns:
-        float64 [R, C], each value (k + 0.5) / 2**53 for an integer k in [0, 2**53): never 0 or 1.
+        float64 [R, C], each value (k + 0.5) / 2**52 for an integer k in [0, 2**52): never 0 or 1.
     """
     num_rows = keys.shape[1]
     device = keys.device
@@ -134,16 +139,77 @@ def uniform_from_keys(keys: torch.Tensor, columns: int | torch.Tensor) -> torch.
             raise ValueError(
                 f"columns tensor must be [C] or [R={num_rows}, C], got {tuple(columns.shape)}"
             )
-    # Two output lanes, each a two-round hash of (column, two key words): lane 0 gives the high
-    # 32 bits of the 53-bit integer, lane 1 the low 21.
     k = keys[:, :, None]  # [4, R, 1]
-    spread = (cols * _COLUMN_STEP) & _MASK32  # [R or 1, C]
-    x = torch.stack((k[0] ^ spread, k[2] ^ spread))  # [2, R, C]
+    # One fused kernel on CUDA; the same integer recipe as plain torch ops elsewhere.
+    bits52 = _bits52_cuda(k[0], k[1], k[2], k[3], cols) if cols.is_cuda else _bits52_torch(k, cols)
+    return (bits52.to(torch.float64) + 0.5) * _TWO_POW_MINUS_52
+
+
+def _bits52_torch(k: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """int64 [R, C] in [0, 2**52): two output lanes, each a two-round keyed hash of the column.
+
+    k: int64 [4, R, 1] key words; cols: int64 [R or 1, C]. Lane 0 (key words 0, 1) gives the
+    high 32 bits, lane 1 (key words 2, 3) the low 20.
+    """
+    spread = (cols * _COLUMN_STEP) & _MASK32
+    x = spread ^ k[0::2]  # [2, R, C]
     x = _mix32(x)
-    x ^= torch.stack((k[1], k[3]))
+    x ^= k[1::2]
     x = _mix32(x)
-    bits53 = (x[0] << 21) | (x[1] >> 11)
-    return (bits53.to(torch.float64) + 0.5) * _TWO_POW_MINUS_53
+    return (x[0] << 20) | (x[1] >> 12)
+
+
+def _mix32_cuda_source(var: str) -> str:
+    return (
+        f"{var} ^= {var} >> 16; {var} = ({var} * {_MUL_A}ull) & {_MASK32}ull; "
+        f"{var} ^= {var} >> 15; {var} = ({var} * {_MUL_B}ull) & {_MASK32}ull; "
+        f"{var} ^= {var} >> 15;"
+    )
+
+
+# The same recipe as _bits52_torch, in unsigned 64-bit CUDA arithmetic (values stay < 2**63,
+# so signed and unsigned give the same bits).
+_BITS52_CUDA_SOURCE = f"""
+template <typename T> T counter_bits52(T k0, T k1, T k2, T k3, T col) {{
+    unsigned long long spread = ((unsigned long long)col * {_COLUMN_STEP}ull) & {_MASK32}ull;
+    unsigned long long hi = spread ^ (unsigned long long)k0;
+    unsigned long long lo = spread ^ (unsigned long long)k2;
+    {_mix32_cuda_source("hi")} {_mix32_cuda_source("lo")}
+    hi ^= (unsigned long long)k1;
+    lo ^= (unsigned long long)k3;
+    {_mix32_cuda_source("hi")} {_mix32_cuda_source("lo")}
+    return (T)((hi << 20) | (lo >> 12));
+}}
+"""
+# Lazily built fused kernel (a cache, not state: its output equals _bits52_torch's).
+_cuda_kernel: dict[str, object] = {}
+
+
+def _bits52_cuda(k0, k1, k2, k3, cols: torch.Tensor) -> torch.Tensor:
+    fn = _cuda_kernel.get("fn")
+    if fn is None and "failed" not in _cuda_kernel:
+        try:
+            from torch.cuda import jiterator
+
+            fn = jiterator._create_jit_fn(_BITS52_CUDA_SOURCE)
+            # Compile and check once against the torch ops before trusting it.
+            probe_k = torch.tensor([[1], [2], [3], [4]], dtype=torch.int64, device=cols.device)
+            probe_c = torch.arange(0, 1 << 31, 1 << 20, dtype=torch.int64, device=cols.device)
+            got = fn(probe_k[0], probe_k[1], probe_k[2], probe_k[3], probe_c[None])
+            want = _bits52_torch(probe_k[:, :, None], probe_c[None])
+            if not torch.equal(got, want):
+                raise RuntimeError("jiterator counter_bits52 disagrees with the torch ops")
+            _cuda_kernel["fn"] = fn
+        except Exception as e:  # any failure to build: use the plain torch ops, say so once
+            warnings.warn(
+                f"deepinfer_sampling: fused CUDA RNG kernel unavailable ({e!r}); using torch ops",
+                stacklevel=3,
+            )
+            _cuda_kernel["failed"] = True
+            fn = None
+    if fn is None:
+        return _bits52_torch(torch.stack((k0, k1, k2, k3)), cols)
+    return fn(k0, k1, k2, k3, cols)
 
 
 def counter_uniform(
