@@ -142,3 +142,33 @@ def test_bad_hidden_shape_is_rejected(tiny):
     cfg, model, spec = tiny
     with pytest.raises(ValueError, match="hidden"):
         dspark_step(model, _batch([[1] * 3], [0], [0]), torch.zeros(3, 5), _cache(cfg, spec))
+
+
+def test_drafting_after_a_verify_uses_only_accepted_rows(tiny):
+    cfg, model, spec = tiny
+    hid = _hidden(cfg, 12, 6)
+    ref = dspark_step(
+        model, _batch([[1] * 10], [0], [0]), hid[:10], _cache(cfg, spec), torch.tensor([3])
+    )
+    cache = _cache(cfg, spec)
+    dspark_step(model, _batch([[1] * 7], [0], [0]), hid[:7], cache)
+    junk = hid[7:12].clone()
+    junk[3:] = 5.0  # the last two rows are rejected drafts
+    got = dspark_step(
+        model,
+        _batch([[1] * 5], [7], [0]),
+        junk,
+        cache,
+        torch.tensor([3]),
+        last_positions=torch.tensor([9]),
+    )
+    torch.testing.assert_close(got.logits, ref.logits, **TOL)
+    with pytest.raises(ValueError, match="last_positions"):
+        dspark_step(
+            model,
+            _batch([[1] * 2], [12], [0]),
+            hid[:2],
+            cache,
+            torch.tensor([3]),
+            last_positions=torch.tensor([20]),
+        )

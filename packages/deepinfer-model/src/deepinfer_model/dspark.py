@@ -151,6 +151,7 @@ def dspark_step(
     cache: KVCache,
     draft_ids: torch.Tensor | None = None,
     sample: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    last_positions: torch.Tensor | None = None,
 ) -> DraftOutput | None:
     """Seed the stage rings with this step's main hidden states and, if `draft_ids` [B] are
     given, draft one block per sequence (B = sequences of `batch`).
@@ -158,7 +159,11 @@ def dspark_step(
     `batch` is the `ForwardBatch` the main model just ran (positions/slots/cu_seqlens);
     `hidden` [T, D * n_targets] its `ForwardOutput.hidden`. `draft_ids[b]` is the token at
     position last_b + 1 (sampled from the main logits). `sample(logits [B, vocab]) -> ids [B]`
-    picks each drafted token (default: argmax). Returns None when only seeding.
+    picks each drafted token (default: argmax). `last_positions` [B]: the newest *accepted*
+    main position of each sequence to draft after (default: each sequence's last token in
+    `batch`); after a verify, rows of rejected drafts may be in `batch`/`hidden` (they are
+    written to the rings by position and simply overwritten later). Returns None when only
+    seeding.
     """
     cfg: ModelConfig = model.config
     stages = list(model.mtp)
@@ -180,6 +185,13 @@ def dspark_step(
     if draft_ids.shape != (n_seq,):
         raise ValueError(f"draft_ids: must be [{n_seq}], got {list(draft_ids.shape)}")
     last = torch.tensor([c + n - 1 for c, n in zip(ctx.ctx, ctx.lens, strict=True)], device=dev)
+    if last_positions is not None:
+        lp = last_positions.to(device=dev, dtype=torch.int64)
+        if lp.shape != (n_seq,) or bool((lp > last).any()) or bool((lp < 0).any()):
+            raise ValueError(
+                f"last_positions: must be [{n_seq}] positions in [0, last token of the batch]"
+            )
+        last = lp
     ids = torch.full((n_seq, blk), cfg.dspark_noise_token_id, dtype=torch.int64, device=dev)
     ids[:, 0] = draft_ids
     dctx = DraftContext(
