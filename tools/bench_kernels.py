@@ -32,6 +32,20 @@ def _bench(fn, rep_ms: int = 100) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")
 
 
+def _bench_graphs(fn, arg_sets) -> float:
+    """Median time of replaying one CUDA graph per argument set (rotating): the way the engine
+    runs decode, without the host's launch overhead."""
+    graphs = []
+    for args in arg_sets:
+        fn(*args)  # compile and warm outside the capture
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn(*args)
+        graphs.append(g)
+    return _bench(Rotating(lambda g: g.replay(), [(g,) for g in graphs]))
+
+
 def measure_copy_gbs() -> float:
     """Device-to-device copy of 2 GiB: bytes read + bytes written over the time."""
     a = torch.empty(1 << 31, dtype=torch.uint8, device="cuda").random_()
@@ -75,15 +89,50 @@ def gemm_rows(shapes, quick):
         w_bf16 = [quant.dequantize_fp8_blocks(s[3], s[4], torch.bfloat16) for s in sets]
         t_torch = _bench(Rotating(torch_base, sets))
         t_mm = _bench(
-            Rotating(lambda x, wd: x @ wd.t(), [(s[0], wd) for s, wd in zip(sets, w_bf16)])
+            Rotating(
+                lambda x, wd: x @ wd.t(), [(s[0], wd) for s, wd in zip(sets, w_bf16, strict=True)]
+            )
         )
         del w_bf16
-        variants = [("fp8", None, False), ("inv", None, True)]
-        if not quick:
-            bf = tl_linear.GemmConfig(
-                128 if m > 256 else 64, 128, 64, 1, 8 if m > 256 else 4, 3, True
+        if m > 256:
+            from deepinfer_kernels.triton.quant import act_fake_quant_bf16
+
+            xa_sets = [(act_fake_quant_bf16(st[0]), st[3], st[4]) for st in sets]
+            ms = _bench(
+                Rotating(
+                    lambda xa, w, ws: tl_linear.fp8_gemm(xa, xa, w, ws, torch.bfloat16), xa_sets
+                )
             )
-            variants.append(("bf16deq", bf, False))
+            rows.append(
+                dict(
+                    op="fp8_gemm[bf16A]",
+                    shape=f"{m}x{n}x{k}",
+                    ms=ms,
+                    flops=flops,
+                    bytes=nbytes + m * k,
+                    torch_ms=t_torch,
+                    mm_only_ms=t_mm,
+                )
+            )
+            ms = _bench(Rotating(lambda x, xq, xs, w, ws: tl_linear.fp8_linear(x, w, ws), sets))
+            rows.append(
+                dict(
+                    op="fp8_linear",
+                    shape=f"{m}x{n}x{k}",
+                    ms=ms,
+                    flops=flops,
+                    bytes=nbytes + m * k,
+                    torch_ms=t_torch,
+                    mm_only_ms=t_mm,
+                )
+            )
+        variants = [("auto", None, False), ("inv", None, True)]
+        if not quick:
+            auto = tl_linear.pick_config(m, n, k, False)
+            fp8mma = tl_linear.GemmConfig(
+                auto.block_m, auto.block_n, auto.split_k, auto.num_warps, 3, dequant_bf16=False
+            )
+            variants.append(("fp8mma", fp8mma, False))
         for name, cfg, inv in variants:
             fn = Rotating(
                 lambda x, xq, xs, w, ws, cfg=cfg, inv=inv: tl_linear.fp8_gemm(
@@ -158,6 +207,34 @@ def moe_rows(tokens_list, quick):
             if (t <= 256 or not quick)
             else float("nan")
         )
+        route_ms = _bench(Rotating(lambda x, tw, ids: tmoe.build_routing(tw, ids, e, 16), sets))
+        rows.append(
+            dict(
+                op="moe_routing",
+                shape=f"T={t} E=384 k=6",
+                ms=route_ms,
+                flops=0.0,
+                bytes=t * k * 12,
+                torch_ms=float("nan"),
+                mm_only_ms=float("nan"),
+            )
+        )
+        if t <= 256:
+            ms_graph = _bench_graphs(
+                lambda x, tw, ids: tmoe.moe_experts(x, tw, ids, w1, s1, w3, s3, w2, s2, limit),
+                sets,
+            )
+            rows.append(
+                dict(
+                    op="moe_experts[graph]",
+                    shape=f"T={t} E=384 k=6 D=5120 I=2304",
+                    ms=ms_graph,
+                    flops=flops,
+                    bytes=nbytes,
+                    torch_ms=t_torch,
+                    mm_only_ms=float("nan"),
+                )
+            )
         for name, inv in (("auto", False), ("inv", True)):
             fn = Rotating(
                 lambda x, tw, ids, inv=inv: tmoe.moe_experts(
@@ -244,13 +321,136 @@ def quant_rows():
     return rows
 
 
+def sweep_rows():
+    """Candidate tile configurations for the decode/prefill GEMM and the decode MoE kernels."""
+    from deepinfer_kernels import quant
+    from deepinfer_kernels.triton import linear as tl_linear
+    from deepinfer_kernels.triton import moe as tmoe
+    from deepinfer_kernels.triton.quant import act_fake_quant_bf16
+
+    G = tl_linear.GemmConfig
+    rows = []
+    cands = {
+        1: [
+            G(16, 128, 4, 4, 6, True, swap_ab=True),
+            G(16, 64, 8, 4, 6, True, swap_ab=True),
+            G(16, 128, 4, 4, 6, True),
+            G(16, 256, 2, 8, 4, True, swap_ab=True),
+            G(16, 128, 1, 4, 6, True, swap_ab=True),
+        ],
+        64: [
+            G(64, 128, 2, 4, 5, True, swap_ab=True),
+            G(64, 64, 4, 4, 5, True),
+            G(64, 64, 4, 4, 5, True, swap_ab=True),
+            G(64, 128, 1, 4, 5, True),
+            G(32, 128, 2, 4, 5, True, swap_ab=True),
+        ],
+        8192: [
+            G(128, 128, 1, 8, 4, True),
+            G(128, 128, 1, 8, 3, True),
+            G(64, 128, 1, 4, 5, True),
+            G(128, 64, 1, 4, 5, True),
+            G(64, 256, 1, 8, 4, True),
+        ],
+    }
+    for m, cfgs in cands.items():
+        n, k = 5120, 8192
+        sets = []
+        for _ in range(4 if m < 8192 else 1):
+            w, ws = quant.quantize_fp8_blocks(torch.randn(n, k, device="cuda") * 0.02)
+            xq, xs = quant.act_quant_fp8(torch.randn(m, k, device="cuda"))
+            sets.append((xq, xs, w, ws))
+        for cfg in cfgs:
+            for a_bf16 in (False, True) if m == 8192 else (False,):
+                args = [
+                    (act_fake_quant_bf16(quant.act_dequant_fp8(a, b)) if a_bf16 else a, b, w, ws)
+                    for a, b, w, ws in sets
+                ]
+                try:
+                    ms = _bench(
+                        Rotating(
+                            lambda a, b, w, ws, cfg=cfg: tl_linear.fp8_gemm(
+                                a, b, w, ws, torch.bfloat16, config=cfg
+                            ),
+                            args,
+                        )
+                    )
+                except Exception as exc:  # a config that does not compile is reported, not fatal
+                    print(f"sweep: {cfg} failed: {type(exc).__name__}: {str(exc)[:200]}")
+                    continue
+                rows.append(
+                    dict(
+                        op=f"sweep gemm{' bf16A' if a_bf16 else ''}",
+                        shape=f"{m}x{n}x{k} {cfg.block_m}x{cfg.block_n} s{cfg.split_k} "
+                        f"w{cfg.num_warps} st{cfg.num_stages}{' swap' if cfg.swap_ab else ''}",
+                        ms=ms,
+                        flops=2.0 * m * n * k,
+                        bytes=n * k + m * k,
+                        torch_ms=float("nan"),
+                        mm_only_ms=float("nan"),
+                    )
+                )
+    d, i, e, kk = 5120, 2304, 384, 6
+    g = torch.Generator(device="cuda").manual_seed(1)
+    w1 = torch.randint(-128, 128, (e, i, d // 2), device="cuda", generator=g, dtype=torch.int8)
+    w3, w2 = (
+        torch.randint_like(w1, -128, 128),
+        torch.randint(-128, 128, (e, d, i // 2), device="cuda", dtype=torch.int8),
+    )
+    sc = lambda *shape: torch.randint(118, 123, shape, device="cuda", dtype=torch.uint8).view(
+        torch.float8_e8m0fnu
+    )
+    s1, s3, s2 = sc(e, i, d // 32), sc(e, i, d // 32), sc(e, d, i // 32)
+    M = tmoe.MoeConfig
+    for t in (1, 64):
+        sets = []
+        for _ in range(8):
+            x = torch.randn(t, d, device="cuda").bfloat16()
+            ids = torch.rand(t, e, device="cuda").topk(kk, dim=-1).indices
+            sets.append((x, torch.rand(t, kk, device="cuda"), ids))
+        active = sum(int(torch.unique(st[2]).numel()) for st in sets) / len(sets)
+        for cfg in (
+            M(16, 64, 64, 4, 4, 5, True),
+            M(16, 64, 64, 4, 4, 5, False),
+            M(16, 32, 32, 4, 4, 5, True),
+            M(16, 128, 128, 4, 4, 4, True),
+            M(16, 64, 64, 8, 8, 5, True),
+            M(64, 64, 64, 4, 4, 4, True),
+        ):
+            try:
+                ms = _bench_graphs(
+                    lambda x, tw, ids, cfg=cfg: tmoe.moe_experts(
+                        x, tw, ids, w1, s1, w3, s3, w2, s2, 10.0, config=cfg
+                    ),
+                    sets,
+                )
+            except Exception as exc:
+                print(f"sweep: {cfg} failed: {type(exc).__name__}: {str(exc)[:200]}")
+                continue
+            rows.append(
+                dict(
+                    op="sweep moe graph",
+                    shape=f"T={t} {cfg.block_m}x{cfg.block_n1}/{cfg.block_n2} "
+                    f"w{cfg.warps1} st{cfg.stages}{' swap' if cfg.swap_ab else ''}",
+                    ms=ms,
+                    flops=6.0 * t * kk * d * i,
+                    bytes=active * 3 * (i * d // 2 + i * d // 32),
+                    torch_ms=float("nan"),
+                    mm_only_ms=float("nan"),
+                )
+            )
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer variants (no bf16-dequant GEMM)")
     ap.add_argument(
         "--json", default=os.path.join(os.environ.get("OUT", "."), "bench_kernels.json")
     )
-    ap.add_argument("--only", default="gemm,moe,quant", help="comma list of gemm, moe, quant")
+    ap.add_argument(
+        "--only", default="gemm,moe,quant", help="comma list of gemm, moe, quant, sweep"
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_kernels: needs a CUDA GPU")
@@ -278,6 +478,8 @@ def main() -> None:
         rows += gemm_rows(shapes, args.quick)
     if "moe" in parts:
         rows += moe_rows([1, 16, 64, 256, 8192], args.quick)
+    if "sweep" in parts:
+        rows += sweep_rows()
     dev = torch.cuda.get_device_name()
     with open(args.json, "w") as f:
         json.dump(dict(device=dev, copy_gbs=copy_gbs, rows=rows), f, indent=1)

@@ -121,7 +121,7 @@ def test_fp8_gemm_close_to_ref(m, n, k):
     assert got16.dtype == torch.bfloat16 and _rel(got16, want) < 1e-2
 
 
-@pytest.mark.parametrize("mode", ["split4", "bf16", "fp32scale", "invariant"])
+@pytest.mark.parametrize("mode", ["split4", "fp8mma", "bf16", "fp32scale", "invariant"])
 def test_fp8_gemm_variants(mode):
     from deepinfer_kernels.triton import linear as tl_linear
 
@@ -129,8 +129,9 @@ def test_fp8_gemm_variants(mode):
     xq, xs, w, ws = _gemm_inputs(m, n, k, seed=7)
     want = ref_linear.fp8_gemm(xq, xs, w, ws, torch.float32)
     cfg = {
-        "split4": tl_linear.GemmConfig(16, 64, 128, 4, 4, 3),
-        "bf16": tl_linear.GemmConfig(64, 64, 64, 1, 4, 3, dequant_bf16=True),
+        "split4": tl_linear.GemmConfig(16, 64, 4, 4, 3, dequant_bf16=True),
+        "fp8mma": tl_linear.GemmConfig(64, 64, 1, 4, 3),
+        "bf16": tl_linear.GemmConfig(128, 128, 1, 8, 4, dequant_bf16=True),
         "fp32scale": None,
         "invariant": tl_linear.INVARIANT,
     }[mode]
@@ -257,3 +258,52 @@ def test_moe_ops_dispatch_to_triton():
         _rel(ops.moe_experts(x, tw, ids, *ws, 10.0), ref_moe.moe_experts(x, tw, ids, *ws, 10.0))
         < 1.5e-2
     )
+
+
+def test_act_fake_quant_bf16_is_exact_dequant():
+    from deepinfer_kernels.triton import quant as tq
+
+    x = torch.randn(33, 1280, device=DEV, generator=_gen(41)).bfloat16()
+    q, s = ref_quant.act_quant_fp8(x)
+    assert torch.equal(tq.act_fake_quant_bf16(x), quant.act_dequant_fp8(q, s, torch.bfloat16))
+
+
+@pytest.mark.parametrize("m", [257, 1000])
+def test_fp8_linear_prefill_path_close_to_ref(m):
+    from deepinfer_kernels.triton import linear as tl_linear
+
+    x = torch.randn(m, 1024, device=DEV, generator=_gen(m)).bfloat16()
+    w, ws = quant.quantize_fp8_blocks(torch.randn(640, 1024, device=DEV, generator=_gen(3)) * 0.02)
+    _poison()
+    got = tl_linear.fp8_linear(x, w, ws)
+    assert _rel(got, ref_linear.fp8_linear(x, w, ws)) < 1e-2
+
+
+def test_fp8_linear_batch_invariant_across_prefill_switch():
+    from deepinfer_kernels.triton import linear as tl_linear
+
+    x = torch.randn(400, 2048, device=DEV, generator=_gen(43)).bfloat16()
+    w, ws = quant.quantize_fp8_blocks(torch.randn(512, 2048, device=DEV, generator=_gen(44)))
+    full = tl_linear.fp8_linear(x, w, ws, batch_invariant=True)  # bf16-A path (400 > 256 rows)
+    for lo, hi in ((0, 1), (399, 400), (10, 74)):  # fp8-A path
+        assert torch.equal(tl_linear.fp8_linear(x[lo:hi], w, ws, batch_invariant=True), full[lo:hi])
+
+
+def test_moe_experts_cuda_graph_replay():
+    """The decode path captures in a CUDA graph (no host sync) and replays on new routing."""
+    from deepinfer_kernels.triton import moe as tmoe
+
+    x, tw, ids, *ws = _moe_inputs(8, 512, 256, 32, 6, seed=51)
+    out = tmoe.moe_experts(x, tw, ids, *ws, 10.0)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tmoe.moe_experts(x, tw, ids, *ws, 10.0)
+    for seed in (52, 53):
+        x2, tw2, ids2, *_ = _moe_inputs(8, 512, 256, 32, 6, seed=seed)
+        x.copy_(x2)
+        tw.copy_(tw2)
+        ids.copy_(ids2)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, tmoe.moe_experts(x, tw, ids, *ws, 10.0))

@@ -56,3 +56,24 @@ def fp4_to_fp8(packed, ROWS: tl.constexpr, KP: tl.constexpr):
     mag = tl.where(c >= 2, 0x30 + 4 * c, tl.where(c == 1, 0x30, 0))
     bits = (mag | ((nib & 8) << 4)).to(tl.uint8)
     return bits.to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def fp4_to_fp32(packed, ROWS: tl.constexpr, KP: tl.constexpr):
+    """packed [ROWS, KP] int8 (two e2m1 per byte, low nibble first) -> [ROWS, 2*KP] fp32 values
+    times 2**-126 (multiply by `e8m0_to_fp32_fp4(scale)`, which carries the 2**126 back).
+
+    The nibble's exponent and mantissa bits are placed straight into a bf16's exponent and top
+    mantissa bit: exponent e >= 1 gives 2**(e - 127) * (1 + m/2), and e = 0 gives the subnormal
+    2**-126 * m/2, i.e. exactly the e2m1 value times 2**-126 in both cases (no branch).
+    """
+    p = packed.to(tl.uint8, bitcast=True).to(tl.int32)
+    nib = tl.reshape(tl.join(p & 0xF, p >> 4), (ROWS, 2 * KP))
+    bits = (((nib & 7) << 6) | ((nib & 8) << 12)).to(tl.int16)
+    return bits.to(tl.bfloat16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def e8m0_to_fp32_fp4(u):
+    """UE8M0 scale bytes -> fp32 2**(u - 127) * 2**126 = 2**(u - 1), for `fp4_to_fp32` values."""
+    return ((u.to(tl.int32) - 1) << 23).to(tl.float32, bitcast=True)

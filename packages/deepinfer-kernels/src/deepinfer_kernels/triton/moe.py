@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ..quant import ACT_AMAX_FLOOR
-from ._common import e8m0_to_fp32, fp4_to_fp8, quant_groups_fp8
+from ._common import e8m0_to_fp32_fp4, fp4_to_fp32, quant_groups_fp8
 from .quant import act_quant_fp8, swiglu_quant_tile
 
 # ---------------------------------------------------------------------------------------------
@@ -48,6 +48,7 @@ def _gate_kernel(
     HAS_BIAS: tl.constexpr,
     TOPK: tl.constexpr,
     K_PAD: tl.constexpr,
+    BF16_DOT: tl.constexpr,
     BLOCK_T: tl.constexpr,
     E_PAD: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -64,7 +65,11 @@ def _gate_kernel(
         dmask = offs_d < D
         x = tl.load(x_ptr + rows[:, None] * D + offs_d[None, :], mask=dmask[None, :], other=0.0)
         w = tl.load(w_ptr + ecl[:, None] * D + offs_d[None, :], mask=dmask[None, :], other=0.0)
-        acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+        if BF16_DOT:
+            # bf16 x bf16 products are exact in fp32: tensor cores give the fp32 logits
+            acc = tl.dot(x, tl.trans(w), acc)
+        else:
+            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
     z = acc * inv_temp
     # softplus as torch's (threshold 20); log1p(u) by Kahan's trick: log(w) * u / (w - 1), w = 1 + u
     u = tl.exp(tl.minimum(z, 20.0))
@@ -109,8 +114,10 @@ def moe_gate(
     *,
     batch_invariant: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One fused kernel per 16 tokens: fp32 logits (exact-fp32 FMA dot, fixed tiles, so always
-    batch-invariant), sqrt-softplus, top-k on score + bias, normalised weights x route_scale."""
+    """One fused kernel per 16 tokens: fp32 logits (bf16 tensor-core dot when x and weight are
+    bf16, whose products are exact in fp32; else an fp32 FMA dot), sqrt-softplus, top-k on
+    score + bias, normalised weights x route_scale. Tiles never depend on T: always
+    batch-invariant."""
     t, d = x.shape
     e = weight.shape[0]
     w_out = torch.empty(t, topk, dtype=torch.float32, device=x.device)
@@ -136,6 +143,7 @@ def moe_gate(
         route_scale,
         HAS_BIAS=bias is not None,
         TOPK=topk,
+        BF16_DOT=x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16,
         K_PAD=max(2, triton.next_power_of_2(topk)),
         BLOCK_T=block_t,
         E_PAD=e_pad,
@@ -155,15 +163,15 @@ class MoeConfig:
     block_m: int
     block_n1: int  # columns of I per program in the W1/W3 kernel
     block_n2: int  # columns of D per program in the W2 kernel
-    block_k: int
     warps1: int
     warps2: int
     stages: int
+    swap_ab: bool = False
 
 
-DECODE = MoeConfig(16, 64, 64, 128, 4, 4, 4)
-PREFILL = MoeConfig(64, 128, 128, 128, 8, 8, 3)
-INVARIANT = MoeConfig(64, 64, 128, 128, 4, 8, 3)
+DECODE = MoeConfig(16, 64, 64, 4, 4, 5, swap_ab=True)
+PREFILL = MoeConfig(128, 64, 64, 8, 8, 4)
+INVARIANT = MoeConfig(64, 64, 64, 4, 4, 4, swap_ab=True)
 
 
 def pick_config(pairs: int, experts: int, batch_invariant: bool) -> MoeConfig:
@@ -192,7 +200,10 @@ def build_routing(
     flat = topk_ids.reshape(-1).long()
     key = torch.where(flat >= 0, flat, experts)
     order = torch.argsort(key, stable=True)
-    counts = torch.bincount(key, minlength=experts + 1)[:experts]
+    # scatter-add, not bincount: bincount reads its max back to the host (no graph capture)
+    counts = torch.zeros(experts + 1, dtype=torch.int64, device=dev)
+    counts.index_add_(0, key, torch.ones_like(key))
+    counts = counts[:experts]
     offsets = torch.zeros(experts + 1, dtype=torch.int64, device=dev)
     offsets[1:] = torch.cumsum(counts, 0)
     tiles_per = (counts + block_m - 1) // block_m
@@ -252,7 +263,7 @@ def _w13_kernel(
     FLOOR: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    SWAP_AB: tl.constexpr,
 ):
     tile = tl.program_id(0)
     expert = tl.load(tiles_ptr + tile * 3)
@@ -265,29 +276,48 @@ def _w13_kernel(
     tok = tl.load(tok_ptr + rows, mask=rmask, other=0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ncl = tl.where(offs_n < I, offs_n, 0).to(tl.int64)
-    w_base = expert.to(tl.int64) * stride_we + ncl[:, None] * stride_wn
-    s_base = expert.to(tl.int64) * stride_se + ncl * stride_sn
-    KG: tl.constexpr = BLOCK_K // 32
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, D, BLOCK_K):
-        for s in tl.static_range(KG):
-            kk = k0 + s * 32
-            kmask = kk < D
-            offs_k = kk + tl.arange(0, 32)
-            a = tl.load(xq_ptr + tok[:, None] * D + offs_k[None, :], mask=kmask, other=0.0)
-            sa = tl.load(xs_ptr + tok * (D // 32) + kk // 32, mask=kmask, other=0.0)
-            pk = kk // 2 + tl.arange(0, 16)
-            b1 = fp4_to_fp8(
-                tl.load(w1_ptr + w_base + pk[None, :], mask=kmask, other=0), BLOCK_N, 16
-            )
-            b3 = fp4_to_fp8(
-                tl.load(w3_ptr + w_base + pk[None, :], mask=kmask, other=0), BLOCK_N, 16
-            )
-            sb1 = e8m0_to_fp32(tl.load(s1_ptr + s_base + kk // 32, mask=kmask, other=0))
-            sb3 = e8m0_to_fp32(tl.load(s3_ptr + s_base + kk // 32, mask=kmask, other=0))
-            acc_g += tl.dot(a, tl.trans(b1)) * (sa[:, None] * sb1[None, :])
-            acc_u += tl.dot(a, tl.trans(b3)) * (sa[:, None] * sb3[None, :])
+    ex = expert.to(tl.int64)
+    offs_k = tl.arange(0, 32)
+    a_ptrs = xq_ptr + tok[:, None] * D + offs_k[None, :]
+    sa_ptrs = xs_ptr + tok * (D // 32)
+    w_off = ex * stride_we + ncl[:, None] * stride_wn + tl.arange(0, 16)[None, :]
+    w1_ptrs = w1_ptr + w_off
+    w3_ptrs = w3_ptr + w_off
+    s_off = ex * stride_se + ncl * stride_sn
+    s1_ptrs = s1_ptr + s_off
+    s3_ptrs = s3_ptr + s_off
+    if SWAP_AB:  # weight rows fill the MMA's M: few tokens per expert (decode)
+        acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # one 32-wide scale group per step; e4m3 x 2**e and e2m1 x 2**e are exact in bf16
+    for _ in range(0, D, 32):
+        a = tl.load(a_ptrs)
+        sa = tl.load(sa_ptrs)
+        p1 = tl.load(w1_ptrs)
+        p3 = tl.load(w3_ptrs)
+        sb1 = e8m0_to_fp32_fp4(tl.load(s1_ptrs))
+        sb3 = e8m0_to_fp32_fp4(tl.load(s3_ptrs))
+        a16 = (a.to(tl.float32) * sa[:, None]).to(tl.bfloat16)
+        b1 = (fp4_to_fp32(p1, BLOCK_N, 16) * sb1[:, None]).to(tl.bfloat16)
+        b3 = (fp4_to_fp32(p3, BLOCK_N, 16) * sb3[:, None]).to(tl.bfloat16)
+        if SWAP_AB:
+            acc_g = tl.dot(b1, tl.trans(a16), acc_g)
+            acc_u = tl.dot(b3, tl.trans(a16), acc_u)
+        else:
+            acc_g = tl.dot(a16, tl.trans(b1), acc_g)
+            acc_u = tl.dot(a16, tl.trans(b3), acc_u)
+        a_ptrs += 32
+        sa_ptrs += 1
+        w1_ptrs += 16
+        w3_ptrs += 16
+        s1_ptrs += 1
+        s3_ptrs += 1
+    if SWAP_AB:
+        acc_g = tl.trans(acc_g)
+        acc_u = tl.trans(acc_u)
     g = acc_g.to(OUT_DTYPE).to(tl.float32)
     u = acc_u.to(OUT_DTYPE).to(tl.float32)
     rw = tl.load(rw_ptr + rows, mask=rmask, other=0.0)
@@ -317,7 +347,7 @@ def _w2_kernel(
     stride_sn,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    SWAP_AB: tl.constexpr,
 ):
     tile = tl.program_id(0)
     expert = tl.load(tiles_ptr + tile * 3)
@@ -330,21 +360,33 @@ def _w2_kernel(
     r64 = tl.where(rmask, rows, row0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ncl = tl.where(offs_n < D, offs_n, 0).to(tl.int64)
-    w_base = expert.to(tl.int64) * stride_we + ncl[:, None] * stride_wn
-    s_base = expert.to(tl.int64) * stride_se + ncl * stride_sn
-    KG: tl.constexpr = BLOCK_K // 32
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, I, BLOCK_K):
-        for s in tl.static_range(KG):
-            kk = k0 + s * 32
-            kmask = kk < I
-            offs_k = kk + tl.arange(0, 32)
-            a = tl.load(hq_ptr + r64[:, None] * I + offs_k[None, :], mask=kmask, other=0.0)
-            sa = tl.load(hs_ptr + r64 * (I // 32) + kk // 32, mask=kmask, other=0.0)
-            pk = kk // 2 + tl.arange(0, 16)
-            b = fp4_to_fp8(tl.load(w2_ptr + w_base + pk[None, :], mask=kmask, other=0), BLOCK_N, 16)
-            sb = e8m0_to_fp32(tl.load(s2_ptr + s_base + kk // 32, mask=kmask, other=0))
-            acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
+    ex = expert.to(tl.int64)
+    offs_k = tl.arange(0, 32)
+    a_ptrs = hq_ptr + r64[:, None] * I + offs_k[None, :]
+    sa_ptrs = hs_ptr + r64 * (I // 32)
+    w_ptrs = w2_ptr + ex * stride_we + ncl[:, None] * stride_wn + tl.arange(0, 16)[None, :]
+    s_ptrs = s2_ptr + ex * stride_se + ncl * stride_sn
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for _ in range(0, I, 32):
+        a = tl.load(a_ptrs)
+        sa = tl.load(sa_ptrs)
+        p = tl.load(w_ptrs)
+        sb = e8m0_to_fp32_fp4(tl.load(s_ptrs))
+        a16 = (a.to(tl.float32) * sa[:, None]).to(tl.bfloat16)
+        b16 = (fp4_to_fp32(p, BLOCK_N, 16) * sb[:, None]).to(tl.bfloat16)
+        if SWAP_AB:
+            acc = tl.dot(b16, tl.trans(a16), acc)
+        else:
+            acc = tl.dot(a16, tl.trans(b16), acc)
+        a_ptrs += 32
+        sa_ptrs += 1
+        w_ptrs += 16
+        s_ptrs += 1
+    if SWAP_AB:
+        acc = tl.trans(acc)
     omask = rmask[:, None] & (offs_n < D)[None, :]
     tl.store(y_ptr + r64[:, None] * D + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=omask)
 
@@ -424,7 +466,7 @@ def moe_experts(
         FLOOR=ACT_AMAX_FLOOR,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n1,
-        BLOCK_K=cfg.block_k,
+        SWAP_AB=cfg.swap_ab,
         num_warps=cfg.warps1,
         num_stages=cfg.stages,
     )
@@ -443,7 +485,7 @@ def moe_experts(
         s2u.stride(1),
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n2,
-        BLOCK_K=cfg.block_k,
+        SWAP_AB=cfg.swap_ab,
         num_warps=cfg.warps2,
         num_stages=cfg.stages,
     )

@@ -15,15 +15,21 @@ _GROUPS = 8  # 32-column groups per program in the row-chunked kernels (256 colu
 
 
 @triton.jit
-def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, FLOOR: tl.constexpr, WIDTH: tl.constexpr):
+def _act_quant_kernel(
+    x_ptr, q_ptr, s_ptr, K, FLOOR: tl.constexpr, WIDTH: tl.constexpr, DEQ_OUT: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     col = tl.program_id(1) * WIDTH + tl.arange(0, WIDTH)
     mask = col < K
     x = tl.load(x_ptr + row * K + col, mask=mask, other=0.0).to(tl.float32)
     q, s = quant_groups_fp8(tl.reshape(x, (1, WIDTH)), 1, WIDTH, FLOOR)
-    tl.store(q_ptr + row * K + col, tl.reshape(q, (WIDTH,)), mask=mask)
-    g = tl.program_id(1) * (WIDTH // 32) + tl.arange(0, WIDTH // 32)
-    tl.store(s_ptr + row * (K // 32) + g, tl.reshape(s, (WIDTH // 32,)), mask=g < K // 32)
+    if DEQ_OUT:  # x_fp8 * scale, exact in bf16
+        d = tl.reshape(q.to(tl.float32), (1, WIDTH // 32, 32)) * s[:, :, None]
+        tl.store(q_ptr + row * K + col, tl.reshape(d, (WIDTH,)).to(tl.bfloat16), mask=mask)
+    else:
+        tl.store(q_ptr + row * K + col, tl.reshape(q, (WIDTH,)), mask=mask)
+        g = tl.program_id(1) * (WIDTH // 32) + tl.arange(0, WIDTH // 32)
+        tl.store(s_ptr + row * (K // 32) + g, tl.reshape(s, (WIDTH // 32,)), mask=g < K // 32)
 
 
 def _outputs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,9 +47,23 @@ def act_quant_fp8(x: torch.Tensor, **_: object) -> tuple[torch.Tensor, torch.Ten
     if rows:
         width = 32 * _GROUPS
         _act_quant_kernel[(rows, triton.cdiv(k, width))](
-            x, q, s, k, FLOOR=ACT_AMAX_FLOOR, WIDTH=width
+            x, q, s, k, FLOOR=ACT_AMAX_FLOOR, WIDTH=width, DEQ_OUT=False
         )
     return q, s
+
+
+def act_fake_quant_bf16(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] -> bf16 x_fp8 * scale (the per-32 FP8 quantisation, expanded exactly to bf16):
+    the A operand of the prefill GEMM, which then skips expanding activations per tile."""
+    x = x.contiguous()
+    out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
+    rows, k = x.numel() // x.shape[-1], x.shape[-1]
+    if rows:
+        width = 32 * _GROUPS
+        _act_quant_kernel[(rows, triton.cdiv(k, width))](
+            x, out, out, k, FLOOR=ACT_AMAX_FLOOR, WIDTH=width, DEQ_OUT=True
+        )
+    return out
 
 
 @triton.jit
