@@ -87,6 +87,11 @@ class Model(nn.Module):
         ids = batch.input_ids
         if int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size:
             raise ValueError(f"ForwardBatch.input_ids: ids must be in [0, {cfg.vocab_size})")
+        if int(batch.positions.max()) >= cfg.max_position_embeddings:
+            raise ValueError(
+                f"ForwardBatch.positions: must be < max_position_embeddings "
+                f"{cfg.max_position_embeddings}"
+            )
         rows = batch.logits_indices
         if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= ids.shape[0]):
             raise ValueError(f"ForwardBatch.logits_indices: rows must be in [0, {ids.shape[0]})")
