@@ -119,10 +119,12 @@ class Probe:
         return e
 
 
-def run_one(llm: LLM, batch: int, prompt_len: int, max_tokens: int, async_on: bool) -> dict:
+def run_one(
+    llm: LLM, probe: Probe, batch: int, prompt_len: int, max_tokens: int, async_on: bool
+) -> dict:
     eng = llm.engine
     eng.config.async_scheduling = async_on
-    probe = Probe(llm)
+    probe.events.clear()
     g = torch.Generator().manual_seed(batch)
     vocab = min(eng.bundle.vocab_size, 500)
     prompts = [torch.randint(3, vocab, (prompt_len,), generator=g).tolist() for _ in range(batch)]
@@ -196,9 +198,13 @@ def main() -> None:
                 gpu_memory_utilization=0.5,
             )
         print(f"# {name}: built in {time.perf_counter() - t:.1f}s on {args.device}", flush=True)
+        probe = Probe(llm)
+        # Warm-up (lazy CUDA init, kernel compilation, pinned buffers), not reported.
+        for b in args.batches:
+            run_one(llm, probe, b, args.prompt_len, 2, True)
         for b in args.batches:
             for async_on in (True, False):
-                r = run_one(llm, b, args.prompt_len, args.max_tokens, async_on)
+                r = run_one(llm, probe, b, args.prompt_len, args.max_tokens, async_on)
                 rows.append((name, b, "on" if async_on else "off", r))
                 print(f"#   {name} B={b} async={'on' if async_on else 'off'}: {r}", flush=True)
         del llm  # give the KV cache and weights back before the next model
