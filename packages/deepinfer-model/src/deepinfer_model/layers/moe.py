@@ -93,29 +93,29 @@ class MoE(nn.Module):
             d, inter, config.swiglu_limit, config.fp8_block_size, device
         )
         self._stacks: dict[str, torch.Tensor] = {}
+        self.register_load_state_dict_post_hook(lambda module, keys: module._stacks.clear())
+
+    def _apply(self, fn, recurse: bool = True):
+        # .to()/.cuda() move each expert parameter on its own: rebuild the stacks afterwards
+        self._stacks = {}
+        return super()._apply(fn, recurse)
 
     def stacked(self) -> dict[str, torch.Tensor]:
-        """The expert weights as [E, ...] stacks. Every expert parameter is a view into its
-        stack; if a load or `.to()` replaced a parameter, the stack is rebuilt and the views
-        re-pointed, so no weight is held twice."""
-        out = {}
-        for name in ("w1", "w2", "w3"):
-            for part in ("weight", "scale"):
-                key = f"{name}.{part}"
-                params = [getattr(getattr(e, name), part) for e in self.experts]
-                st = self._stacks.get(key)
-                fresh = (
-                    st is not None
-                    and st.device == params[0].device
-                    and all(p.data_ptr() == st[i].data_ptr() for i, p in enumerate(params))
-                )
-                if not fresh:
+        """The expert weights as [E, ...] stacks (`w1.weight`, `w1.scale`, ...).
+
+        Built on first use; afterwards every expert parameter is a view into its stack, so no
+        weight is held twice and in-place loads (`param.copy_`) update the stack. Moving the
+        module or `load_state_dict` (also with `assign=True`) rebuilds the stacks.
+        """
+        if not self._stacks:
+            for name in ("w1", "w2", "w3"):
+                for part in ("weight", "scale"):
+                    params = [getattr(getattr(e, name), part) for e in self.experts]
                     st = torch.stack([p.data for p in params])
                     for i, p in enumerate(params):
                         p.data = st[i]
-                    self._stacks[key] = st
-                out[key] = st
-        return out
+                    self._stacks[f"{name}.{part}"] = st
+        return self._stacks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
