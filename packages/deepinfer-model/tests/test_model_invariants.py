@@ -161,3 +161,32 @@ def test_bad_batches_name_the_field(tiny):
     with pytest.raises(ValueError, match="block_tables"):
         model(ForwardBatch.build([list(range(40))], [0], [0], [[0]]), cache)
     model(good, cache)
+
+
+@settings(max_examples=5, deadline=None)
+@given(
+    plans=st.lists(st.tuples(st.integers(1, 20), st.integers(1, 9)), min_size=2, max_size=3),
+    seed=st.integers(0, 99),
+)
+def test_random_batches_equal_each_sequence_alone(tiny, plans, seed):
+    """Each sequence: a first chunk of p tokens, then a second step of q tokens, all sequences
+    of a step in one flat batch (different slots and interleaved pages)."""
+    cfg, model, spec = tiny
+    seqs = [_tokens(p + q, seed + i) for i, (p, q) in enumerate(plans)]
+    alone = [_prefill(model, _cache(cfg, spec), s, 0, [0, 1]) for s in seqs]
+    cache = _cache(cfg, spec, slots=len(seqs))
+    tables = [[2 * i + 1, 2 * i + 8] for i in range(len(seqs))]
+    slots = list(reversed(range(len(seqs))))
+    first = [s[:p] for s, (p, _) in zip(seqs, plans, strict=True)]
+    second = [s[p:] for s, (p, _) in zip(seqs, plans, strict=True)]
+    out1 = model(
+        ForwardBatch.build(first, [0] * len(seqs), slots, tables, logits_rows="all"), cache
+    ).logits
+    out2 = model(
+        ForwardBatch.build(second, [p for p, _ in plans], slots, tables, logits_rows="all"), cache
+    ).logits
+    o1 = o2 = 0
+    for i, (p, q) in enumerate(plans):
+        torch.testing.assert_close(out1[o1 : o1 + p], alone[i][:p], **TOL)
+        torch.testing.assert_close(out2[o2 : o2 + q], alone[i][p:], **TOL)
+        o1, o2 = o1 + p, o2 + q
