@@ -27,7 +27,7 @@ EBNF = 'root ::= "The answer is " ("yes" | "no") "."'
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default=None)
-    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--max-tokens", type=int, default=128)
     args = ap.parse_args()
     llm = LLM(args.model)
     cases = [
