@@ -19,7 +19,7 @@ from deepinfer_kernels import ops
 from torch import nn
 
 from ..config import ModelConfig
-from .linear import FP4Weight, FP8Linear, Linear
+from .linear import FP4Weight, FP8Linear
 
 
 class Gate(nn.Module):
@@ -134,5 +134,3 @@ class MoE(nn.Module):
         )
         return (routed.float() + self.shared_experts(x).float()).to(x.dtype)
 
-
-__all__ = ["Expert", "Gate", "Linear", "MoE", "SharedExpert"]
