@@ -133,4 +133,3 @@ class MoE(nn.Module):
             self.limit,
         )
         return (routed.float() + self.shared_experts(x).float()).to(x.dtype)
-
