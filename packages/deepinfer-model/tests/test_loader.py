@@ -20,6 +20,8 @@ from deepinfer_model.loader import (
     load_checkpoint_into,
     read_safetensors_header,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 
@@ -308,3 +310,51 @@ def test_load_model_needs_a_config(tmp_path: Path) -> None:
     _write_sharded(tmp_path, _random_state(), SHARDS)
     with pytest.raises(CheckpointError, match=r"no config\.json"):
         load_model(tmp_path, "cpu", torch.float32, progress=False)
+
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.int8]
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(_DTYPES),
+            st.lists(st.integers(min_value=0, max_value=9), min_size=1, max_size=3),
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    st.integers(min_value=1, max_value=3),
+    st.sampled_from([1, 7, 64, 1 << 20]),
+    st.integers(min_value=0, max_value=2**31),
+)
+@settings(max_examples=25, deadline=None)
+def test_any_tensors_any_sharding_any_chunk_size_round_trip(specs, n_shards, chunk, seed) -> None:
+    """Random dtypes/shapes (zero-size too), shard splits and copy chunk sizes: bitwise equal."""
+    import tempfile
+
+    import deepinfer_model.loader as loader_mod
+
+    g = torch.Generator().manual_seed(seed)
+    state = {}
+    for i, (dtype, shape) in enumerate(specs):
+        raw = torch.randint(
+            0, 256, (int(torch.tensor(shape).prod()) * dtype.itemsize,), generator=g
+        )
+        t = raw.to(torch.uint8).view(dtype).view(shape)
+        state[f"t{i}"] = t
+    names = list(state)
+    shards = [names[i::n_shards] for i in range(n_shards) if names[i::n_shards]]
+    module = torch.nn.Module()
+    for n, t in state.items():
+        module.register_parameter(n, torch.nn.Parameter(torch.zeros_like(t), requires_grad=False))
+    before = loader_mod.COPY_CHUNK_BYTES
+    loader_mod.COPY_CHUNK_BYTES = chunk
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            _write_sharded(Path(d), state, shards)
+            load_checkpoint_into(module, CheckpointReader(d), progress=False)
+    finally:
+        loader_mod.COPY_CHUNK_BYTES = before
+    for n, t in state.items():
+        assert torch.equal(_bits(getattr(module, n)), _bits(t)), n

@@ -433,3 +433,19 @@ def ensure_tiny_checkpoint(cache_dir: str | os.PathLike | None = None) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m deepinfer_model.tiny_checkpoint [DIR]`: write the tiny checkpoint into DIR
+    (which must be empty or absent), or ensure it in the user cache; print its path."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("directory", nargs="?", help="target directory (default: the user cache)")
+    args = ap.parse_args(argv)
+    path = write_tiny_checkpoint(args.directory) if args.directory else ensure_tiny_checkpoint()
+    print(path)
+
+
+if __name__ == "__main__":
+    main()
