@@ -84,11 +84,11 @@ class MarkovHead(nn.Module):
     def __init__(self, vocab: int, rank: int, dtype: torch.dtype, device=None) -> None:
         super().__init__()
         self.embed = Embedding(vocab, rank, dtype, device)
-        self.head = Linear(rank, vocab, dtype, device)
+        self.head = Linear(rank, vocab, torch.float32, device)  # fp32 as the reference
 
     def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         emb = self.embed(ids)
-        return dense(emb.float(), self.head.weight.float()), emb
+        return dense(emb.float(), self.head.weight), emb
 
 
 class ConfidenceHead(nn.Module):
@@ -96,11 +96,11 @@ class ConfidenceHead(nn.Module):
 
     def __init__(self, dim: int, dtype: torch.dtype, device=None) -> None:
         super().__init__()
-        self.proj = Linear(dim, 1, dtype, device)
+        self.proj = Linear(dim, 1, torch.float32, device)  # fp32 as the reference
 
     def forward(self, x: torch.Tensor, markov: torch.Tensor) -> torch.Tensor:
         z = torch.cat([x.float(), markov.float()], dim=-1)
-        return dense(z, self.proj.weight.float()).squeeze(-1)
+        return dense(z, self.proj.weight).squeeze(-1)
 
 
 class DSparkStage(Block):

@@ -31,7 +31,9 @@ class Head(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return dense(x.float(), self.weight.float())
+        return dense(
+            x.float(), self.weight if self.weight.dtype == torch.float32 else self.weight.float()
+        )
 
 
 class Model(nn.Module):
@@ -60,7 +62,9 @@ class Model(nn.Module):
             Block(config, i, dtype, dev, fake_quant_kv) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, dev)
-        self.head = Head(config.vocab_size, config.hidden_size, dtype, dev)
+        # fp32 like the reference (bf16 on disk; the loader casts): logits come out in fp32
+        # without converting a [vocab, D] weight on every step
+        self.head = Head(config.vocab_size, config.hidden_size, torch.float32, dev)
         self.mtp = nn.ModuleList(
             DSparkStage(config, k, dtype, dev, fake_quant_kv)
             for k in range(config.num_nextn_predict_layers)
