@@ -79,6 +79,21 @@ def timeit(fn, device: torch.device, iters: int) -> float:
     return (time.perf_counter() - start) / iters
 
 
+def profile_call(fn, device: torch.device) -> None:
+    """Print the ops of one call, by self device (or CPU) time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=14, max_name_column_width=40))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--vocab", type=int, default=129280)
@@ -86,6 +101,9 @@ def main() -> None:
     ap.add_argument("--devices", nargs="+", default=None, help="default: cpu, plus cuda if present")
     ap.add_argument("--configs", nargs="+", default=["all", "top_p"])
     ap.add_argument("--flat", action="store_true", help="N(0, 9) logits instead of Zipf-like")
+    ap.add_argument(
+        "--profile", action="store_true", help="also print the kernels of one call (largest size)"
+    )
     args = ap.parse_args()
     devices = args.devices or (["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"])
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -115,10 +133,17 @@ def main() -> None:
                     f"{ours / base:6.2f} {build_ms:9.2f}"
                 )
                 print(lines[-1], flush=True)
+                if args.profile and num_rows == max(args.rows):
+                    profile_call(lambda b=batch, x=logits: sampler(x, b), device)
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA"
     kind = "N(0,9)" if args.flat else "Zipf-like"
     print(f"\nvocab {args.vocab}, float32 {kind} logits, torch {torch.__version__}, {name}")
     print("\n".join(lines))
+    if any(d.startswith("cuda") for d in devices):
+        from deepinfer_sampling import fused
+
+        kernels = ("penalize", "kept_weight", "gumbel_score", "top_p_mask")
+        print("fused kernels:", {k: getattr(fused, k).status for k in kernels})
 
 
 if __name__ == "__main__":

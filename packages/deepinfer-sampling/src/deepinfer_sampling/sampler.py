@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from .batch import RowGroup, SamplingBatch
+from .fused import gumbel_score, kept_weight, penalize, top_p_mask
 from .grammar import apply_token_bitmask
-from .rng import uniform_from_keys
 
 __all__ = ["Sampler", "SamplerOutput"]
 
@@ -110,9 +110,7 @@ class Sampler:
             # Only the [R, U] generated tokens are touched, never a whole-vocabulary pass.
             ids = batch.penalty_token_ids
             old = x.gather(1, ids)
-            rep = batch.penalty_repetition
-            new = torch.where(old > 0, old / rep, old * rep) - batch.penalty_subtract
-            x.scatter_(1, ids, new)
+            x.scatter_(1, ids, penalize(old, batch.penalty_repetition, batch.penalty_subtract))
         if batch.logit_edits is not None:
             rows, cols, values = batch.logit_edits
             x.index_put_((rows, cols), values, accumulate=True)
@@ -172,16 +170,20 @@ def _sample_greedy(x, group, batch, generator) -> torch.Tensor:
 def _sample_topk(x, group, batch, generator) -> torch.Tensor:
     """Rows with a top-k <= candidate_cap: draw among the group's max_top_k candidates."""
     values, ids = torch.topk(x, group.max_top_k, dim=1, sorted=True)
-    v = values.to(torch.float64) / group.temperature
-    keep = _keep(v, group, is_sorted=True)
-    return _draw(v, ids, keep, _rng_keys(group, generator, x.device))
+    tokens, _ = _draw_sorted(values, ids, group, _rng_keys(group, generator, x.device))
+    return tokens
 
 
 def _sample_plain(x, group, batch, generator) -> torch.Tensor:
     """Rows with only temperature and min-p: draw over the whole vocabulary, unsorted."""
-    v = x.to(torch.float64) / group.temperature
-    keep = _keep(v, group, is_sorted=False)
-    return _draw(v, None, keep, _rng_keys(group, generator, x.device))
+    keys = _rng_keys(group, generator, x.device)
+    columns = torch.arange(x.shape[1], device=x.device)[None, :]
+    score = gumbel_score(*_key_words(keys), columns, x, group.temperature)
+    if group.use_min_p:
+        x_max = x.max(dim=1, keepdim=True).values
+        weight = kept_weight(x, x_max, group.temperature, group.log_min_p)
+        score = torch.where(weight > 0, score, float("-inf"))
+    return score.argmax(dim=1)
 
 
 def _sample_top_p(x, group, batch, generator) -> torch.Tensor:
@@ -194,37 +196,65 @@ def _sample_top_p(x, group, batch, generator) -> torch.Tensor:
     """
     vocab = x.shape[1]
     keys = _rng_keys(group, generator, x.device)
-    v_max = x.max(dim=1, keepdim=True).values.to(torch.float64) / group.temperature
     # Mass min-p keeps, in units of exp(v - v_max). Rows with a top-k (necessarily above the
-    # cap here) renormalise over their top-k set instead (NaN: _keep uses the sorted cumsum).
-    v_all = x.to(torch.float64) / group.temperature
-    weight_all = torch.exp(v_all - v_max)
-    if group.use_min_p:
-        weight_all = torch.where(v_all >= v_max + group.log_min_p, weight_all, 0.0)
-    total = weight_all.sum(dim=1, keepdim=True)
+    # cap here) renormalise over their top-k set instead (NaN: the sorted cumulative sum).
+    x_max = x.max(dim=1, keepdim=True).values
+    total = kept_weight(x, x_max, group.temperature, group.log_min_p).sum(dim=1, keepdim=True)
     if group.use_top_k:
         total = torch.where(group.top_k < vocab, float("nan"), total)
-
     cap = min(batch.candidate_cap, vocab)
     values, ids = torch.topk(x, cap, dim=1, sorted=True)
-    v = values.to(torch.float64) / group.temperature
-    keep = _keep(v, group, is_sorted=True, total=total)
-    tokens = _draw(v, ids, keep, keys)
+    tokens, score = _draw_sorted(values, ids, group, keys, total)
     if cap == vocab:
         return tokens
-    uncovered = torch.isnan(total[:, 0])
-    if keep is not None:
-        uncovered |= keep[:, -1]
-    else:
-        uncovered[:] = True
+    # A row is covered when its last candidate is not kept (the kept set is a prefix).
+    uncovered = torch.isfinite(score[:, -1]) | torch.isnan(total[:, 0])
     if bool(uncovered.any()):  # a device sync, only on this path
         slow = uncovered.nonzero().squeeze(1)
-        sub = _subgroup(group, slow)
         values, ids = torch.sort(x[slow], dim=1, descending=True, stable=True)
-        v = values.to(torch.float64) / sub.temperature
-        keep = _keep(v, sub, is_sorted=True, total=total[slow])
-        tokens[slow] = _draw(v, ids, keep, keys[:, slow])
+        tokens[slow], _ = _draw_sorted(
+            values, ids, _subgroup(group, slow), keys[:, slow], total[slow]
+        )
     return tokens
+
+
+def _key_words(keys: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """int64 [4, r] -> four int64 [r, 1] views."""
+    k = keys[:, :, None]
+    return k[0], k[1], k[2], k[3]
+
+
+def _draw_sorted(
+    values: torch.Tensor,
+    ids: torch.Tensor,
+    group: RowGroup,
+    keys: torch.Tensor,
+    total: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Filter and draw among candidates sorted by logit, descending.
+
+    values: float32 [r, C] processed logits; ids: int64 [r, C] their token ids; keys: int64
+    [4, r]; total: float64 [r, 1] top-p mass (units of exp(v - v_max)), NaN or None: the sum
+    over the kept candidates. Gumbel-max: argmax(v - log(-log u)) over kept candidates samples
+    softmax(v) renormalised over them; a candidate's u depends only on its token id.
+    Returns (token ids int64 [r], masked scores float64 [r, C]; -inf = not kept).
+    """
+    if group.use_top_k:
+        beyond = torch.arange(values.shape[1], device=values.device) >= group.top_k
+        values = values.masked_fill(beyond, float("-inf"))
+    score = gumbel_score(*_key_words(keys), ids, values, group.temperature)
+    if group.use_min_p or group.use_top_p:
+        weight = kept_weight(values, values[:, :1], group.temperature, group.log_min_p)
+        if group.use_top_p:
+            cumulative = torch.cumsum(weight, dim=1)
+            mass = cumulative[:, -1:]
+            if total is not None:
+                mass = torch.where(torch.isnan(total), mass, total)
+            score = top_p_mask(score, weight, cumulative, group.top_p * mass)
+        else:
+            score = torch.where(weight > 0, score, float("-inf"))
+    choice = score.argmax(dim=1, keepdim=True)
+    return ids.gather(1, choice).squeeze(1), score
 
 
 def _subgroup(group: RowGroup, index: torch.Tensor) -> RowGroup:
@@ -280,22 +310,3 @@ def _keep(
         in_top_p = cumulative - weight < group.top_p * kept_mass
         keep = in_top_p if keep is None else keep & in_top_p
     return keep
-
-
-def _draw(
-    v: torch.Tensor, ids: torch.Tensor | None, keep: torch.Tensor | None, keys: torch.Tensor
-) -> torch.Tensor:
-    """Gumbel-max over kept candidates: argmax(v - log(-log u)) ~ softmax(v) restricted to keep.
-
-    v: float64 [r, C]; ids: int64 [r, C] token ids or None (column = token id); keep: bool
-    [r, C] or None (all); keys: int64 [4, r]. A candidate's uniform depends only on its token
-    id, so the draw does not depend on candidate order or count. Returns int64 [r] token ids.
-    """
-    u = uniform_from_keys(keys, ids if ids is not None else v.shape[1])
-    score = v - torch.log(-torch.log(u))
-    if keep is not None:
-        score = torch.where(keep, score, float("-inf"))
-    choice = score.argmax(dim=1)
-    if ids is None:
-        return choice
-    return ids.gather(1, choice[:, None]).squeeze(1)
