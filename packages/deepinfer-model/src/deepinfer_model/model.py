@@ -8,7 +8,7 @@ the checkpoint's (`embed.weight`, `layers.N.attn.wq_a.weight` + `.scale`, ..., `
 from __future__ import annotations
 
 import torch
-from deepinfer_kernels import ops
+from deepinfer_kernels import REGISTRY, ops
 from torch import nn
 
 from .cache import KVCache
@@ -85,7 +85,55 @@ class Model(nn.Module):
         tokens at positions >= the sequence's floor, with their windows cut at the floor. This
         is approximate by design (the exact path is `yoco_floor=None`); hidden rows of tokens
         below the floor are zero, and their logits cannot be requested.
+
+        With DEEPINFER_BATCH_INVARIANT=1 (the kernel registry's setting) every token of every
+        sequence is evaluated alone, in position order: its logits are then bitwise the same
+        whatever the batch, chunking or decode/verify split (the canonical per-token answer;
+        slow, as the reference tier's batch-invariant mode may be).
         """
+        StepContext.from_batch(batch)  # validate once, with the batch's own field names
+        if REGISTRY.batch_invariant and batch.input_ids.shape[0] > 1:
+            return self._forward_per_token(batch, cache)
+        return self._forward(batch, cache)
+
+    def _forward_per_token(self, batch: ForwardBatch, cache: KVCache) -> ForwardOutput:
+        """`forward` as a sequence of single-token forwards (batch-invariant mode)."""
+        wanted = {int(r): i for i, r in enumerate(batch.logits_indices.tolist())}
+        logits: list[torch.Tensor | None] = [None] * len(wanted)
+        hidden = []
+        cu = batch.cu_seqlens.tolist()
+        for b in range(len(cu) - 1):
+            for row in range(cu[b], cu[b + 1]):
+                one = ForwardBatch(
+                    input_ids=batch.input_ids[row : row + 1],
+                    positions=batch.positions[row : row + 1],
+                    cu_seqlens=torch.tensor(
+                        [0, 1], dtype=torch.int32, device=batch.cu_seqlens.device
+                    ),
+                    context_lens=batch.positions[row : row + 1].to(batch.context_lens.dtype),
+                    slots=batch.slots[b : b + 1],
+                    block_tables=batch.block_tables[b : b + 1],
+                    logits_indices=torch.zeros(
+                        1 if row in wanted else 0, dtype=torch.int64, device=batch.input_ids.device
+                    ),
+                    return_hidden=batch.return_hidden,
+                    yoco_floor=None if batch.yoco_floor is None else batch.yoco_floor[b : b + 1],
+                )
+                out = self._forward(one, cache)
+                if row in wanted:
+                    logits[wanted[row]] = out.logits[0]
+                if batch.return_hidden:
+                    hidden.append(out.hidden)
+        stacked = (
+            torch.stack(logits)
+            if logits
+            else torch.zeros(0, self.config.vocab_size, device=batch.input_ids.device)
+        )
+        return ForwardOutput(
+            logits=stacked, hidden=torch.cat(hidden) if batch.return_hidden else None
+        )
+
+    def _forward(self, batch: ForwardBatch, cache: KVCache) -> ForwardOutput:
         ctx = StepContext.from_batch(batch)
         cfg = self.config
         ids = batch.input_ids
