@@ -43,3 +43,36 @@ def test_bitwise_prefill_decode_chunks_and_batches(batch_invariant):
     assert torch.equal(torch.cat([mixed[9:], rest]), one)
     alone_b = model(ForwardBatch.build([b], [0], [0], [[0]], logits_rows="all"), cache()).logits
     assert torch.equal(mixed[:9], alone_b)
+
+
+def test_bitwise_dspark_drafts(batch_invariant):
+    from deepinfer_model.dspark import dspark_step
+
+    cfg = ModelConfig.tiny()
+    model = init_random_(Model(cfg), 2)
+    spec = CacheSpec.from_config(cfg, block_size=16, dtype=torch.float32)
+
+    def cache():
+        return KVCache(cfg, spec, num_blocks=4, num_slots=3, dtype=torch.float32)
+
+    g = torch.Generator().manual_seed(0)
+    ha, hb = torch.randn(11, 192, generator=g), torch.randn(4, 192, generator=g)
+    alone = dspark_step(
+        model, ForwardBatch.build([[1] * 11], [0], [0], [[0]]), ha, cache(), torch.tensor([5])
+    )
+    c = cache()
+    dspark_step(
+        model,
+        ForwardBatch.build([[1] * 6, [1] * 4], [0, 0], [1, 2], [[0], [1]]),
+        torch.cat([ha[:6], hb]),
+        c,
+    )
+    both = dspark_step(
+        model,
+        ForwardBatch.build([[1] * 5, [1]], [6, 4], [1, 2], [[0], [1]]),
+        torch.cat([ha[6:], torch.randn(1, 192, generator=g)]),
+        c,
+        torch.tensor([5, 7]),
+    )
+    assert torch.equal(both.logits[0], alone.logits[0])
+    assert torch.equal(both.confidence[0], alone.confidence[0])

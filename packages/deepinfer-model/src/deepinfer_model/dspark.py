@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from deepinfer_kernels import ops
+from deepinfer_kernels import REGISTRY, ops
 from torch import nn
 
 from .cache import KVCache
@@ -165,6 +165,8 @@ def dspark_step(
     written to the rings by position and simply overwritten later). Returns None when only
     seeding.
     """
+    if REGISTRY.batch_invariant and (batch.input_ids.shape[0] > 1):
+        return _dspark_per_token(model, batch, hidden, cache, draft_ids, sample, last_positions)
     cfg: ModelConfig = model.config
     stages = list(model.mtp)
     if not stages:
@@ -219,3 +221,43 @@ def dspark_step(
         out_ids.append(tok)
     conf = top.confidence_head(x.view(n_seq, blk, -1), torch.stack(embeds, dim=1))
     return DraftOutput(tokens=torch.stack(out_ids, dim=1), logits=logits, confidence=conf)
+
+
+def _dspark_per_token(model, batch, hidden, cache, draft_ids, sample, last_positions):
+    """Batch-invariant mode: seed every token alone, then draft each sequence alone."""
+    n_seq = StepContext.from_batch(batch).num_seqs
+    if draft_ids is not None and draft_ids.shape != (n_seq,):
+        raise ValueError(f"draft_ids: must be [{n_seq}], got {list(draft_ids.shape)}")
+    cu = batch.cu_seqlens.tolist()
+    dev = batch.input_ids.device
+    outs = []
+    for b in range(len(cu) - 1):
+        for row in range(cu[b], cu[b + 1]):
+            one = ForwardBatch(
+                input_ids=batch.input_ids[row : row + 1],
+                positions=batch.positions[row : row + 1],
+                cu_seqlens=torch.tensor([0, 1], dtype=torch.int32, device=dev),
+                context_lens=batch.positions[row : row + 1].to(batch.context_lens.dtype),
+                slots=batch.slots[b : b + 1],
+                block_tables=batch.block_tables[b : b + 1],
+                logits_indices=torch.zeros(0, dtype=torch.int64, device=dev),
+            )
+            last_row = row == cu[b + 1] - 1
+            out = dspark_step(
+                model,
+                one,
+                hidden[row : row + 1],
+                cache,
+                None if draft_ids is None or not last_row else draft_ids[b : b + 1],
+                sample,
+                None if last_positions is None else last_positions[b : b + 1],
+            )
+            if out is not None:
+                outs.append(out)
+    if draft_ids is None:
+        return None
+    return DraftOutput(
+        tokens=torch.cat([o.tokens for o in outs]),
+        logits=torch.cat([o.logits for o in outs]),
+        confidence=torch.cat([o.confidence for o in outs]),
+    )
