@@ -44,6 +44,8 @@ class Model(nn.Module):
     FP4 index keys and queries); off gives the unquantised math.
     The Engram compressed-token map is not a checkpoint tensor: install it with
     `model.engram_hasher.set_token_map(...)` after building (the loader does).
+    Build it on its device (`device=`); `.to(device)` is fine, but never `.to(dtype)`/`.half()`:
+    torch counts float8 as floating point and would convert the FP8 weights.
     """
 
     def __init__(
