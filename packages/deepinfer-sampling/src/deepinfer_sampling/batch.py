@@ -89,9 +89,10 @@ class SamplingBatch:
             token 0 with neutral constants),
         penalty_repetition: float32 [R, U], the row's repetition penalty,
         penalty_subtract: float32 [R, U] = frequency * count + presence.
-    Sparse edits (None when empty): logit_edits = (rows int64 [E], cols int64 [E], values
+    Sparse edits (None when empty): logit_edits = (flat index row * V + col, int64 [E], values
         float32 [E]) added to the logits: logit_bias values, and -inf for EOS/stop ids of rows
-        below min_tokens.
+        below min_tokens. A (row, col) appears at most once per kind, so the only repeated index
+        adds -inf and a bias, which gives -inf in any order.
     Grammar (None when no row has one): grammar_rows int64 [G], grammar_bitmask int32
         [G, ceil(V / 32)].
     num_logprobs: -1 when no row asks, else the largest N asked (top-N returned for all rows).
@@ -108,7 +109,7 @@ class SamplingBatch:
     penalty_token_ids: torch.Tensor | None = None
     penalty_repetition: torch.Tensor | None = None
     penalty_subtract: torch.Tensor | None = None
-    logit_edits: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    logit_edits: tuple[torch.Tensor, torch.Tensor] | None = None
     grammar_rows: torch.Tensor | None = None
     grammar_bitmask: torch.Tensor | None = None
     num_logprobs: int = -1
@@ -268,8 +269,5 @@ class SamplingBatch:
                     edit_cols.append(token)
                     edit_vals.append(-math.inf)  # -inf + any bias stays -inf
         if edit_rows:
-            self.logit_edits = (
-                to_dev(edit_rows, torch.int64),
-                to_dev(edit_cols, torch.int64),
-                to_dev(edit_vals, torch.float32),
-            )
+            flat = [r * self.vocab_size + c for r, c in zip(edit_rows, edit_cols, strict=True)]
+            self.logit_edits = (to_dev(flat, torch.int64), to_dev(edit_vals, torch.float32))

@@ -112,8 +112,9 @@ class Sampler:
             old = x.gather(1, ids)
             x.scatter_(1, ids, penalize(old, batch.penalty_repetition, batch.penalty_subtract))
         if batch.logit_edits is not None:
-            rows, cols, values = batch.logit_edits
-            x.index_put_((rows, cols), values, accumulate=True)
+            # One scatter kernel (index_put_ with accumulate sorts and asserts on CUDA).
+            flat_index, values = batch.logit_edits
+            x.view(-1).scatter_add_(0, flat_index, values)
         if batch.grammar_bitmask is not None:
             apply_token_bitmask(x, batch.grammar_bitmask, batch.grammar_rows)
         return x
