@@ -332,25 +332,24 @@ def sweep_rows():
     rows = []
     cands = {
         1: [
-            G(16, 128, 4, 4, 6, True, swap_ab=True),
             G(16, 64, 8, 4, 6, True, swap_ab=True),
-            G(16, 128, 4, 4, 6, True),
-            G(16, 256, 2, 8, 4, True, swap_ab=True),
-            G(16, 128, 1, 4, 6, True, swap_ab=True),
+            G(16, 64, 4, 4, 4, True, swap_ab=True, block_k=128),
+            G(16, 64, 2, 4, 4, True, swap_ab=True, block_k=128),
+            G(16, 64, 8, 4, 4, True, swap_ab=True, block_k=128),
+            G(16, 64, 4, 4, 4, True, block_k=128),
         ],
         64: [
-            G(64, 128, 2, 4, 5, True, swap_ab=True),
             G(64, 64, 4, 4, 5, True),
-            G(64, 64, 4, 4, 5, True, swap_ab=True),
-            G(64, 128, 1, 4, 5, True),
-            G(32, 128, 2, 4, 5, True, swap_ab=True),
+            G(64, 64, 2, 4, 5, True),
+            G(16, 64, 4, 4, 4, True, swap_ab=True, block_k=128),
+            G(64, 64, 4, 4, 4, True, block_k=64),
+            G(64, 128, 2, 4, 5, True),
         ],
         8192: [
             G(128, 128, 1, 8, 4, True),
             G(128, 128, 1, 8, 3, True),
-            G(64, 128, 1, 4, 5, True),
+            G(128, 128, 1, 8, 4, True, block_k=64),
             G(128, 64, 1, 4, 5, True),
-            G(64, 256, 1, 8, 4, True),
         ],
     }
     for m, cfgs in cands.items():
@@ -382,7 +381,7 @@ def sweep_rows():
                     dict(
                         op=f"sweep gemm{' bf16A' if a_bf16 else ''}",
                         shape=f"{m}x{n}x{k} {cfg.block_m}x{cfg.block_n} s{cfg.split_k} "
-                        f"w{cfg.num_warps} st{cfg.num_stages}{' swap' if cfg.swap_ab else ''}",
+                        f"k{cfg.block_k} st{cfg.num_stages}{' swap' if cfg.swap_ab else ''}",
                         ms=ms,
                         flops=2.0 * m * n * k,
                         bytes=n * k + m * k,
@@ -397,26 +396,39 @@ def sweep_rows():
         torch.randint_like(w1, -128, 128),
         torch.randint(-128, 128, (e, d, i // 2), device="cuda", dtype=torch.int8),
     )
-    sc = lambda *shape: torch.randint(118, 123, shape, device="cuda", dtype=torch.uint8).view(
-        torch.float8_e8m0fnu
-    )
+
+    def sc(*shape):
+        u8 = torch.randint(118, 123, shape, device="cuda", dtype=torch.uint8)
+        return u8.view(torch.float8_e8m0fnu)
+
     s1, s3, s2 = sc(e, i, d // 32), sc(e, i, d // 32), sc(e, d, i // 32)
     M = tmoe.MoeConfig
-    for t in (1, 64):
+    moe_cands = {
+        1: (
+            M(16, 64, 64, 4, 4, 4, True, 128),
+            M(16, 64, 64, 4, 4, 4, True, 64),
+            M(16, 64, 128, 4, 4, 4, True, 128),
+            M(16, 64, 64, 4, 4, 4, False, 128),
+        ),
+        64: (
+            M(16, 64, 64, 4, 4, 4, True, 128),
+            M(16, 64, 64, 4, 4, 4, False, 128),
+            M(64, 64, 64, 4, 4, 4, True, 32),
+        ),
+        8192: (
+            M(128, 64, 64, 8, 8, 4, False, 32),
+            M(128, 64, 64, 8, 8, 4, False, 64),
+            M(128, 64, 64, 8, 8, 3, False, 64),
+        ),
+    }
+    for t in (1, 64, 8192):
         sets = []
-        for _ in range(8):
+        for _ in range(8 if t < 8192 else 1):
             x = torch.randn(t, d, device="cuda").bfloat16()
             ids = torch.rand(t, e, device="cuda").topk(kk, dim=-1).indices
             sets.append((x, torch.rand(t, kk, device="cuda"), ids))
         active = sum(int(torch.unique(st[2]).numel()) for st in sets) / len(sets)
-        for cfg in (
-            M(16, 64, 64, 4, 4, 5, True),
-            M(16, 64, 64, 4, 4, 5, False),
-            M(16, 32, 32, 4, 4, 5, True),
-            M(16, 128, 128, 4, 4, 4, True),
-            M(16, 64, 64, 8, 8, 5, True),
-            M(64, 64, 64, 4, 4, 4, True),
-        ):
+        for cfg in moe_cands[t]:
             try:
                 ms = _bench_graphs(
                     lambda x, tw, ids, cfg=cfg: tmoe.moe_experts(
@@ -431,7 +443,7 @@ def sweep_rows():
                 dict(
                     op="sweep moe graph",
                     shape=f"T={t} {cfg.block_m}x{cfg.block_n1}/{cfg.block_n2} "
-                    f"w{cfg.warps1} st{cfg.stages}{' swap' if cfg.swap_ab else ''}",
+                    f"k{cfg.block_k} st{cfg.stages}{' swap' if cfg.swap_ab else ''}",
                     ms=ms,
                     flops=6.0 * t * kk * d * i,
                     bytes=active * 3 * (i * d // 2 + i * d // 32),
@@ -440,6 +452,32 @@ def sweep_rows():
                 )
             )
     return rows
+
+
+def invariance_probe() -> None:
+    """Which GEMM tile configurations give bitwise-identical rows (same K step, no split-K)?"""
+    from deepinfer_kernels import quant
+    from deepinfer_kernels.triton import linear as tl_linear
+
+    G = tl_linear.GemmConfig
+    xq, xs = quant.act_quant_fp8(torch.randn(300, 4096, device="cuda"))
+    w, ws = quant.quantize_fp8_blocks(torch.randn(2048, 4096, device="cuda"))
+    cfgs = {
+        "128x128 w8": G(128, 128, 1, 8, 4, True),
+        "64x128 w4": G(64, 128, 1, 4, 5, True),
+        "64x64 w4": G(64, 64, 1, 4, 5, True),
+        "16x64 swap": G(16, 64, 1, 4, 6, True, swap_ab=True),
+        "16x128 mma": G(16, 128, 1, 4, 6, True),
+        "128x128 k64": G(128, 128, 1, 8, 4, True, block_k=64),
+        "16x64 swap k128": G(16, 64, 1, 4, 4, True, swap_ab=True, block_k=128),
+    }
+    outs = {k: tl_linear.fp8_gemm(xq, xs, w, ws, torch.float32, config=c) for k, c in cfgs.items()}
+    base = outs["64x128 w4"]
+    for k, o in outs.items():
+        print(
+            f"invariance probe: {k:<18} bitwise equal to 64x128 w4: {torch.equal(o, base)}"
+            f"  max|diff| {(o - base).abs().max().item():.3e}"
+        )
 
 
 def main() -> None:
@@ -480,6 +518,8 @@ def main() -> None:
         rows += moe_rows([1, 16, 64, 256, 8192], args.quick)
     if "sweep" in parts:
         rows += sweep_rows()
+    if "probe" in parts:
+        invariance_probe()
     dev = torch.cuda.get_device_name()
     with open(args.json, "w") as f:
         json.dump(dict(device=dev, copy_gbs=copy_gbs, rows=rows), f, indent=1)
@@ -487,7 +527,8 @@ def main() -> None:
         f"\n{dev}, torch {torch.__version__}; copy ceiling measured {copy_gbs:.0f} GB/s; "
         f"FP8 ceiling {FP8_CEILING_TFLOPS:.0f} TFLOP/s (DeepGEMM on H200)"
     )
-    hdr = f"{'op':<24}{'shape':<30}{'ms':>9}{'TFLOP/s':>9}{'GB/s':>8}{'%fp8':>6}{'%bw':>6}{'xtorch':>8}{'xmm':>7}"
+    hdr = f"{'op':<24}{'shape':<30}{'ms':>9}{'TFLOP/s':>9}{'GB/s':>8}{'%fp8':>6}{'%bw':>6}"
+    hdr += f"{'xtorch':>8}{'xmm':>7}"
     print(hdr)
     for r in rows:
         tf = r["flops"] / r["ms"] / 1e9

@@ -121,7 +121,9 @@ def test_fp8_gemm_close_to_ref(m, n, k):
     assert got16.dtype == torch.bfloat16 and _rel(got16, want) < 1e-2
 
 
-@pytest.mark.parametrize("mode", ["split4", "fp8mma", "bf16", "fp32scale", "invariant"])
+@pytest.mark.parametrize(
+    "mode", ["split4", "fp8mma", "bk128swap", "bk64", "bf16", "fp32scale", "invariant"]
+)
 def test_fp8_gemm_variants(mode):
     from deepinfer_kernels.triton import linear as tl_linear
 
@@ -131,9 +133,11 @@ def test_fp8_gemm_variants(mode):
     cfg = {
         "split4": tl_linear.GemmConfig(16, 64, 4, 4, 3, dequant_bf16=True),
         "fp8mma": tl_linear.GemmConfig(64, 64, 1, 4, 3),
+        "bk128swap": tl_linear.GemmConfig(16, 64, 2, 4, 4, True, swap_ab=True, block_k=128),
+        "bk64": tl_linear.GemmConfig(64, 64, 1, 4, 4, True, block_k=64),
         "bf16": tl_linear.GemmConfig(128, 128, 1, 8, 4, dequant_bf16=True),
         "fp32scale": None,
-        "invariant": tl_linear.INVARIANT,
+        "invariant": tl_linear.pick_config(45, 384, 1280, True),
     }[mode]
     scale = ws.float() if mode == "fp32scale" else ws
     _poison()
@@ -217,7 +221,7 @@ MOE_SHAPES = [
 
 
 @pytest.mark.parametrize(("t", "d", "i", "e", "k"), MOE_SHAPES)
-@pytest.mark.parametrize("cfg_name", ["auto", "DECODE", "PREFILL", "INVARIANT"])
+@pytest.mark.parametrize("cfg_name", ["auto", "DECODE", "DECODE_WGMMA", "PREFILL"])
 def test_moe_experts_close_to_ref(t, d, i, e, k, cfg_name):
     from deepinfer_kernels.triton import moe as tmoe
 
@@ -279,13 +283,19 @@ def test_fp8_linear_prefill_path_close_to_ref(m):
     assert _rel(got, ref_linear.fp8_linear(x, w, ws)) < 1e-2
 
 
-def test_fp8_linear_batch_invariant_across_prefill_switch():
+def test_fp8_linear_bf16_activation_path_is_bitwise_fp8_gemm():
+    """fp8_linear feeds bf16-expanded activations; fp8_gemm expands x_fp8 per tile: same bits."""
     from deepinfer_kernels.triton import linear as tl_linear
 
     x = torch.randn(400, 2048, device=DEV, generator=_gen(43)).bfloat16()
     w, ws = quant.quantize_fp8_blocks(torch.randn(512, 2048, device=DEV, generator=_gen(44)))
-    full = tl_linear.fp8_linear(x, w, ws, batch_invariant=True)  # bf16-A path (400 > 256 rows)
-    for lo, hi in ((0, 1), (399, 400), (10, 74)):  # fp8-A path
+    xq, xs = quant.act_quant_fp8(x)
+    for inv in (True, False):
+        lin = tl_linear.fp8_linear(x, w, ws, batch_invariant=inv)
+        gemm = tl_linear.fp8_gemm(xq, xs, w, ws, torch.bfloat16, batch_invariant=inv)
+        assert torch.equal(lin, gemm)
+    full = tl_linear.fp8_linear(x, w, ws, batch_invariant=True)
+    for lo, hi in ((0, 1), (399, 400), (10, 74)):
         assert torch.equal(tl_linear.fp8_linear(x[lo:hi], w, ws, batch_invariant=True), full[lo:hi])
 
 

@@ -59,21 +59,21 @@ def fp4_to_fp8(packed, ROWS: tl.constexpr, KP: tl.constexpr):
 
 
 @triton.jit
-def fp4_to_fp32(packed, ROWS: tl.constexpr, KP: tl.constexpr):
-    """packed [ROWS, KP] int8 (two e2m1 per byte, low nibble first) -> [ROWS, 2*KP] fp32 values
-    times 2**-126 (multiply by `e8m0_to_fp32_fp4(scale)`, which carries the 2**126 back).
+def fp4_to_bf16_scaled(packed, scale_u8, ROWS: tl.constexpr, KP: tl.constexpr, KG: tl.constexpr):
+    """packed [ROWS, KP] int8 (two e2m1 per byte, low nibble first) with UE8M0 scales
+    scale_u8 [ROWS, KG] (one per 32 values) -> [ROWS, 2*KP] bf16 values ``e2m1 * 2**(u - 127)``.
 
-    The nibble's exponent and mantissa bits are placed straight into a bf16's exponent and top
-    mantissa bit: exponent e >= 1 gives 2**(e - 127) * (1 + m/2), and e = 0 gives the subnormal
-    2**-126 * m/2, i.e. exactly the e2m1 value times 2**-126 in both cases (no branch).
+    The nibble's exponent and mantissa bits go straight into an fp16's exponent and top mantissa
+    bit: exponent e >= 1 gives 2**(e - 15) * (1 + m/2) and e = 0 the subnormal 2**-14 * m/2, i.e.
+    the e2m1 value times 2**-14 either way (no branch). The scale carries the 2**14 back:
+    2**(u - 113), exact in bf16 for every u a real scale has (u <= 240). All steps are exact.
     """
     p = packed.to(tl.uint8, bitcast=True).to(tl.int32)
     nib = tl.reshape(tl.join(p & 0xF, p >> 4), (ROWS, 2 * KP))
-    bits = (((nib & 7) << 6) | ((nib & 8) << 12)).to(tl.int16)
-    return bits.to(tl.bfloat16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def e8m0_to_fp32_fp4(u):
-    """UE8M0 scale bytes -> fp32 2**(u - 127) * 2**126 = 2**(u - 1), for `fp4_to_fp32` values."""
-    return ((u.to(tl.int32) - 1) << 23).to(tl.float32, bitcast=True)
+    bits = (((nib & 7) << 9) | ((nib & 8) << 12)).to(tl.int16)
+    v = bits.to(tl.float16, bitcast=True).to(tl.bfloat16)
+    s = ((scale_u8.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True).to(tl.bfloat16)
+    if KG == 1:
+        return v * s
+    v3 = tl.reshape(v, (ROWS, KG, 32)) * s[:, :, None]
+    return tl.reshape(v3, (ROWS, 2 * KP))

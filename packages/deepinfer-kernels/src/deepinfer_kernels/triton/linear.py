@@ -8,8 +8,9 @@ each into the fp32 accumulator with ``sa[m] * sb[n // 32]``, as DeepGEMM promote
 Triton its loads are not software-pipelined and it spills at 128x128 tiles, so it is a variant
 kept for measurement.
 
-Tile choice depends on M unless the registry is in batch-invariant mode; then one configuration
-(no split-K) serves every M, so a row's result never depends on the other rows.
+Tile choice depends on M. In batch-invariant mode split-K is off and only wgmma tiles are used,
+which give a row the same bits whatever the tile (see `pick_config`), so a row's result never
+depends on the other rows; the GPU tests check this bitwise.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class GemmConfig:
     dequant_bf16: bool = False
     group_m: int = 8
     swap_ab: bool = False  # compute C^T = W X^T: weight rows fill the MMA's M (small-M decode)
+    block_k: int = 32  # K per step (a multiple of 32; 32 for the FP8-dot mode)
 
 
 @triton.jit
@@ -57,6 +59,7 @@ def _fp8_gemm_kernel(
     A_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
@@ -74,25 +77,32 @@ def _fp8_gemm_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_a = tl.where(offs_m < M, offs_m, 0).to(tl.int64)  # clamped rows: loads need no mask
     rows_b = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
-    # K is a multiple of 32 (one scale group per step), so no step needs a K mask either
-    k_chunk = tl.cdiv(K // 32, SPLIT_K) * 32
+    # K is a multiple of 32; a step covers BLOCK_K (KG scale groups), the last one masked
+    KG: tl.constexpr = BLOCK_K // 32
+    k_chunk = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
     k_begin = pid_k * k_chunk
     k_end = tl.minimum(K, k_begin + k_chunk)
-    offs_k = tl.arange(0, 32)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_g = tl.arange(0, KG)
     a_ptrs = a_ptr + rows_a[:, None] * stride_am + (k_begin + offs_k)[None, :]
     b_ptrs = b_ptr + rows_b[:, None] * stride_bn + (k_begin + offs_k)[None, :]
-    as_ptrs = as_ptr + rows_a * stride_asm + k_begin // 32
-    bs_ptrs = bs_ptr + (rows_b // 32) * stride_bsn + k_begin // 32
+    as_ptrs = as_ptr + rows_a[:, None] * stride_asm + (k_begin // 32 + offs_g)[None, :]
+    bs_ptrs = bs_ptr + (rows_b // 32)[:, None] * stride_bsn + (k_begin // 32 + offs_g)[None, :]
 
     if SWAP_AB:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for _ in range(k_begin, k_end, 32):
-        a = tl.load(a_ptrs)
-        b = tl.load(b_ptrs)
-        sa = tl.load(as_ptrs)
-        sb = tl.load(bs_ptrs)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        if KG == 1:  # a step is exactly one scale group: no masks
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+            sb = tl.load(bs_ptrs)
+        else:
+            kmask = (k0 + offs_k) < k_end
+            a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=kmask[None, :], other=0.0)
+            sb = tl.load(bs_ptrs, mask=((k0 + offs_g * 32) < k_end)[None, :], other=0)
         if BS_E8M0:
             sb = e8m0_to_fp32(sb)
         if DEQUANT_BF16:
@@ -100,18 +110,37 @@ def _fp8_gemm_kernel(
             if A_BF16:  # activations already expanded exactly to bf16 (x_fp8 * scale)
                 a16 = a
             else:
-                a16 = (a.to(tl.float32) * sa[:, None]).to(tl.bfloat16)
-            b16 = (b.to(tl.float32) * sb[:, None]).to(tl.bfloat16)
-            if SWAP_AB:
+                sa = tl.load(as_ptrs, mask=((k0 + offs_g * 32) < k_end)[None, :], other=0.0)
+                if KG == 1:
+                    a16 = (a.to(tl.float32) * sa).to(tl.bfloat16)
+                else:
+                    a3 = (
+                        tl.reshape(a.to(tl.bfloat16), (BLOCK_M, KG, 32))
+                        * sa.to(tl.bfloat16)[:, :, None]
+                    )
+                    a16 = tl.reshape(a3, (BLOCK_M, BLOCK_K))
+            if KG == 1:
+                b16 = (b.to(tl.float32) * sb).to(tl.bfloat16)
+            else:  # bf16 x power of two is exact; bf16 halves the registers of the expansion
+                b3 = (
+                    tl.reshape(b.to(tl.bfloat16), (BLOCK_N, KG, 32))
+                    * sb.to(tl.bfloat16)[:, :, None]
+                )
+                b16 = tl.reshape(b3, (BLOCK_N, BLOCK_K))
+            if SWAP_AB:  # noqa: SIM108 (a Triton constexpr branch)
                 acc = tl.dot(b16, tl.trans(a16), acc)
             else:
                 acc = tl.dot(a16, tl.trans(b16), acc)
-        else:
-            acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
-        a_ptrs += 32
-        b_ptrs += 32
-        as_ptrs += 1
-        bs_ptrs += 1
+        else:  # BLOCK_K == 32: FP8 dot, promoted with its two scales
+            sa = tl.load(as_ptrs)
+            part = tl.dot(a, tl.trans(b))
+            acc += part * (
+                tl.reshape(sa, (BLOCK_M,))[:, None] * tl.reshape(sb, (BLOCK_N,))[None, :]
+            )
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+        as_ptrs += KG
+        bs_ptrs += KG
 
     if SWAP_AB:
         acc = tl.trans(acc)
@@ -121,24 +150,20 @@ def _fp8_gemm_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=cmask)
 
 
-PREFILL_BF16_A_ROWS = 256
-"""fp8_linear feeds bf16-expanded activations to the GEMM above this many rows."""
-
-# One configuration for every M in batch-invariant mode (no split-K, same MMA shape).
-INVARIANT = GemmConfig(64, 128, 1, 4, 5, dequant_bf16=True)
-
-
 def pick_config(m: int, n: int, k: int, batch_invariant: bool, num_sms: int = 132) -> GemmConfig:
-    """Tile shapes by M bucket; decode shapes add split-K until the grid fills the chip.
+    """Tile shapes by M bucket; decode shapes add split-K until there are ~4 CTAs per SM.
 
-    Every configuration expands the FP8 operands exactly to bf16 (`DEQUANT_BF16`): on Triton the
-    depth-32 FP8 dots with per-step promotion neither pipeline their loads nor fit in registers
-    (see the note in tools/bench_kernels.py's output), so they are kept only as a variant.
+    Every configuration expands the FP8 operands exactly to bf16 (`DEQUANT_BF16`) and runs on
+    wgmma (small M swaps A and B so the weight rows fill the MMA's 64 rows): on Triton the
+    depth-32 FP8 dots with per-step promotion neither pipeline their loads nor fit in registers,
+    so they are kept only as a variant. Batch-invariant mode keeps the tiles but drops split-K:
+    measured on the H200 (tools/bench_kernels.py --only probe), wgmma tiles of any shape, swapped
+    or not, with any K step, give bitwise the same rows as long as K is not split; the mma.sync
+    path (16-row tiles without the swap) does not, so it is never chosen.
     """
-    if batch_invariant:
-        return INVARIANT
-    if m <= 16:
-        bm, bn, warps, stages = 16, 128, 4, 6
+    bk, swap = 32, False
+    if m <= 16:  # weight-bandwidth bound: weight rows as the MMA's M, 128 bytes of a row a step
+        bm, bn, warps, stages, bk, swap = 16, 64, 4, 4, 128, True
     elif m <= 64:
         bm, bn, warps, stages = 64, 64, 4, 5
     elif m <= 256:
@@ -147,9 +172,9 @@ def pick_config(m: int, n: int, k: int, batch_invariant: bool, num_sms: int = 13
         bm, bn, warps, stages = 128, 128, 8, 4
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     split = 1
-    while tiles * split * 2 <= 2 * num_sms and k // (split * 2) >= 512:
+    while not batch_invariant and tiles * split < 4 * num_sms and k // (split * 2) >= 512:
         split *= 2
-    return GemmConfig(bm, bn, split, warps, stages, dequant_bf16=True)
+    return GemmConfig(bm, bn, split, warps, stages, True, swap_ab=swap, block_k=bk)
 
 
 def fp8_gemm(
@@ -197,6 +222,7 @@ def fp8_gemm(
         A_BF16=x_fp8.dtype == torch.bfloat16,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k if cfg.dequant_bf16 else 32,
         SPLIT_K=cfg.split_k,
         GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps,
@@ -212,17 +238,12 @@ def fp8_linear(
 ) -> torch.Tensor:
     """x [..., K] -> [..., N] x.dtype: Triton per-32 act quant, then the FP8 GEMM.
 
-    Above `PREFILL_BF16_A_ROWS` rows the activations are quantised and expanded to bf16 in one pass
-    (the same values the GEMM would expand per tile), so each tile only expands the weight; the
-    GEMM's bf16 operands are bitwise the same either way, so batch invariance is unaffected.
+    The activations are quantised and expanded to bf16 in one pass (`act_fake_quant_bf16`: the
+    same bf16 operand the GEMM would build from x_fp8 and its scales per tile), so each tile only
+    expands the weight; results are bitwise those of `fp8_gemm` on (x_fp8, x_scale).
     """
-    from .quant import act_fake_quant_bf16, act_quant_fp8
+    from .quant import act_fake_quant_bf16
 
-    x2 = x.reshape(-1, x.shape[-1])
-    if x2.shape[0] > PREFILL_BF16_A_ROWS:
-        xa = act_fake_quant_bf16(x2)
-        y = fp8_gemm(xa, xa, w, w_scale, x.dtype, batch_invariant=batch_invariant)
-    else:
-        xq, xs = act_quant_fp8(x2)
-        y = fp8_gemm(xq, xs, w, w_scale, x.dtype, batch_invariant=batch_invariant)
+    xa = act_fake_quant_bf16(x.reshape(-1, x.shape[-1]))
+    y = fp8_gemm(xa, xa, w, w_scale, x.dtype, batch_invariant=batch_invariant)
     return y.reshape(*x.shape[:-1], w.shape[0])

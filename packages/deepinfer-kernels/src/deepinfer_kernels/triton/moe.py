@@ -8,11 +8,15 @@ path can be captured in a CUDA graph; tiles past the real count see expert -1 an
 uses large tiles (the contiguous grouped layout); decode uses 16-row tiles so that a handful of
 tokens per expert wastes little (the padded layout).
 
-Kernels. (1) W1 and W3 together: activations gathered by token from the FP8-quantised x, FP4 expert
-weights unpacked to FP8 in registers (exact), depth-32 FP8 dots promoted with their power-of-two
-scales; the epilogue rounds gate/up to x.dtype, applies the clamped SwiGLU and the routing weight,
-rounds to x.dtype and quantises per 32 to FP8: the W2 input. (2) W2 on those sorted rows, rounded
-to x.dtype. (3) Combine: each token sums its expert outputs in fp32 in ascending expert order.
+Kernels. (0) x is quantised per 32 to FP8 and expanded back to bf16 (exactly x_fp8 * scale).
+(1) W1 and W3 together: those bf16 rows gathered by token; FP4 weights (kept FP4 in memory)
+expanded in registers to bf16 with their UE8M0 scales (exact: e2m1 x 2**e is a bf16 value);
+bf16 tensor-core dots into fp32. The epilogue rounds gate/up to x.dtype, applies the clamped SwiGLU
+and the routing weight, rounds to x.dtype, quantises per 32 to FP8 and writes it expanded to bf16:
+the W2 input. (2) W2 on those sorted rows, rounded to x.dtype. (3) Combine: each token sums its
+expert outputs in fp32 in ascending expert order. Every product is the reference's exact product;
+only the fp32 summation order differs. Hopper has no FP4 (and Triton's FP8 path does not pipeline
+at depth-32 promotion, see triton/linear.py), hence the exact bf16 expansion.
 """
 
 from __future__ import annotations
@@ -24,8 +28,8 @@ import triton
 import triton.language as tl
 
 from ..quant import ACT_AMAX_FLOOR
-from ._common import e8m0_to_fp32_fp4, fp4_to_fp32, quant_groups_fp8
-from .quant import act_quant_fp8, swiglu_quant_tile
+from ._common import fp4_to_bf16_scaled, quant_groups_fp8
+from .quant import act_fake_quant_bf16, swiglu_quant_tile
 
 # ---------------------------------------------------------------------------------------------
 # Gate
@@ -167,18 +171,26 @@ class MoeConfig:
     warps2: int
     stages: int
     swap_ab: bool = False
+    block_k: int = 32  # K per step (falls back to 32 where D or I is not a multiple)
 
 
-DECODE = MoeConfig(16, 64, 64, 4, 4, 5, swap_ab=True)
-PREFILL = MoeConfig(128, 64, 64, 8, 8, 4)
-INVARIANT = MoeConfig(64, 64, 64, 4, 4, 4, swap_ab=True)
+DECODE = MoeConfig(16, 64, 64, 4, 4, 4, swap_ab=False, block_k=128)
+"""Few rows per expert: 16-row tiles on mma.sync (fastest measured for decode)."""
+DECODE_WGMMA = MoeConfig(16, 64, 64, 4, 4, 4, swap_ab=True, block_k=128)
+"""The same with A and B swapped so wgmma runs it: what batch-invariant mode uses for decode."""
+PREFILL = MoeConfig(128, 64, 64, 8, 8, 3, block_k=64)
+"""The contiguous grouped layout for prefill: 128-row tiles on wgmma."""
 
 
 def pick_config(pairs: int, experts: int, batch_invariant: bool) -> MoeConfig:
-    """Decode-sized routing (few rows per expert) takes 16-row tiles; prefill 64-row tiles."""
-    if batch_invariant:
-        return INVARIANT
-    return DECODE if pairs <= 8 * experts else PREFILL
+    """Decode-sized routing (few rows per expert) takes 16-row tiles; prefill 128-row tiles.
+
+    In batch-invariant mode only wgmma configurations are used: their row results do not depend
+    on the tile shape (measured, see triton/linear.py), and no configuration splits K.
+    """
+    if pairs <= 8 * experts:
+        return DECODE_WGMMA if batch_invariant else DECODE
+    return PREFILL
 
 
 @dataclass
@@ -240,8 +252,7 @@ def build_routing(
 
 @triton.jit
 def _w13_kernel(
-    xq_ptr,
-    xs_ptr,
+    xa_ptr,
     w1_ptr,
     s1_ptr,
     w3_ptr,
@@ -249,8 +260,7 @@ def _w13_kernel(
     tok_ptr,
     rw_ptr,
     tiles_ptr,
-    hq_ptr,
-    hs_ptr,
+    h_ptr,
     D,
     I,
     limit,
@@ -263,8 +273,12 @@ def _w13_kernel(
     FLOOR: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     SWAP_AB: tl.constexpr,
 ):
+    """Rows of one expert's tile: gate/up = x_hat W1^T, x_hat W3^T (x_hat: bf16-expanded FP8 x,
+    gathered by token), then h = swiglu(gate, up) * weight, quantised per 32 to FP8 and written
+    expanded to bf16 (exactly h_fp8 * scale): the W2 kernel's A operand."""
     tile = tl.program_id(0)
     expert = tl.load(tiles_ptr + tile * 3)
     if expert < 0:
@@ -277,13 +291,15 @@ def _w13_kernel(
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ncl = tl.where(offs_n < I, offs_n, 0).to(tl.int64)
     ex = expert.to(tl.int64)
-    offs_k = tl.arange(0, 32)
-    a_ptrs = xq_ptr + tok[:, None] * D + offs_k[None, :]
-    sa_ptrs = xs_ptr + tok * (D // 32)
-    w_off = ex * stride_we + ncl[:, None] * stride_wn + tl.arange(0, 16)[None, :]
+    KG: tl.constexpr = BLOCK_K // 32
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_p = tl.arange(0, BLOCK_K // 2)
+    offs_g = tl.arange(0, KG)
+    a_ptrs = xa_ptr + tok[:, None] * D + offs_k[None, :]
+    w_off = ex * stride_we + ncl[:, None] * stride_wn + offs_p[None, :]
     w1_ptrs = w1_ptr + w_off
     w3_ptrs = w3_ptr + w_off
-    s_off = ex * stride_se + ncl * stride_sn
+    s_off = ex * stride_se + ncl[:, None] * stride_sn + offs_g[None, :]
     s1_ptrs = s1_ptr + s_off
     s3_ptrs = s3_ptr + s_off
     if SWAP_AB:  # weight rows fill the MMA's M: few tokens per expert (decode)
@@ -292,29 +308,22 @@ def _w13_kernel(
     else:
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # one 32-wide scale group per step; e4m3 x 2**e and e2m1 x 2**e are exact in bf16
-    for _ in range(0, D, 32):
-        a = tl.load(a_ptrs)
-        sa = tl.load(sa_ptrs)
-        p1 = tl.load(w1_ptrs)
-        p3 = tl.load(w3_ptrs)
-        sb1 = e8m0_to_fp32_fp4(tl.load(s1_ptrs))
-        sb3 = e8m0_to_fp32_fp4(tl.load(s3_ptrs))
-        a16 = (a.to(tl.float32) * sa[:, None]).to(tl.bfloat16)
-        b1 = (fp4_to_fp32(p1, BLOCK_N, 16) * sb1[:, None]).to(tl.bfloat16)
-        b3 = (fp4_to_fp32(p3, BLOCK_N, 16) * sb3[:, None]).to(tl.bfloat16)
+    # D is a multiple of BLOCK_K (checked on the host): no masks in the loop
+    for _ in range(0, D, BLOCK_K):
+        a16 = tl.load(a_ptrs)
+        b1 = fp4_to_bf16_scaled(tl.load(w1_ptrs), tl.load(s1_ptrs), BLOCK_N, BLOCK_K // 2, KG)
+        b3 = fp4_to_bf16_scaled(tl.load(w3_ptrs), tl.load(s3_ptrs), BLOCK_N, BLOCK_K // 2, KG)
         if SWAP_AB:
             acc_g = tl.dot(b1, tl.trans(a16), acc_g)
             acc_u = tl.dot(b3, tl.trans(a16), acc_u)
         else:
             acc_g = tl.dot(a16, tl.trans(b1), acc_g)
             acc_u = tl.dot(a16, tl.trans(b3), acc_u)
-        a_ptrs += 32
-        sa_ptrs += 1
-        w1_ptrs += 16
-        w3_ptrs += 16
-        s1_ptrs += 1
-        s3_ptrs += 1
+        a_ptrs += BLOCK_K
+        w1_ptrs += BLOCK_K // 2
+        w3_ptrs += BLOCK_K // 2
+        s1_ptrs += KG
+        s3_ptrs += KG
     if SWAP_AB:
         acc_g = tl.trans(acc_g)
         acc_u = tl.trans(acc_u)
@@ -323,18 +332,16 @@ def _w13_kernel(
     rw = tl.load(rw_ptr + rows, mask=rmask, other=0.0)
     h = swiglu_quant_tile(g, u, rw[:, None], limit, HAS_LIMIT, OUT_DTYPE)
     q, sc = quant_groups_fp8(h, BLOCK_M, BLOCK_N, FLOOR)
+    hd = tl.reshape(q.to(tl.float32), (BLOCK_M, BLOCK_N // 32, 32)) * sc[:, :, None]
+    hd = tl.reshape(hd, (BLOCK_M, BLOCK_N)).to(tl.bfloat16)
     r64 = rows.to(tl.int64)
     omask = rmask[:, None] & (offs_n < I)[None, :]
-    tl.store(hq_ptr + r64[:, None] * I + offs_n[None, :], q, mask=omask)
-    gcol = tl.program_id(1) * (BLOCK_N // 32) + tl.arange(0, BLOCK_N // 32)
-    gmask = rmask[:, None] & (gcol < I // 32)[None, :]
-    tl.store(hs_ptr + r64[:, None] * (I // 32) + gcol[None, :], sc, mask=gmask)
+    tl.store(h_ptr + r64[:, None] * I + offs_n[None, :], hd, mask=omask)
 
 
 @triton.jit
 def _w2_kernel(
-    hq_ptr,
-    hs_ptr,
+    h_ptr,
     w2_ptr,
     s2_ptr,
     tiles_ptr,
@@ -347,8 +354,10 @@ def _w2_kernel(
     stride_sn,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     SWAP_AB: tl.constexpr,
 ):
+    """y = h_hat W2^T for one expert's tile of sorted rows, rounded to y's dtype."""
     tile = tl.program_id(0)
     expert = tl.load(tiles_ptr + tile * 3)
     if expert < 0:
@@ -361,30 +370,27 @@ def _w2_kernel(
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ncl = tl.where(offs_n < D, offs_n, 0).to(tl.int64)
     ex = expert.to(tl.int64)
-    offs_k = tl.arange(0, 32)
-    a_ptrs = hq_ptr + r64[:, None] * I + offs_k[None, :]
-    sa_ptrs = hs_ptr + r64 * (I // 32)
-    w_ptrs = w2_ptr + ex * stride_we + ncl[:, None] * stride_wn + tl.arange(0, 16)[None, :]
-    s_ptrs = s2_ptr + ex * stride_se + ncl * stride_sn
+    KG: tl.constexpr = BLOCK_K // 32
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = h_ptr + r64[:, None] * I + offs_k[None, :]
+    w_ptrs = (
+        w2_ptr + ex * stride_we + ncl[:, None] * stride_wn + tl.arange(0, BLOCK_K // 2)[None, :]
+    )
+    s_ptrs = s2_ptr + ex * stride_se + ncl[:, None] * stride_sn + tl.arange(0, KG)[None, :]
     if SWAP_AB:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for _ in range(0, I, 32):
-        a = tl.load(a_ptrs)
-        sa = tl.load(sa_ptrs)
-        p = tl.load(w_ptrs)
-        sb = e8m0_to_fp32_fp4(tl.load(s_ptrs))
-        a16 = (a.to(tl.float32) * sa[:, None]).to(tl.bfloat16)
-        b16 = (fp4_to_fp32(p, BLOCK_N, 16) * sb[:, None]).to(tl.bfloat16)
-        if SWAP_AB:
+    for _ in range(0, I, BLOCK_K):
+        a16 = tl.load(a_ptrs)
+        b16 = fp4_to_bf16_scaled(tl.load(w_ptrs), tl.load(s_ptrs), BLOCK_N, BLOCK_K // 2, KG)
+        if SWAP_AB:  # noqa: SIM108 (a Triton constexpr branch)
             acc = tl.dot(b16, tl.trans(a16), acc)
         else:
             acc = tl.dot(a16, tl.trans(b16), acc)
-        a_ptrs += 32
-        sa_ptrs += 1
-        w_ptrs += 16
-        s_ptrs += 1
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K // 2
+        s_ptrs += KG
     if SWAP_AB:
         acc = tl.trans(acc)
     omask = rmask[:, None] & (offs_n < D)[None, :]
@@ -434,17 +440,17 @@ def moe_experts(
         if s.dtype != torch.float8_e8m0fnu:
             raise NotImplementedError(f"triton moe_experts: {name} must be float8_e8m0fnu")
     route = build_routing(topk_weights, topk_ids, e, cfg.block_m)
-    xq, xs = act_quant_fp8(x)
+    xa = act_fake_quant_bf16(x)
     p = t * k
-    hq = torch.empty(p, i, dtype=torch.float8_e4m3fn, device=x.device)
-    hs = torch.empty(p, i // 32, dtype=torch.float32, device=x.device)
+    h = torch.empty(p, i, dtype=torch.bfloat16, device=x.device)
     y = torch.empty(p, d, dtype=x.dtype, device=x.device)
     w1, w3, w2 = w1.contiguous(), w3.contiguous(), w2.contiguous()
     s1u, s3u, s2u = (s.contiguous().view(torch.uint8) for s in (s1, s3, s2))
+    bk1 = cfg.block_k if d % cfg.block_k == 0 else 32
+    bk2 = cfg.block_k if i % cfg.block_k == 0 else 32
     n_tiles = route.tiles.shape[0]
     _w13_kernel[(n_tiles, triton.cdiv(i, cfg.block_n1))](
-        xq,
-        xs,
+        xa,
         w1,
         s1u,
         w3,
@@ -452,8 +458,7 @@ def moe_experts(
         route.sorted_token,
         route.sorted_weight,
         route.tiles,
-        hq,
-        hs,
+        h,
         d,
         i,
         float(swiglu_limit),
@@ -466,13 +471,13 @@ def moe_experts(
         FLOOR=ACT_AMAX_FLOOR,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n1,
+        BLOCK_K=bk1,
         SWAP_AB=cfg.swap_ab,
         num_warps=cfg.warps1,
         num_stages=cfg.stages,
     )
     _w2_kernel[(n_tiles, triton.cdiv(d, cfg.block_n2))](
-        hq,
-        hs,
+        h,
         w2,
         s2u,
         route.tiles,
@@ -485,6 +490,7 @@ def moe_experts(
         s2u.stride(1),
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n2,
+        BLOCK_K=bk2,
         SWAP_AB=cfg.swap_ab,
         num_warps=cfg.warps2,
         num_stages=cfg.stages,

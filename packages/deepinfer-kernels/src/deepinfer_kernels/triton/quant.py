@@ -136,7 +136,7 @@ def _swiglu_quant_kernel(
     mask = col < K
     g = tl.load(g_ptr + row * K + col, mask=mask, other=0.0)
     u = tl.load(u_ptr + row * K + col, mask=mask, other=0.0).to(tl.float32)
-    if HAS_W:
+    if HAS_W:  # noqa: SIM108 (a Triton constexpr branch)
         w = tl.load(w_ptr + row).to(tl.float32)
     else:
         w = 1.0
