@@ -190,3 +190,37 @@ def test_random_batches_equal_each_sequence_alone(tiny, plans, seed):
         torch.testing.assert_close(out1[o1 : o1 + p], alone[i][:p], **TOL)
         torch.testing.assert_close(out2[o2 : o2 + q], alone[i][p:], **TOL)
         o1, o2 = o1 + p, o2 + q
+
+
+@settings(max_examples=4, deadline=None)
+@given(
+    lens=st.lists(st.integers(1, 40), min_size=2, max_size=4),
+    steps=st.integers(1, 3),
+    seed=st.integers(0, 99),
+)
+def test_decode_batch_of_unequal_contexts_equals_each_alone(tiny, lens, steps, seed):
+    """Decode/verify rows of sequences with different context lengths are scored by the indexer
+    together (entries padded to the longest); each must still see only its own entries."""
+    cfg, model, spec = tiny
+    seqs = [_tokens(p + 2 * steps, seed + i) for i, p in enumerate(lens)]
+    alone = [_prefill(model, _cache(cfg, spec), s, 0, [0, 1, 2, 3]) for s in seqs]
+    cache = KVCache(cfg, spec, num_blocks=4 * len(seqs), num_slots=len(seqs), dtype=torch.float32)
+    tables = [[4 * i + 3, 4 * i + 1, 4 * i, 4 * i + 2] for i in range(len(seqs))]
+    for i, (s, p) in enumerate(zip(seqs, lens, strict=True)):
+        model(ForwardBatch.build([s[:p]], [0], [i], [tables[i]]), cache)
+    ctx = list(lens)
+    for k in range(steps):
+        n = 1 if k % 2 == 0 else 2  # decode, then a 2-token verify
+        out = model(
+            ForwardBatch.build(
+                [s[c : c + n] for s, c in zip(seqs, ctx, strict=True)],
+                ctx,
+                list(range(len(seqs))),
+                tables,
+                logits_rows="all",
+            ),
+            cache,
+        ).logits
+        for i, c in enumerate(ctx):
+            torch.testing.assert_close(out[i * n : (i + 1) * n], alone[i][c : c + n], **TOL)
+        ctx = [c + n for c in ctx]

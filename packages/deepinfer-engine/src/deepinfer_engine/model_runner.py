@@ -132,7 +132,7 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput, prev: SampledStep | None) -> LaunchedStep:
         """Build the flat batch of `out` and enqueue the model's forward."""
-        from deepinfer_model.forward_batch import ForwardBatch
+        from deepinfer_model.forward_batch import ForwardBatch, HostBatchInfo
 
         for slot in out.new_slots:
             self.cache.reset_slot(slot)
@@ -165,26 +165,39 @@ class ModelRunner:
         for i, c in enumerate(out.chunks):
             if c.seq.block_table:
                 bt[i, : len(c.seq.block_table)] = torch.tensor(c.seq.block_table, dtype=torch.int32)
+        ctx_lens = [c.start for c in out.chunks]
+        slots = [c.seq.slot for c in out.chunks]
+        floor = [self._yoco_floor(c) for c in out.chunks] if self.keep_tokens is not None else None
+        # One pinned host buffer, one non-blocking copy: the forward gets device tensors plus
+        # their CPU mirror (`host`), so neither building nor running the batch waits for the
+        # device.
+        b = len(out.chunks)
+        parts = [ids, pos, cu, ctx_lens, slots, logits_rows, floor or [], ph_dst, ph_src]
+        flat = torch.cat(
+            [torch.tensor(p, dtype=torch.int64) for p in parts] + [bt.flatten().long()]
+        )
         dev = self.device
-
-        def t64(x: list[int]) -> torch.Tensor:
-            return torch.tensor(x, dtype=torch.int64).to(dev, non_blocking=True)
-
-        input_ids = t64(ids)
+        flat = flat.pin_memory() if dev.type == "cuda" else flat
+        flat = flat.to(dev, non_blocking=True)
+        views, o = [], 0
+        for n in [len(p) for p in parts] + [bt.numel()]:
+            views.append(flat[o : o + n])
+            o += n
+        input_ids, positions, cu_t, ctx_t, slots_t, rows_t, floor_t, dst_t, src_t, bt_t = views
         if ph_dst:
             assert prev is not None
-            input_ids[t64(ph_dst)] = prev.token_ids[t64(ph_src)]
+            input_ids[dst_t] = prev.token_ids[src_t]
         batch = ForwardBatch(
             input_ids=input_ids,
-            positions=t64(pos),
-            cu_seqlens=torch.tensor(cu, dtype=torch.int32).to(dev, non_blocking=True),
-            context_lens=t64([c.start for c in out.chunks]),
-            slots=t64([c.seq.slot for c in out.chunks]),
-            block_tables=bt.to(dev, non_blocking=True),
-            logits_indices=t64(logits_rows),
+            positions=positions,
+            cu_seqlens=cu_t.to(torch.int32),
+            context_lens=ctx_t,
+            slots=slots_t,
+            block_tables=bt_t.view(b, width).to(torch.int32),
+            logits_indices=rows_t,
+            yoco_floor=floor_t if floor is not None else None,
+            host=HostBatchInfo(cu, ctx_lens, slots, bt, logits_rows, floor),
         )
-        if self.keep_tokens is not None:
-            batch.yoco_floor = t64([self._yoco_floor(c) for c in out.chunks])
         # Prefill chunks that sample nothing still run: they write their KV into the cache.
         res = self.bundle.model.forward(batch, self.cache)
         return LaunchedStep(out, res.logits if logits_rows else None, sample_chunks)

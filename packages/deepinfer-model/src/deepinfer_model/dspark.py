@@ -27,7 +27,7 @@ from torch import nn
 
 from .cache import KVCache
 from .config import ModelConfig
-from .forward_batch import ForwardBatch, StepContext
+from .forward_batch import ForwardBatch, HostBatchInfo, StepContext
 from .layers.attention import Attention, write_ring
 from .layers.block import Block
 from .layers.linear import Embedding, FP8Linear, Linear, RMSNorm, dense
@@ -186,21 +186,26 @@ def dspark_step(
     n_seq, blk, dev = ctx.num_seqs, cfg.dspark_block_size, hidden.device
     if draft_ids.shape != (n_seq,):
         raise ValueError(f"draft_ids: must be [{n_seq}], got {list(draft_ids.shape)}")
-    last = torch.tensor([c + n - 1 for c, n in zip(ctx.ctx, ctx.lens, strict=True)], device=dev)
+    last_cpu = ctx.last_positions_cpu()
+    last = ctx.upload(last_cpu)
     if last_positions is not None:
-        lp = last_positions.to(device=dev, dtype=torch.int64)
-        if lp.shape != (n_seq,) or bool((lp > last).any()) or bool((lp < 0).any()):
+        bad = last_positions.shape != (n_seq,)
+        if not bad and last_positions.device.type == "cpu":
+            # checked only when given on the host: on the device it would cost a sync
+            lp = last_positions.long()
+            bad = bool((lp > last_cpu).any()) or bool((lp < 0).any())
+        if bad:
             raise ValueError(
                 f"last_positions: must be [{n_seq}] positions in [0, last token of the batch]"
             )
-        last = lp
+        last = last_positions.to(device=dev, dtype=torch.int64, non_blocking=True)
     ids = torch.full((n_seq, blk), cfg.dspark_noise_token_id, dtype=torch.int64, device=dev)
     ids[:, 0] = draft_ids
     dctx = DraftContext(
         positions=(last.unsqueeze(1) + 1 + torch.arange(blk, device=dev)).flatten(),
         seq_of=torch.arange(n_seq, device=dev).repeat_interleave(blk),
         last=last,
-        slots=torch.tensor(ctx.slots, device=dev),
+        slots=ctx.token["slots"],
         block=blk,
     )
     h = model.embed(ids.flatten()).to(model.dtype).unsqueeze(1).repeat(1, cfg.hc_mult, 1)
@@ -228,7 +233,8 @@ def _dspark_per_token(model, batch, hidden, cache, draft_ids, sample, last_posit
     n_seq = StepContext.from_batch(batch).num_seqs
     if draft_ids is not None and draft_ids.shape != (n_seq,):
         raise ValueError(f"draft_ids: must be [{n_seq}], got {list(draft_ids.shape)}")
-    cu = batch.cu_seqlens.tolist()
+    host = batch.host_info()
+    cu = host.cu_seqlens
     dev = batch.input_ids.device
     outs = []
     for b in range(len(cu) - 1):
@@ -241,6 +247,13 @@ def _dspark_per_token(model, batch, hidden, cache, draft_ids, sample, last_posit
                 slots=batch.slots[b : b + 1],
                 block_tables=batch.block_tables[b : b + 1],
                 logits_indices=torch.zeros(0, dtype=torch.int64, device=dev),
+                host=HostBatchInfo(
+                    [0, 1],
+                    [host.context_lens[b] + row - cu[b]],
+                    [host.slots[b]],
+                    host.block_tables[b : b + 1],
+                    [],
+                ),
             )
             last_row = row == cu[b + 1] - 1
             out = dspark_step(

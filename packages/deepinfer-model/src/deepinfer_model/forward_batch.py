@@ -1,11 +1,51 @@
 """The flat batch one forward call runs (`ForwardBatch`), its result (`ForwardOutput`), and the
-per-step facts every layer derives from it (`StepContext`)."""
+per-step facts every layer derives from it (`StepContext`).
+
+No device->host reads: everything the forward decides on the host (sequence ranges, which rows
+close a compressed group, which pages hold which entries, which ring rows to write) comes from
+the batch's CPU mirror (`HostBatchInfo`); the index tensors built from it go to the device in
+pinned, non-blocking copies. So on CUDA a forward only enqueues work and the host can run ahead
+(async scheduling overlaps the next step's host work with this step's kernels).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
+
+@dataclass
+class HostBatchInfo:
+    """CPU copies of a `ForwardBatch`'s metadata (the runner builds the batch from these).
+
+    cu_seqlens [B+1], context_lens [B], slots [B], logits_indices [R], yoco_floor [B] | None:
+    python ints equal to the device tensors of the same name; block_tables: CPU int32
+    [B, max_blocks] equal to the device table. Positions are not mirrored: by the contract they
+    are ``context_lens[b] ..`` for each sequence.
+    """
+
+    cu_seqlens: list[int]
+    context_lens: list[int]
+    slots: list[int]
+    block_tables: torch.Tensor
+    logits_indices: list[int]
+    yoco_floor: list[int] | None = None
+
+    @classmethod
+    def of(cls, batch: ForwardBatch) -> HostBatchInfo:
+        """Read the mirror from the batch's tensors (a device->host sync on CUDA tensors)."""
+        return cls(
+            cu_seqlens=[int(v) for v in batch.cu_seqlens.tolist()],
+            context_lens=[int(v) for v in batch.context_lens.tolist()],
+            slots=[int(v) for v in batch.slots.tolist()],
+            block_tables=batch.block_tables.detach().to("cpu", torch.int32),
+            logits_indices=[int(v) for v in batch.logits_indices.tolist()],
+            yoco_floor=None
+            if batch.yoco_floor is None
+            else [int(v) for v in batch.yoco_floor.tolist()],
+        )
 
 
 @dataclass
@@ -22,6 +62,11 @@ class ForwardBatch:
     > `config.decoder_start_layer`); tokens before it stop after that layer, and those layers'
     windows never reach below it. 0 (or None) = exact path. Pass the same value for a sequence's
     whole life (prompt chunks and decode steps) once set.
+    host: optional CPU mirror of the metadata (`HostBatchInfo`). Give it whenever the tensors are
+    on an accelerator: without it the forward reads the metadata back (one sync per forward). On
+    CUDA the forward then trusts the device tensors to match it and does not re-check
+    `input_ids`/`positions` on the device (the engine validates token ids at admission); with CPU
+    tensors everything is checked, the mirror included.
     """
 
     input_ids: torch.Tensor
@@ -33,6 +78,7 @@ class ForwardBatch:
     logits_indices: torch.Tensor
     return_hidden: bool = False
     yoco_floor: torch.Tensor | None = None
+    host: HostBatchInfo | None = None
 
     @classmethod
     def build(
@@ -48,6 +94,8 @@ class ForwardBatch:
         """Convenience constructor from per-sequence token lists (tests, tools).
 
         `logits_rows`: "last" (last token of each sequence), "all", or explicit flat rows.
+        On a non-CPU device the batch carries its `host` mirror (so set `yoco_floor` through
+        `with_yoco_floor`, which keeps the mirror in step); on CPU it has none (tests edit fields).
         """
         if not (len(seqs) == len(context_lens) == len(slots) == len(block_tables)):
             raise ValueError(
@@ -71,16 +119,42 @@ class ForwardBatch:
         else:
             rows = list(logits_rows)
         dev = torch.device(device)
+        host = None
+        if dev.type != "cpu":
+            host = HostBatchInfo(
+                list(cu), list(context_lens), list(slots), bt.clone(), list(rows), None
+            )
         return cls(
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(pos, dtype=torch.int64, device=dev),
-            cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=dev),
-            context_lens=torch.tensor(context_lens, dtype=torch.int64, device=dev),
-            slots=torch.tensor(slots, dtype=torch.int64, device=dev),
+            input_ids=torch.tensor(ids, dtype=torch.int64).to(dev),
+            positions=torch.tensor(pos, dtype=torch.int64).to(dev),
+            cu_seqlens=torch.tensor(cu, dtype=torch.int32).to(dev),
+            context_lens=torch.tensor(context_lens, dtype=torch.int64).to(dev),
+            slots=torch.tensor(slots, dtype=torch.int64).to(dev),
             block_tables=bt.to(dev),
-            logits_indices=torch.tensor(rows, dtype=torch.int64, device=dev),
+            logits_indices=torch.tensor(rows, dtype=torch.int64).to(dev),
             return_hidden=return_hidden,
+            host=host,
         )
+
+    def with_yoco_floor(self, floor: list[int]) -> ForwardBatch:
+        """Set `yoco_floor` [B] (tensor and host mirror alike); returns self."""
+        self.yoco_floor = torch.tensor(floor, dtype=torch.int64).to(self.input_ids.device)
+        if self.host is not None:
+            self.host.yoco_floor = list(floor)
+        return self
+
+    def host_info(self) -> HostBatchInfo:
+        """The CPU mirror: `host` if given (checked against CPU tensors), else read back."""
+        if self.host is None:
+            return HostBatchInfo.of(self)
+        if self.cu_seqlens.device.type == "cpu":
+            real = HostBatchInfo.of(self)
+            for name in ("cu_seqlens", "context_lens", "slots", "logits_indices", "yoco_floor"):
+                if getattr(real, name) != getattr(self.host, name):
+                    raise ValueError(f"ForwardBatch.host.{name}: differs from ForwardBatch.{name}")
+            if not torch.equal(real.block_tables, self.host.block_tables.to(torch.int32)):
+                raise ValueError("ForwardBatch.host.block_tables: differs from block_tables")
+        return self.host
 
 
 @dataclass
@@ -93,13 +167,45 @@ class ForwardOutput:
 
 
 @dataclass
+class Compressed:
+    """What a kv-source layer published this step, read back from the pages for every sequence.
+
+    kv: [N, head_dim], index_k: [N, index_head_dim], the entries of all sequences back to back;
+    sequence b's entries 0 .. counts[b]-1 are rows offsets[b] .. offsets[b]+counts[b]-1.
+    """
+
+    kv: torch.Tensor
+    index_k: torch.Tensor
+    offsets: list[int]
+    counts: list[int]
+
+    def subset(self, seqs: list[int]) -> Compressed:
+        """The same rows, for the sequences `seqs` only (no copy)."""
+        return Compressed(
+            self.kv, self.index_k, [self.offsets[b] for b in seqs], [self.counts[b] for b in seqs]
+        )
+
+
+def upload(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU tensor on `device` without making the host wait: pinned + non-blocking on CUDA
+    (the caching host allocator keeps the pinned buffer alive until the copy has run)."""
+    if device.type == "cpu":
+        return x
+    if device.type == "cuda":
+        return x.pin_memory().to(device, non_blocking=True)
+    return x.to(device)
+
+
+@dataclass
 class StepContext:
     """Per-forward facts shared by all layers, plus what source layers hand to later layers.
 
-    seq_of: [T] sequence index of each row; starts/lens/ctx/ends: python ints per sequence.
-    `compressed[src]`: per sequence (kv [n_c, head_dim], index_k [n_c, index_head_dim]) read back
-    from the pages after kv-source layer `src` wrote them; `topk[src]`: [T, index_topk] entry ids
-    chosen by index source `src`; `candidates`: per sequence [n_b, n_c] bool masks.
+    Host side (python ints / CPU tensors): starts/lens/ctx/slots per sequence, `pos_cpu` and
+    `seq_cpu` [T] (position and sequence of each flat row), `block_tables_cpu`. Device side:
+    `positions`, `seq_of` [T] and the per-token tensors of `token` (built once per forward, one
+    copy). `compressed[src]`: what kv-source layer `src` published (`Compressed`); `topk[src]`:
+    [T, index_topk] entry ids chosen by index source `src`; `candidates`: per sequence
+    [n_b, n_c] bool masks (`candidate_groups`: the same, stacked for a group of sequences).
     """
 
     batch: ForwardBatch
@@ -109,86 +215,289 @@ class StepContext:
     lens: list[int]
     ctx: list[int]
     slots: list[int]
-    compressed: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
+    pos_cpu: torch.Tensor
+    seq_cpu: torch.Tensor
+    block_tables_cpu: torch.Tensor
+    token: dict[str, torch.Tensor]
+    """Device [T] int64 per token: `ctx` (its sequence's context_len), `start` (its sequence's
+    first flat row), `slot`, `floor` (YOCO floor, 0 without); and `slots` [B] per sequence."""
+    compressed: dict[int, Compressed] = field(default_factory=dict)
     topk: dict[int, torch.Tensor] = field(default_factory=dict)
     candidates: list[torch.Tensor] | None = None
+    candidate_groups: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)
     floor: list[int] | None = None
 
     block_rows: list[int] | None = None
     """Rows of `batch.block_tables` per sequence of this context (None: 0..B-1)."""
 
-    def block_table(self, b: int) -> torch.Tensor:
-        return self.batch.block_tables[b if self.block_rows is None else self.block_rows[b]]
+    memo: dict = field(default_factory=dict)
+    """Index tensors built once per forward and shared by the layers (keyed by what they are)."""
+
+    @property
+    def device(self) -> torch.device:
+        return self.positions.device
 
     @property
     def num_tokens(self) -> int:
-        return int(self.positions.shape[0])
+        return int(self.pos_cpu.shape[0])
 
     @property
     def num_seqs(self) -> int:
         return len(self.lens)
 
+    # -- construction --------------------------------------------------------------------------
     @classmethod
-    def from_batch(cls, batch: ForwardBatch) -> StepContext:
-        """Check the batch's shapes and consistency; raise ValueError naming the field."""
+    def from_batch(cls, batch: ForwardBatch, host: HostBatchInfo | None = None) -> StepContext:
+        """Check the batch's shapes and consistency; raise ValueError naming the field.
+
+        `host`: the batch's `host_info()` if the caller already has it."""
         t = int(batch.input_ids.shape[0])
-        cu = [int(v) for v in batch.cu_seqlens.tolist()]
-        b = len(cu) - 1
         if batch.input_ids.dim() != 1 or t == 0:
             raise ValueError("ForwardBatch.input_ids: must be a non-empty [T] tensor")
         if batch.positions.shape != (t,):
             raise ValueError(f"ForwardBatch.positions: must be [{t}]")
+        host = host or batch.host_info()
+        cu = host.cu_seqlens
+        b = len(cu) - 1
         if b < 1 or cu[0] != 0 or cu[-1] != t or any(cu[i] >= cu[i + 1] for i in range(b)):
             raise ValueError(f"ForwardBatch.cu_seqlens: must rise strictly from 0 to {t}, got {cu}")
         for name in ("context_lens", "slots"):
-            if getattr(batch, name).shape != (b,):
+            if getattr(batch, name).shape != (b,) or len(getattr(host, name)) != b:
                 raise ValueError(f"ForwardBatch.{name}: must be [{b}]")
         if batch.block_tables.dim() != 2 or batch.block_tables.shape[0] != b:
             raise ValueError(f"ForwardBatch.block_tables: must be [{b}, max_blocks]")
-        ctx = [int(v) for v in batch.context_lens.tolist()]
-        pos = batch.positions.tolist()
-        for i in range(b):
-            want = list(range(ctx[i], ctx[i] + cu[i + 1] - cu[i]))
-            if pos[cu[i] : cu[i + 1]] != want:
-                raise ValueError(
-                    f"ForwardBatch.positions: sequence {i} must be {ctx[i]}..{want[-1]} "
-                    "(context_lens[b] onwards)"
-                )
+        ctx = host.context_lens
+        if min(ctx) < 0:
+            raise ValueError("ForwardBatch.context_lens: must be >= 0")
         lens = [cu[i + 1] - cu[i] for i in range(b)]
+        seq_cpu = torch.repeat_interleave(torch.arange(b), torch.tensor(lens))
+        ctx_cpu = torch.tensor(ctx, dtype=torch.int64)
+        start_cpu = torch.tensor(cu[:-1], dtype=torch.int64)
+        pos_cpu = ctx_cpu[seq_cpu] + torch.arange(t) - start_cpu[seq_cpu]
+        if batch.positions.device.type == "cpu" and not torch.equal(
+            batch.positions.long(), pos_cpu
+        ):
+            wrong = batch.positions.long() != pos_cpu
+            bad = int(seq_cpu[torch.nonzero(wrong).flatten()[0]])
+            raise ValueError(
+                f"ForwardBatch.positions: sequence {bad} must be {ctx[bad]}.."
+                f"{ctx[bad] + lens[bad] - 1} (context_lens[b] onwards)"
+            )
         floor = None
-        if batch.yoco_floor is not None:
-            if batch.yoco_floor.shape != (b,):
+        if batch.yoco_floor is not None or host.yoco_floor is not None:
+            if batch.yoco_floor is None or host.yoco_floor is None:
+                raise ValueError(
+                    "ForwardBatch.yoco_floor: set in the tensors and the host mirror alike"
+                )
+            if batch.yoco_floor.shape != (b,) or len(host.yoco_floor) != b:
                 raise ValueError(f"ForwardBatch.yoco_floor: must be [{b}]")
-            floor = [int(v) for v in batch.yoco_floor.tolist()]
+            floor = list(host.yoco_floor)
             if min(floor) < 0:
                 raise ValueError("ForwardBatch.yoco_floor: positions must be >= 0")
-        seq_of = torch.repeat_interleave(
-            torch.arange(b, device=batch.input_ids.device),
-            torch.tensor(lens, device=batch.input_ids.device),
-        )
-        return cls(
-            batch=batch,
-            positions=batch.positions,
-            seq_of=seq_of,
-            starts=cu[:-1],
-            lens=lens,
-            ctx=ctx,
-            slots=[int(s) for s in batch.slots.tolist()],
-            floor=floor,
+        return cls._make(
+            batch,
+            batch.positions,
+            pos_cpu,
+            seq_cpu,
+            cu[:-1],
+            lens,
+            list(ctx),
+            list(host.slots),
+            floor,
+            None,
+            host.block_tables,
         )
 
-    def late_subset(self) -> tuple[StepContext, torch.Tensor] | None:
+    @classmethod
+    def _make(
+        cls,
+        batch: ForwardBatch,
+        positions: torch.Tensor | None,
+        pos_cpu: torch.Tensor,
+        seq_cpu: torch.Tensor,
+        starts: list[int],
+        lens: list[int],
+        ctx: list[int],
+        slots: list[int],
+        floor: list[int] | None,
+        block_rows: list[int] | None,
+        block_tables_cpu: torch.Tensor,
+    ) -> StepContext:
+        """Build the per-token device tensors from the host facts in one upload."""
+        dev = batch.input_ids.device
+        t = int(pos_cpu.shape[0])
+
+        def per_seq(v: list[int]) -> torch.Tensor:
+            return torch.tensor(v, dtype=torch.int64)[seq_cpu]
+
+        rows = [
+            seq_cpu,
+            per_seq(ctx),
+            per_seq(starts),
+            per_seq(slots),
+            per_seq(floor) if floor is not None else torch.zeros(t, dtype=torch.int64),
+            pos_cpu,
+        ]
+        packed = torch.cat([torch.stack(rows).flatten(), torch.tensor(slots, dtype=torch.int64)])
+        packed = upload(packed, dev)
+        per_tok = packed[: len(rows) * t].view(len(rows), t)
+        token = {
+            "ctx": per_tok[1],
+            "start": per_tok[2],
+            "slot": per_tok[3],
+            "floor": per_tok[4],
+            "slots": packed[len(rows) * t :],
+        }
+        return cls(
+            batch=batch,
+            positions=per_tok[5] if positions is None else positions,
+            seq_of=per_tok[0],
+            starts=starts,
+            lens=lens,
+            ctx=ctx,
+            slots=slots,
+            pos_cpu=pos_cpu,
+            seq_cpu=seq_cpu,
+            block_tables_cpu=block_tables_cpu,
+            token=token,
+            floor=floor,
+            block_rows=block_rows,
+        )
+
+    # -- shared index tensors ------------------------------------------------------------------
+    def memoized(self, key: object, build: Callable[[], object]):
+        """`build()` once per forward (per context) under `key`."""
+        if key not in self.memo:
+            self.memo[key] = build()
+        return self.memo[key]
+
+    def upload(self, x: torch.Tensor) -> torch.Tensor:
+        return upload(x, self.device)
+
+    def last_positions_cpu(self) -> torch.Tensor:
+        """[B] CPU int64: each sequence's newest position in this step."""
+        return torch.tensor([c + n - 1 for c, n in zip(self.ctx, self.lens, strict=True)])
+
+    def ring_write(self, ring_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Where this step's rows go in a per-slot ring of `ring_len` rows indexed by position:
+        (flat rows [T'], slot [T'], ring row [T']) on the device, only the newest `ring_len`
+        positions of each sequence (so no two rows hit the same ring row)."""
+
+        def build():
+            last = self.last_positions_cpu()[self.seq_cpu]
+            rows = torch.nonzero(self.pos_cpu > last - ring_len).flatten()
+            slot = torch.tensor(self.slots, dtype=torch.int64)[self.seq_cpu[rows]]
+            packed = self.upload(torch.stack([rows, slot, self.pos_cpu[rows] % ring_len]))
+            return packed[0], packed[1], packed[2]
+
+        return self.memoized(("ring_write", ring_len), build)
+
+    def window(self, window: int, ring_len: int) -> torch.Tensor:
+        """[T, window] rows into ``cat([rings of the batch's slots [B*ring], this step's kv [T]])``.
+
+        Token at position p of sequence b sees positions p-window+1 .. p; positions before the
+        step come from ring row ``b*ring_len + q % ring_len``, the step's own from
+        ``B*ring_len + row``; positions < 0 (or below the YOCO floor) are -1.
+        """
+
+        def build():
+            dev = self.device
+            ctx_t = self.token["ctx"].unsqueeze(1)
+            q = self.positions.unsqueeze(1) - window + 1 + torch.arange(window, device=dev)
+            from_step = self.num_seqs * ring_len + self.token["start"].unsqueeze(1) + q - ctx_t
+            from_ring = self.seq_of.unsqueeze(1) * ring_len + q.remainder(ring_len)
+            idx = torch.where(q >= ctx_t, from_step, from_ring)
+            lowest = self.token["floor"].unsqueeze(1).clamp_min(0)
+            return torch.where(q < lowest, -1, idx)
+
+        return self.memoized(("window", window, ring_len), build)
+
+    def _pages(self, seq: torch.Tensor, entry: torch.Tensor, ratio: int, block_size: int):
+        """CPU (page ids, rows) of compressed entries `entry` of sequences `seq` (both [M])."""
+        tok = entry * ratio
+        col = tok // block_size
+        bt = self.block_tables_cpu
+        brow = seq if self.block_rows is None else torch.tensor(self.block_rows)[seq]
+        if col.numel() and int(col.max()) >= bt.shape[1]:
+            raise ValueError(
+                f"block_tables: entry {int(entry.max())} needs page column {int(col.max())} "
+                f"but the table has {bt.shape[1]}"
+            )
+        pages = bt[brow, col].long()
+        if pages.numel() and int(pages.min()) < 0:
+            raise ValueError("block_tables: a needed page id is -1 (unallocated)")
+        return pages, (tok % block_size) // ratio
+
+    def completed_entries(self, ratio: int, block_size: int) -> dict[str, torch.Tensor]:
+        """The compressed entries whose group of `ratio` positions closes in this step.
+
+        Device [M] int64: `rows` (flat row of the closing token), `seq`, `entry` (entry id in
+        its sequence), `page`, `page_row` (where the entry lives); `count`: M as a python int.
+        """
+
+        def build():
+            rows = torch.nonzero((self.pos_cpu + 1) % ratio == 0).flatten()
+            seq = self.seq_cpu[rows]
+            entry = (self.pos_cpu[rows] + 1) // ratio - 1
+            pages, prow = self._pages(seq, entry, ratio, block_size)
+            packed = self.upload(torch.stack([rows, seq, entry, pages, prow]))
+            out = dict(zip(("rows", "seq", "entry", "page", "page_row"), packed, strict=True))
+            out["count"] = int(rows.shape[0])
+            return out
+
+        return self.memoized(("completed", ratio, block_size), build)
+
+    def all_entries(self, ratio: int, block_size: int):
+        """Every compressed entry of every sequence up to this step's last token: device
+        (page ids [N], rows [N]), and per sequence (offsets, counts) into that list."""
+
+        def build():
+            counts = [(c + n) // ratio for c, n in zip(self.ctx, self.lens, strict=True)]
+            offsets = [0]
+            for c in counts[:-1]:
+                offsets.append(offsets[-1] + c)
+            seq = torch.repeat_interleave(torch.arange(self.num_seqs), torch.tensor(counts))
+            entry = torch.arange(int(seq.shape[0])) - torch.tensor(offsets)[seq]
+            pages, prow = self._pages(seq, entry, ratio, block_size)
+            packed = self.upload(torch.stack([pages, prow]))
+            return packed[0], packed[1], offsets, counts
+
+        return self.memoized(("all_entries", ratio, block_size), build)
+
+    def entry_offsets(self, src: int) -> torch.Tensor:
+        """[T] device: the first row of each token's sequence in `compressed[src]`."""
+        comp = self.compressed[src]
+        return self.memoized(
+            ("entry_offsets", src),
+            lambda: self.upload(torch.tensor(comp.offsets, dtype=torch.int64)[self.seq_cpu]),
+        )
+
+    def equal_length_groups(self, max_len: int) -> list[list[int]]:
+        """Sequences grouped by number of new tokens (n <= max_len share a group, in order);
+        longer ones alone. Groups of decode/verify rows run the indexer batched."""
+        by_len: dict[int, list[int]] = {}
+        alone = []
+        for b, n in enumerate(self.lens):
+            if n <= max_len:
+                by_len.setdefault(n, []).append(b)
+            else:
+                alone.append([b])
+        return list(by_len.values()) + alone
+
+    # -- YOCO ----------------------------------------------------------------------------------
+    def late_subset(self) -> tuple[StepContext, torch.Tensor, torch.Tensor] | None:
         """The context of the tokens at or after each sequence's YOCO floor (None when every
-        token is kept), and the kept flat rows [T']. Sequences with no kept token drop out;
-        per-sequence and per-token state handed down by earlier layers is subset alike."""
+        token is kept), and the kept flat rows [T'] (device, CPU). Sequences with no kept token
+        drop out; per-sequence and per-token state handed down by earlier layers is subset
+        alike."""
         if self.floor is None:
             return None
-        dev = self.positions.device
-        floor_t = torch.tensor(self.floor, device=dev)
-        keep = self.positions >= floor_t[self.seq_of]
+        floor_tok = torch.tensor(self.floor, dtype=torch.int64)[self.seq_cpu]
+        keep = self.pos_cpu >= floor_tok
         if bool(keep.all()):
             return None
-        rows = torch.nonzero(keep).flatten()
+        rows_cpu = torch.nonzero(keep).flatten()
+        rows = self.upload(rows_cpu)
         seqs = [b for b in range(self.num_seqs) if self.ctx[b] + self.lens[b] > self.floor[b]]
         starts, lens, ctxs = [], [], []
         for b in seqs:
@@ -196,26 +505,25 @@ class StepContext:
             starts.append(sum(lens))
             lens.append(self.ctx[b] + self.lens[b] - first)
             ctxs.append(first)
-        remap = {b: i for i, b in enumerate(seqs)}
-        seq_of = torch.tensor(
-            [remap[int(b)] for b in self.seq_of[rows].tolist()], device=dev, dtype=torch.int64
+        remap = torch.full((self.num_seqs,), -1, dtype=torch.int64)
+        remap[torch.tensor(seqs, dtype=torch.int64)] = torch.arange(len(seqs))
+        sub = StepContext._make(
+            self.batch,
+            None,
+            self.pos_cpu[rows_cpu],
+            remap[self.seq_cpu[rows_cpu]],
+            starts,
+            lens,
+            ctxs,
+            [self.slots[b] for b in seqs],
+            [self.floor[b] for b in seqs],
+            [b if self.block_rows is None else self.block_rows[b] for b in seqs],
+            self.block_tables_cpu,
         )
-        sub = StepContext(
-            batch=self.batch,
-            positions=self.positions[rows],
-            seq_of=seq_of,
-            starts=starts,
-            lens=lens,
-            ctx=ctxs,
-            slots=[self.slots[b] for b in seqs],
-            compressed={k: [v[b] for b in seqs] for k, v in self.compressed.items()},
-            topk={k: v[rows] for k, v in self.topk.items()},
-            candidates=None,
-            floor=[self.floor[b] for b in seqs],
-            block_rows=[b if self.block_rows is None else self.block_rows[b] for b in seqs],
-        )
+        sub.compressed = {k: v.subset(seqs) for k, v in self.compressed.items()}
+        sub.topk = {k: v[rows] for k, v in self.topk.items()}
         if self.candidates is not None:
             sub.candidates = [
                 self.candidates[b][ctxs[i] - self.ctx[b] :] for i, b in enumerate(seqs)
             ]
-        return sub, rows
+        return sub, rows, rows_cpu

@@ -14,7 +14,7 @@ from torch import nn
 from .cache import KVCache
 from .config import ModelConfig
 from .dspark import DSparkStage
-from .forward_batch import ForwardBatch, ForwardOutput, StepContext
+from .forward_batch import ForwardBatch, ForwardOutput, HostBatchInfo, StepContext
 from .layers.block import Block
 from .layers.engram import EngramHasher
 from .layers.linear import Embedding, RMSNorm, dense
@@ -92,34 +92,47 @@ class Model(nn.Module):
         sequence is evaluated alone, in position order: its logits are then bitwise the same
         whatever the batch, chunking or decode/verify split (the canonical per-token answer;
         slow, as the reference tier's batch-invariant mode may be).
+
+        With `batch.host` given, the forward never waits for the device (no device->host read):
+        every index it needs is built on the host and copied over without blocking.
         """
-        StepContext.from_batch(batch)  # validate once, with the batch's own field names
         if REGISTRY.batch_invariant and batch.input_ids.shape[0] > 1:
+            StepContext.from_batch(batch)  # validate once, with the batch's own field names
             return self._forward_per_token(batch, cache)
         return self._forward(batch, cache)
 
     def _forward_per_token(self, batch: ForwardBatch, cache: KVCache) -> ForwardOutput:
         """`forward` as a sequence of single-token forwards (batch-invariant mode)."""
-        wanted = {int(r): i for i, r in enumerate(batch.logits_indices.tolist())}
+        host = batch.host_info()
+        wanted = {r: i for i, r in enumerate(host.logits_indices)}
         logits: list[torch.Tensor | None] = [None] * len(wanted)
         hidden = []
-        cu = batch.cu_seqlens.tolist()
+        cu = host.cu_seqlens
+        dev = batch.input_ids.device
         for b in range(len(cu) - 1):
             for row in range(cu[b], cu[b + 1]):
+                pos = host.context_lens[b] + row - cu[b]
+                floor = None if host.yoco_floor is None else [host.yoco_floor[b]]
                 one = ForwardBatch(
                     input_ids=batch.input_ids[row : row + 1],
                     positions=batch.positions[row : row + 1],
-                    cu_seqlens=torch.tensor(
-                        [0, 1], dtype=torch.int32, device=batch.cu_seqlens.device
-                    ),
+                    cu_seqlens=torch.tensor([0, 1], dtype=torch.int32).to(dev),
                     context_lens=batch.positions[row : row + 1].to(batch.context_lens.dtype),
                     slots=batch.slots[b : b + 1],
                     block_tables=batch.block_tables[b : b + 1],
-                    logits_indices=torch.zeros(
-                        1 if row in wanted else 0, dtype=torch.int64, device=batch.input_ids.device
+                    logits_indices=torch.zeros(1 if row in wanted else 0, dtype=torch.int64).to(
+                        dev
                     ),
                     return_hidden=batch.return_hidden,
                     yoco_floor=None if batch.yoco_floor is None else batch.yoco_floor[b : b + 1],
+                    host=HostBatchInfo(
+                        [0, 1],
+                        [pos],
+                        [host.slots[b]],
+                        host.block_tables[b : b + 1],
+                        [0] if row in wanted else [],
+                        floor,
+                    ),
                 )
                 out = self._forward(one, cache)
                 if row in wanted:
@@ -136,24 +149,31 @@ class Model(nn.Module):
         )
 
     def _forward(self, batch: ForwardBatch, cache: KVCache) -> ForwardOutput:
-        ctx = StepContext.from_batch(batch)
+        host = batch.host_info()
+        ctx = StepContext.from_batch(batch, host)
         cfg = self.config
         ids = batch.input_ids
-        if int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size:
+        if ids.device.type == "cpu" and (int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size):
+            # on an accelerator this would be a sync per step: the engine checks at admission
             raise ValueError(f"ForwardBatch.input_ids: ids must be in [0, {cfg.vocab_size})")
-        if int(batch.positions.max()) >= cfg.max_position_embeddings:
+        if max(c + n for c, n in zip(ctx.ctx, ctx.lens, strict=True)) > cfg.max_position_embeddings:
             raise ValueError(
                 f"ForwardBatch.positions: must be < max_position_embeddings "
                 f"{cfg.max_position_embeddings}"
             )
+        host_rows = host.logits_indices
+        t = ids.shape[0]
+        if len(host_rows) != batch.logits_indices.shape[0] or any(
+            r < 0 or r >= t for r in host_rows
+        ):
+            raise ValueError(f"ForwardBatch.logits_indices: rows must be in [0, {t})")
         rows = batch.logits_indices
-        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= ids.shape[0]):
-            raise ValueError(f"ForwardBatch.logits_indices: rows must be in [0, {ids.shape[0]})")
         hashes = self.engram_hasher(ids, ctx, cache) if self.engram_hasher is not None else None
         h = self.embed(ids).to(self.dtype).unsqueeze(1).repeat(1, cfg.hc_mult, 1)
         pre = identity_pre(ids.shape[0], cfg.hc_mult, ids.device)
         hidden: dict[int, torch.Tensor] = {}
         rows_of = None  # YOCO compact: flat rows still running, after the CED split layer
+        rows_of_cpu = None
         full_t = ids.shape[0]
         for i, layer in enumerate(self.layers):
             if rows_of is not None and rows_of.numel() == 0:
@@ -169,17 +189,18 @@ class Model(nn.Module):
             if i == cfg.decoder_start_layer and ctx.floor is not None:
                 late = ctx.late_subset()
                 if late is not None:
-                    ctx, rows_of = late
+                    ctx, rows_of, rows_of_cpu = late
                     h, pre = h[rows_of], pre[rows_of]
-        if rows_of is not None:
-            pos_of = torch.full((full_t,), -1, dtype=torch.int64, device=ids.device)
-            pos_of[rows_of] = torch.arange(rows_of.shape[0], device=ids.device)
-            rows = pos_of[rows]
-            if rows.numel() and int(rows.min()) < 0:
+        if rows_of_cpu is not None:
+            pos_of = torch.full((full_t,), -1, dtype=torch.int64)
+            pos_of[rows_of_cpu] = torch.arange(rows_of_cpu.shape[0])
+            kept = pos_of[torch.tensor(host_rows, dtype=torch.int64)]
+            if kept.numel() and int(kept.min()) < 0:
                 raise ValueError(
                     "ForwardBatch.logits_indices: a requested row lies before its sequence's "
                     "yoco_floor, so the decoder layers never ran on it"
                 )
+            rows = ctx.upload(kept)
         y = self.norm(ops.hc_pre(h[rows], pre[rows]))
         logits = self.head(y)
         out_hidden = None

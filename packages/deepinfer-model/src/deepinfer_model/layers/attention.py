@@ -20,7 +20,7 @@ from torch import nn
 
 from ..cache import KVCache
 from ..config import ModelConfig
-from ..forward_batch import StepContext
+from ..forward_batch import Compressed, StepContext
 from .compressor import Compressor
 from .indexer import Indexer
 from .linear import FP8Linear, RMSNorm, dense
@@ -35,32 +35,15 @@ def rope_tail(
 
 
 def window_indices(ctx: StepContext, window: int, ring_len: int) -> torch.Tensor:
-    """[T, window] rows into ``cat([rings of the batch's slots [B*ring], this step's kv [T]])``.
-
-    Token at position p of sequence b sees positions p-window+1 .. p; positions before the
-    step come from ring row ``b*ring_len + q % ring_len``, the step's own from ``B*ring_len +
-    row``; positions < 0 are -1.
-    """
-    dev = ctx.positions.device
-    seq = ctx.seq_of
-    ctx_t = torch.tensor(ctx.ctx, device=dev)[seq].unsqueeze(1)
-    start_t = torch.tensor(ctx.starts, device=dev)[seq].unsqueeze(1)
-    q = ctx.positions.unsqueeze(1) - window + 1 + torch.arange(window, device=dev)
-    from_step = ctx.num_seqs * ring_len + start_t + q - ctx_t
-    from_ring = seq.unsqueeze(1) * ring_len + q.remainder(ring_len)
-    idx = torch.where(q >= ctx_t, from_step, from_ring)
-    lowest = 0 if ctx.floor is None else torch.tensor(ctx.floor, device=dev)[seq].unsqueeze(1)
-    return torch.where(q < lowest, -1, torch.where(q < 0, -1, idx))
+    """[T, window] rows into ``cat([rings of the batch's slots [B*ring], this step's kv [T]])``
+    (see `StepContext.window`; built once per forward and shared by the layers)."""
+    return ctx.window(window, ring_len)
 
 
 def write_ring(ring: torch.Tensor, ctx: StepContext, kv: torch.Tensor) -> None:
     """Store this step's kv [T, d] at row p % ring_len of each sequence's slot (newest only)."""
-    dev = kv.device
-    ring_len = ring.shape[1]
-    last = torch.tensor([c + n - 1 for c, n in zip(ctx.ctx, ctx.lens, strict=True)], device=dev)
-    keep = ctx.positions > last[ctx.seq_of] - ring_len
-    slots = torch.tensor(ctx.slots, device=dev)[ctx.seq_of[keep]]
-    ring[slots, ctx.positions[keep] % ring_len] = kv[keep].to(ring.dtype)
+    rows, slot, ring_row = ctx.ring_write(ring.shape[1])
+    ring.index_put_((slot, ring_row), kv.index_select(0, rows).to(ring.dtype))
 
 
 class Attention(nn.Module):
@@ -139,75 +122,131 @@ class Attention(nn.Module):
 
     # -- compressed branch ----------------------------------------------------------------------
     def _publish(self, x: torch.Tensor, ctx: StepContext, cache: KVCache) -> None:
-        """kv source: compress, write index keys and compressed KV to pages, read them back."""
-        latent, seq, entry = self.compressor(x, ctx, cache)
-        r = self.ratio
-        if latent.shape[0]:
+        """kv source: compress, write index keys and compressed KV to pages, read back every
+        sequence's entries (gathers with index tensors built on the host: no sync)."""
+        r, bs = self.ratio, cache.block_size
+        latent, _, entry = self.compressor(x, ctx, cache)
+        done = ctx.completed_entries(r, bs)
+        if done["count"]:
             keys = self.indexer.index_keys(latent, entry, self.inv_freq, self.fake_quant_kv)
             kv = rope_tail(latent, entry * r, self.inv_freq, self.rope_dim)
             if self.fake_quant_kv:
                 kv = quant.fake_quant_fp4_e4m3_scale(kv, 16)
-            for b in range(ctx.num_seqs):
-                sel = seq == b
-                if not bool(sel.any()):
-                    continue
-                pages, rows = cache.entry_location(ctx.block_table(b), entry[sel], r)
-                cache.compressed_kv[self.layer_id][pages, rows] = kv[sel].to(cache.dtype)
-                cache.index_k[self.layer_id][pages, rows] = keys[sel].to(cache.dtype)
-        out = []
-        for b in range(ctx.num_seqs):
-            n_c = (ctx.ctx[b] + ctx.lens[b]) // r
-            ids = torch.arange(n_c, device=x.device)
-            pages, rows = cache.entry_location(ctx.block_table(b), ids, r)
-            out.append(
-                (
-                    cache.compressed_kv[self.layer_id][pages, rows].to(x.dtype),
-                    cache.index_k[self.layer_id][pages, rows].to(x.dtype),
-                )
-            )
-        ctx.compressed[self.layer_id] = out
+            where = (done["page"], done["page_row"])
+            cache.compressed_kv[self.layer_id].index_put_(where, kv.to(cache.dtype))
+            cache.index_k[self.layer_id].index_put_(where, keys.to(cache.dtype))
+        pages, rows, offsets, counts = ctx.all_entries(r, bs)
+        ctx.compressed[self.layer_id] = Compressed(
+            cache.compressed_kv[self.layer_id][pages, rows].to(x.dtype),
+            cache.index_k[self.layer_id][pages, rows].to(x.dtype),
+            offsets,
+            counts,
+        )
+
+    # sequences with at most this many new tokens (decode, verify) score their entries batched
+    BATCHED_SELECT_MAX_TOKENS = 8
 
     def _select(self, x: torch.Tensor, qr: torch.Tensor, ctx: StepContext) -> None:
-        """index source: top-k compressed entries per token -> ctx.topk[layer_id]."""
+        """index source: top-k compressed entries per token -> ctx.topk[layer_id].
+
+        Sequences with the same small number of new tokens are scored together against their
+        own entries, padded ([g, n, max_entries]); longer ones (prefill) alone."""
         q, w = self.indexer.queries(x, qr, ctx.positions, self.inv_freq, self.fake_quant_kv)
-        parts, cands = [], []
-        for b in range(ctx.num_seqs):
-            s, n = ctx.starts[b], ctx.lens[b]
-            keys = ctx.compressed[self.kv_source][b][1]
-            cand_b = (
-                ctx.candidates[b]
-                if (ctx.candidates is not None and self.indexer.uses_candidates)
-                else None
-            )
-            top, cand = self.indexer.select(
-                q[s : s + n], w[s : s + n], keys, ctx.positions[s : s + n], cand_b
-            )
+        comp = ctx.compressed[self.kv_source]
+        use_cand = ctx.candidates is not None and self.indexer.uses_candidates
+        if self.indexer.uses_candidates and ctx.candidates is None:
+            raise RuntimeError(f"layer {self.layer_id}: candidate blocks were not computed")
+        parts, part_rows = [], []
+        cands: list[torch.Tensor | None] = [None] * ctx.num_seqs
+        for group in ctx.equal_length_groups(self.BATCHED_SELECT_MAX_TOKENS):
+            if len(group) == 1:
+                b = group[0]
+                s, n = ctx.starts[b], ctx.lens[b]
+                o, c = comp.offsets[b], comp.counts[b]
+                top, cand = self.indexer.select(
+                    q[s : s + n],
+                    w[s : s + n],
+                    comp.index_k[o : o + c],
+                    ctx.positions[s : s + n],
+                    ctx.candidates[b] if use_cand else None,
+                )
+                cands[b] = cand
+            else:
+                top, cand = self._select_group(q, w, comp, ctx, group, use_cand)
+                if cand is not None:
+                    ctx.candidate_groups[tuple(group)] = cand
+                    for i, b in enumerate(group):
+                        cands[b] = cand[i, :, : comp.counts[b]]
             parts.append(top)
-            cands.append(cand)
-        ctx.topk[self.layer_id] = torch.cat(parts)
+            for b in group:
+                part_rows.extend(range(ctx.starts[b], ctx.starts[b] + ctx.lens[b]))
+        top = torch.cat(parts) if len(parts) > 1 else parts[0]
+        if part_rows != list(range(ctx.num_tokens)):
+            order = torch.empty(ctx.num_tokens, dtype=torch.int64)
+            order[torch.tensor(part_rows)] = torch.arange(ctx.num_tokens)
+            top = top.index_select(0, ctx.upload(order))
+        ctx.topk[self.layer_id] = top
         if self.indexer.is_candidate_source:
             ctx.candidates = cands
+
+    def _select_group(
+        self,
+        q: torch.Tensor,
+        w: torch.Tensor,
+        comp: Compressed,
+        ctx: StepContext,
+        group: list[int],
+        use_cand: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`Indexer.select_batched` for sequences `group` of n new tokens each:
+        (top-k [g*n, K] in group order, candidate masks [g, n, max_entries] | None)."""
+        g, n = len(group), ctx.lens[group[0]]
+        width = max(comp.counts[b] for b in group)
+
+        def build():
+            rows = torch.tensor([ctx.starts[b] + i for b in group for i in range(n)])
+            off = torch.tensor([comp.offsets[b] for b in group]).unsqueeze(1)
+            last = torch.tensor([comp.offsets[b] + max(comp.counts[b], 1) - 1 for b in group])
+            ent = torch.minimum(off + torch.arange(width), last.unsqueeze(1)).clamp_min(0)
+            whole = rows.tolist() == list(range(ctx.num_tokens))
+            packed = ctx.upload(torch.cat([rows, ent.flatten()]))
+            return (None if whole else packed[: g * n]), packed[g * n :].view(g, width)
+
+        rows, ent = ctx.memoized(("select_group", tuple(group), id(comp)), build)
+        qg = (q if rows is None else q.index_select(0, rows)).view(g, n, *q.shape[1:])
+        wg = (w if rows is None else w.index_select(0, rows)).view(g, n, -1)
+        pg = (ctx.positions if rows is None else ctx.positions.index_select(0, rows)).view(g, n)
+        keys = comp.index_k[ent] if width else comp.index_k.new_zeros(g, 0, comp.index_k.shape[1])
+        cand = None
+        if use_cand:
+            cand = ctx.candidate_groups.get(tuple(group))
+            if cand is None or cand.shape[2] != width:
+                cand = torch.stack(
+                    [
+                        torch.nn.functional.pad(ctx.candidates[b], (0, width - comp.counts[b]))
+                        for b in group
+                    ]
+                )
+        return self.indexer.select_batched(qg, wg, keys, pg, cand)
 
     def forward(self, x: torch.Tensor, ctx: StepContext, cache: KVCache) -> torch.Tensor:
         pos = ctx.positions
         q, qr = self.project_q(x, pos)
         kv = self.project_kv(x, pos)
         ring = cache.swa[self.layer_id]
-        slots = torch.tensor(ctx.slots, device=x.device)
-        pool = [ring[slots].flatten(0, 1).to(x.dtype), kv]
-        idx = [window_indices(ctx, self.window, ring.shape[1])]
+        pool = [ring[ctx.token["slots"]].flatten(0, 1).to(x.dtype), kv]
+        idx = [ctx.window(self.window, ring.shape[1])]
         if self.ratio > 0:
             if self.is_kv_source:
                 self._publish(x, ctx, cache)
             if self.is_index_source:
                 self._select(x, qr, ctx)
             top = ctx.topk[self.index_source]  # [T, K] entry ids of the own sequence, -1 = none
-            entries = [e for e, _ in ctx.compressed[self.kv_source]]
+            comp = ctx.compressed[self.kv_source]
             base = ring.shape[1] * ctx.num_seqs + x.shape[0]
-            offs = torch.tensor([0] + [e.shape[0] for e in entries], device=x.device).cumsum(0)[:-1]
-            comp = torch.where(top >= 0, top + base + offs[ctx.seq_of].unsqueeze(1), -1)
-            pool.extend(entries)
-            idx.append(comp)
+            offs = ctx.entry_offsets(self.kv_source)
+            idx.append(torch.where(top >= 0, top + base + offs.unsqueeze(1), -1))
+            pool.append(comp.kv)
         o = ops.sparse_sink_attention(
             q, torch.cat(pool), torch.cat(idx, dim=1), self.attn_sink, self.head_dim**-0.5
         )

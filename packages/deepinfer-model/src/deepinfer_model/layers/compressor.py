@@ -39,26 +39,22 @@ class Compressor(nn.Module):
         """
         r = self.ratio
         pos = ctx.positions
-        done = ((pos + 1) % r) == 0  # the token closing its group
-        rows = torch.nonzero(done).flatten()
-        seq = ctx.seq_of[rows]
-        entry = (pos[rows] + 1) // r - 1
+        done = ctx.completed_entries(r, cache.block_size)  # host-built: no sync
+        rows, seq, entry = done["rows"], done["seq"], done["entry"]
         if r == 1:
-            return self.norm(self.wkv(x[rows])), seq, entry
+            return self.norm(self.wkv(x.index_select(0, rows))), seq, entry
         xf = x.float()
         a = self.wkv(xf, torch.float32)  # [T, hd]
         z = self.wgate(xf, torch.float32)
         state_kv, state_z = cache.comp_kv[self.layer_id], cache.comp_score[self.layer_id]
         s_len = state_kv.shape[1]
-        slots = torch.tensor(ctx.slots, device=x.device)
-        ctx_t = torch.tensor(ctx.ctx, device=x.device)
-        starts = torch.tensor(ctx.starts, device=x.device)
-        if rows.numel():
+        if done["count"]:
             # group positions of each completed entry: [M, r]
             gpos = pos[rows].unsqueeze(1) - (r - 1) + torch.arange(r, device=x.device)
-            in_chunk = gpos >= ctx_t[seq].unsqueeze(1)
-            flat_row = (starts[seq].unsqueeze(1) + gpos - ctx_t[seq].unsqueeze(1)).clamp_min(0)
-            st_slot = slots[seq].unsqueeze(1).expand_as(gpos)
+            ctx_m = ctx.token["ctx"][rows].unsqueeze(1)
+            in_chunk = gpos >= ctx_m
+            flat_row = (ctx.token["start"][rows].unsqueeze(1) + gpos - ctx_m).clamp_min(0)
+            st_slot = ctx.token["slot"][rows].unsqueeze(1).expand_as(gpos)
             st_row = gpos.remainder(s_len)
             ga = torch.where(in_chunk.unsqueeze(-1), a[flat_row], state_kv[st_slot, st_row])
             gz = torch.where(in_chunk.unsqueeze(-1), z[flat_row], state_z[st_slot, st_row])
@@ -67,10 +63,7 @@ class Compressor(nn.Module):
         else:
             latent = x.new_zeros(0, self.norm.weight.shape[0])
         # keep the newest positions of each sequence for groups that close in a later step
-        last = torch.tensor(
-            [c + n - 1 for c, n in zip(ctx.ctx, ctx.lens, strict=True)], device=x.device
-        )
-        keep = pos > last[ctx.seq_of] - s_len
-        state_kv[slots[ctx.seq_of[keep]], pos[keep] % s_len] = a[keep]
-        state_z[slots[ctx.seq_of[keep]], pos[keep] % s_len] = z[keep]
+        keep, slot, ring_row = ctx.ring_write(s_len)
+        state_kv.index_put_((slot, ring_row), a.index_select(0, keep))
+        state_z.index_put_((slot, ring_row), z.index_select(0, keep))
         return latent, seq, entry

@@ -136,20 +136,16 @@ class EngramHasher(nn.Module):
                 "Engram token map not set: call model.engram_hasher.set_token_map(...) "
                 "(deepinfer_model.layers.engram.build_compressed_token_map(tokenizer.backend))"
             )
-        dev = input_ids.device
         comp = self.token_map[input_ids]
         pad = self.token_map[self.config.engram_pad_token_id]
         hist = cache.engram_history
         s_len = hist.shape[1]
-        seq = ctx.seq_of
-        ctx_t = torch.tensor(ctx.ctx, device=dev)[seq]
-        start_t = torch.tensor(ctx.starts, device=dev)[seq]
-        slots = torch.tensor(ctx.slots, device=dev)
+        ctx_t, start_t, slot_t = ctx.token["ctx"], ctx.token["start"], ctx.token["slot"]
         toks = []
         for shift in range(self.max_ngram):
             q = ctx.positions - shift
             from_step = comp[(start_t + q - ctx_t).clamp_min(0)]
-            from_hist = hist[slots[seq], q.remainder(s_len)]
+            from_hist = hist[slot_t, q.remainder(s_len)]
             t = torch.where(q >= ctx_t, from_step, from_hist)
             toks.append(torch.where(q < 0, pad, t))
         toks = torch.stack(toks, dim=-1)  # [T, max_ngram]
@@ -159,9 +155,8 @@ class EngramHasher(nn.Module):
             rolling = torch.bitwise_xor(rolling, prods[..., i])
             hashes.append(rolling.unsqueeze(-1) % self.primes[:, i - 1])
         # history: newest positions of each sequence
-        last = torch.tensor([c + n - 1 for c, n in zip(ctx.ctx, ctx.lens, strict=True)], device=dev)
-        keep = ctx.positions > last[seq] - s_len
-        hist[slots[seq[keep]], ctx.positions[keep] % s_len] = comp[keep]
+        rows, slot, hist_row = ctx.ring_write(s_len)
+        hist.index_put_((slot, hist_row), comp.index_select(0, rows))
         return torch.cat(hashes, dim=-1) + self.offsets
 
 

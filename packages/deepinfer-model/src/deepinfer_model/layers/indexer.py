@@ -95,8 +95,35 @@ class Indexer(nn.Module):
         Returns (top-k entry ids [n, index_topk] ascending, -1 padded; the candidate mask
         [n, n_c] when this is the candidate source, else None).
         """
+        return self._choose(ops.indexer_scores(q, w, keys), positions, candidates)
+
+    def select_batched(
+        self,
+        q: torch.Tensor,
+        w: torch.Tensor,
+        keys: torch.Tensor,
+        positions: torch.Tensor,
+        candidates: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`select` for g sequences of n tokens at once: q [g, n, IH, Id], w [g, n, IH],
+        keys [g, N, Id] (each sequence's entries, padded to N with any rows: entries at or past
+        a token's visible count never count), positions [g, n], candidates [g, n, N] | None.
+
+        Returns (top-k [g*n, index_topk] sequence-major, candidate masks [g, n, N] | None).
+        Scores are `ops.indexer_scores`' math, batched over the sequences.
+        """
+        g, n = positions.shape
+        s = torch.einsum("gthd,gnd->gthn", q.float(), keys.float()).relu_()
+        scores = (s * w.float().unsqueeze(-1)).sum(2).flatten(0, 1)  # [g*n, N]
+        flat = None if candidates is None else candidates.flatten(0, 1)
+        top, cand = self._choose(scores, positions.flatten(), flat)
+        return top, None if cand is None else cand.view(g, n, -1)
+
+    def _choose(
+        self, scores: torch.Tensor, positions: torch.Tensor, candidates: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """scores [t, N] of rows at `positions` [t] -> (top-k [t, K], candidate mask | None)."""
         lens = (positions + 1) // self.ratio
-        scores = ops.indexer_scores(q, w, keys)
         cand = None
         if self.is_candidate_source:
             cand = ops.candidate_blocks(
