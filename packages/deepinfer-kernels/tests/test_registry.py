@@ -200,3 +200,20 @@ def test_report_and_env_override():
         check=False,
     )
     assert bad.returncode != 0 and "unknown op 'fp8_linaer'; ops are" in bad.stderr
+
+
+def test_triton_supports_checks_name_the_reason():
+    """The GPU tiers' supports() refuse what their kernels do not handle; the call falls to ref."""
+    from deepinfer_kernels.ops import moe as moe_ops
+
+    x = torch.zeros(2, 64)
+    ok_scale = torch.ones(1, dtype=torch.float8_e8m0fnu)
+    f32_scale = torch.ones(1)
+    args = (None, None, None, ok_scale, None, f32_scale, None, ok_scale, 10.0)
+    assert moe_ops.moe_experts_gpu_supports(x, *args) == (
+        "s3 is torch.float32, the Triton experts read float8_e8m0fnu scales"
+    )
+    args = (None, None, None, ok_scale, None, ok_scale, None, ok_scale, 10.0)
+    assert moe_ops.moe_experts_gpu_supports(x, *args) == "input on cpu"
+    assert moe_ops.moe_gate_gpu_supports(x, torch.zeros(2048, 64)) == "2048 experts > 1024"
+    assert moe_ops.moe_gate_gpu_supports(x, torch.zeros(384, 64)) == "input on cpu"

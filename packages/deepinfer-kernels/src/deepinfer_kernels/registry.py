@@ -188,7 +188,15 @@ class OpRegistry:
         )
 
     def call(self, op: str, *args: Any, **kwargs: Any) -> Any:
-        return self.function(self.resolve(op, *args, **kwargs))(*args, **kwargs)
+        """Run `op` with the implementation `resolve` picks. GPU kernels launch on the current
+        CUDA device, so a call whose tensors live on another GPU runs under that device."""
+        impl = self.resolve(op, *args, **kwargs)
+        device = _first_tensor(args).device
+        other_gpu = device.type == "cuda" and device.index is not None
+        if other_gpu and device.index != torch.cuda.current_device():
+            with torch.cuda.device(device):
+                return self.function(impl)(*args, **kwargs)
+        return self.function(impl)(*args, **kwargs)
 
 
 REGISTRY = OpRegistry()

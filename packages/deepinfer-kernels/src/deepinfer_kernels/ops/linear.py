@@ -26,7 +26,7 @@ for _op in ("fp8_gemm", "fp8_linear"):
             "triton",
             f"deepinfer_kernels.triton.linear:{_op}",
             devices=("cuda",),
-            min_capability=(8, 9),
+            min_capability=(9, 0),
             requires=("triton",),
             supports="deepinfer_kernels.ops.linear:gpu_supports",
         )
@@ -34,6 +34,7 @@ for _op in ("fp8_gemm", "fp8_linear"):
 
 
 def gpu_supports(x: torch.Tensor, *args: object, **kwargs: object) -> str | None:
+    """Why the Triton tier cannot run these arguments, or None."""
     if x.device.type != "cuda":
         return f"input on {x.device.type}"
     return None

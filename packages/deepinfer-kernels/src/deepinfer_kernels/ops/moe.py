@@ -29,14 +29,30 @@ for _op in ("moe_gate", "moe_experts"):
             "triton",
             f"deepinfer_kernels.triton.moe:{_op}",
             devices=("cuda",),
-            min_capability=(8, 9),
+            min_capability=(9, 0),
             requires=("triton",),
-            supports="deepinfer_kernels.ops.moe:gpu_supports",
+            supports=f"deepinfer_kernels.ops.moe:{_op}_gpu_supports",
         )
     )
 
+GATE_MAX_EXPERTS = 1024
+"""The Triton gate keeps all of a token's expert scores in registers (padded to a power of 2)."""
 
-def gpu_supports(x: torch.Tensor, *args: object, **kwargs: object) -> str | None:
+
+def moe_gate_gpu_supports(x: torch.Tensor, weight: torch.Tensor, *args: object, **kw: object):
+    """Why the Triton gate cannot run these arguments, or None."""
+    if weight.shape[0] > GATE_MAX_EXPERTS:
+        return f"{weight.shape[0]} experts > {GATE_MAX_EXPERTS}"
+    if x.device.type != "cuda":
+        return f"input on {x.device.type}"
+    return None
+
+
+def moe_experts_gpu_supports(x: torch.Tensor, *args: object, **kw: object) -> str | None:
+    """Why the Triton experts cannot run these arguments, or None (scales must be UE8M0)."""
+    for name, s in zip(("s1", "s3", "s2"), (args[3], args[5], args[7]), strict=True):
+        if isinstance(s, torch.Tensor) and s.dtype != torch.float8_e8m0fnu:
+            return f"{name} is {s.dtype}, the Triton experts read float8_e8m0fnu scales"
     if x.device.type != "cuda":
         return f"input on {x.device.type}"
     return None

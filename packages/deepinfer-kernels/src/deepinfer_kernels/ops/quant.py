@@ -30,7 +30,7 @@ for _op in ("act_quant_fp8", "rms_norm_act_quant_fp8", "swiglu_act_quant_fp8"):
             "triton",
             f"deepinfer_kernels.triton.quant:{_op}",
             devices=("cuda",),
-            min_capability=(8, 9),
+            min_capability=(9, 0),
             requires=("triton",),
             supports="deepinfer_kernels.ops.quant:gpu_supports",
         )
@@ -38,6 +38,7 @@ for _op in ("act_quant_fp8", "rms_norm_act_quant_fp8", "swiglu_act_quant_fp8"):
 
 
 def gpu_supports(x: torch.Tensor, *args: object, **kwargs: object) -> str | None:
+    """Why the Triton tier cannot run these arguments, or None."""
     if x.device.type != "cuda":
         return f"input on {x.device.type}"
     return None

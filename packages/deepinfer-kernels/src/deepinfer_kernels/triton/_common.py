@@ -1,4 +1,4 @@
-"""Triton helpers shared by the kernels: exact scale arithmetic on float bits and FP4 -> FP8 codes.
+"""Triton helpers shared by the kernels: exact scale arithmetic on float bits, FP4 expansion.
 
 Scales are powers of two, so every conversion here is exact: a UE8M0 byte u is the fp32 whose
 exponent field is u (2**(u - 127)); a power-of-two scale's reciprocal is its exponent mirrored.
@@ -39,23 +39,6 @@ def quant_groups_fp8(y, BLOCK_ROWS: tl.constexpr, WIDTH: tl.constexpr, AMAX_FLOO
     q = tl.clamp(g * inv[:, :, None], -448.0, 448.0)
     q = tl.reshape(q, (BLOCK_ROWS, WIDTH)).to(tl.float8e4nv)
     return q, scale
-
-
-@triton.jit
-def fp4_to_fp8(packed, ROWS: tl.constexpr, KP: tl.constexpr):
-    """packed [ROWS, KP] int8 (two e2m1 per byte, low nibble first) -> [ROWS, 2*KP] float8e4nv.
-
-    Every e2m1 value is exact in e4m3: magnitude code c maps to e4m3 bits 0 (c=0), 0x30 (c=1, 0.5)
-    or 0x30 + 4c (c >= 2); the nibble's bit 3 becomes bit 7.
-    """
-    p = packed.to(tl.uint8, bitcast=True)
-    lo = p & 0xF
-    hi = p >> 4
-    nib = tl.reshape(tl.join(lo, hi), (ROWS, 2 * KP))
-    c = nib & 7
-    mag = tl.where(c >= 2, 0x30 + 4 * c, tl.where(c == 1, 0x30, 0))
-    bits = (mag | ((nib & 8) << 4)).to(tl.uint8)
-    return bits.to(tl.float8e4nv, bitcast=True)
 
 
 @triton.jit

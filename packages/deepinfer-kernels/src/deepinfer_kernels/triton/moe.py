@@ -437,7 +437,7 @@ def moe_experts(
         return out.zero_()
     cfg = config or pick_config(t * k, e, batch_invariant)
     for name, s in (("s1", s1), ("s3", s3), ("s2", s2)):
-        if s.dtype != torch.float8_e8m0fnu:
+        if s.dtype != torch.float8_e8m0fnu:  # ops.moe routes other scale dtypes to ref
             raise NotImplementedError(f"triton moe_experts: {name} must be float8_e8m0fnu")
     route = build_routing(topk_weights, topk_ids, e, cfg.block_m)
     xa = act_fake_quant_bf16(x)
