@@ -1,4 +1,4 @@
-"""Benchmark the offline engine: throughput, host time per step, GPU idle between steps.
+"""Benchmark the offline engine: throughput, host time per step, GPU idleness per decode step.
 
 Usage: python tools/bench_engine.py [--models tiny slice] [--batches 1 64 256] [--device cuda]
 
@@ -8,23 +8,32 @@ Models:
          (ratios 0,0,2,1: every attention kind), random weights in the checkpoint formats;
          fewer routed experts (--slice-experts, default 16) and no Engram tables (94 GiB each) so
          it builds in seconds. Prompts and outputs are token ids (a synthetic detokenizer).
-For each model and batch size B, B prompts of --prompt-len tokens generate --max-tokens tokens
-each (ignore_eos), with async scheduling on and then off, in the same process. Reported:
-  tok/s        generated tokens / wall time of the decode phase (steps after all prefills)
-  host ms/step wall time of engine.step() minus the time it waits for the device (resolve)
-  step ms      wall time per decode step
-  GPU idle %   per decode step, the gap on the GPU timeline between the end of one step's work
-               (after sampling) and the start of the next step's forward, over the step period
-               (CUDA events; 0 on CPU).
+For each model and batch size B, B prompts of --prompt-len tokens generate tokens (ignore_eos),
+with async scheduling on and off in the same process (the order alternates between batch
+sizes). Each run: prefill, --warm decode steps (not measured), --steps timed decode steps, one
+decode step under CUDA sync-debug mode, then --prof-steps decode steps under torch.profiler
+(CUDA activity only). Reported:
+  tok/s         generated tokens / wall time of the timed steps
+  host ms/step  wall time of engine.step() minus the time it waits for the device (resolve)
+  step ms       wall time per timed step
+  GPU busy ms   per profiled step: the union of the GPU's kernel/memcpy/memset intervals
+  GPU idle %    1 - busy / span, span = first kernel start .. last kernel end of the profiled
+                steps (the whole GPU timeline of those steps, gaps inside the forward included)
+  syncs         device->host synchronisations the sync-debug step saw in launch (forward) and
+                sample (the engine's resolve wait is the one intended and not counted)
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import itertools
+import json
+import os
 import statistics
+import tempfile
 import time
+import warnings
+from contextlib import contextmanager
 
 import torch
 from deepinfer_engine.llm import LLM
@@ -79,28 +88,24 @@ def slice_bundle(device: str, experts: int) -> ModelBundle:
 
 
 class Probe:
-    """Wraps one engine's runner and step to time host work and GPU gaps per step."""
+    """Wraps one engine's runner to time the host's waits and, on request, catch syncs."""
 
     def __init__(self, llm: LLM) -> None:
         self.eng = llm.engine
         self.cuda = self.eng.device.type == "cuda"
-        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.wait_s = 0.0
+        self.check_sync = False
+        self.syncs: list[str] = []
         runner = self.eng.runner
         launch, sample, resolve = runner.launch, runner.sample, runner.resolve
 
         def launch_w(out, prev):
-            start = self._event()
-            step = launch(out, prev)
-            step._probe_start = start
-            return step
+            with self._sync_debug("launch"):
+                return launch(out, prev)
 
         def sample_w(step, eos):
-            res = sample(step, eos)
-            end = self._event()
-            if self.cuda:
-                self.events.append((step._probe_start, end))
-            return res
+            with self._sync_debug("sample"):
+                return sample(step, eos)
 
         def resolve_w(sampled, step):
             t = time.perf_counter()
@@ -111,55 +116,105 @@ class Probe:
 
         runner.launch, runner.sample, runner.resolve = launch_w, sample_w, resolve_w
 
-    def _event(self):
-        if not self.cuda:
-            return None
-        e = torch.cuda.Event(enable_timing=True)
-        e.record()
-        return e
+    @contextmanager
+    def _sync_debug(self, where: str):
+        if not (self.cuda and self.check_sync):
+            yield
+            return
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                yield
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        for w in caught:
+            if "synchroniz" in str(w.message):
+                self.syncs.append(f"{where}: {os.path.basename(w.filename)}:{w.lineno}")
 
 
-def run_one(
-    llm: LLM, probe: Probe, batch: int, prompt_len: int, max_tokens: int, async_on: bool
-) -> dict:
+def gpu_busy(trace_path: str) -> tuple[float, float]:
+    """(busy ms, span ms) of a chrome trace: union of GPU kernel/memcpy/memset intervals, and
+    first start .. last end."""
+    with open(trace_path) as f:
+        events = json.load(f)["traceEvents"]
+    iv = sorted(
+        (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)))
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+    )
+    if not iv:
+        return 0.0, 0.0
+    busy, cur_s, cur_e = 0.0, iv[0][0], iv[0][1]
+    for s, e in iv[1:]:
+        if s > cur_e:
+            busy += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    busy += cur_e - cur_s
+    return busy / 1e3, (max(e for _, e in iv) - iv[0][0]) / 1e3
+
+
+def run_one(llm: LLM, probe: Probe, batch: int, args, async_on: bool) -> dict:
     eng = llm.engine
     eng.config.async_scheduling = async_on
-    probe.events.clear()
     g = torch.Generator().manual_seed(batch)
     vocab = min(eng.bundle.vocab_size, 500)
-    prompts = [torch.randint(3, vocab, (prompt_len,), generator=g).tolist() for _ in range(batch)]
-    sp = SamplingParams(temperature=0.8, top_p=0.95, seed=1, max_tokens=max_tokens, ignore_eos=True)
+    prompts = [
+        torch.randint(3, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(batch)
+    ]
+    new = args.warm + args.steps + 1 + args.prof_steps + 4
+    sp = SamplingParams(temperature=0.8, top_p=0.95, seed=1, max_tokens=new, ignore_eos=True)
     reqs = [eng.add_request(r) for r in _validated(llm, prompts, sp)]
-    step_s, host_s, decode_tokens = [], [], 0
-    t_decode = None
-    while eng.has_unfinished():
+    seqs = [s for r in reqs for s in r.seqs]
+
+    def decoding() -> bool:
+        return all(s.num_computed_tokens >= s.num_prompt_tokens for s in seqs)
+
+    while eng.has_unfinished() and not decoding():
+        eng.step()
+    for _ in range(args.warm):
+        eng.step()
+    step_s, host_s = [], []
+    tok0, t_start = eng.stats.tokens_generated, time.perf_counter()
+    for _ in range(args.steps):
         w0, t0 = probe.wait_s, time.perf_counter()
         eng.step()
         dt = time.perf_counter() - t0
-        all_prefilled = all(
-            s.num_computed_tokens >= s.num_prompt_tokens for r in reqs for s in r.seqs
-        )
-        if all_prefilled:
-            if t_decode is None:
-                t_decode, tok0 = time.perf_counter(), eng.stats.tokens_generated
-            step_s.append(dt)
-            host_s.append(dt - (probe.wait_s - w0))
+        step_s.append(dt)
+        host_s.append(dt - (probe.wait_s - w0))
+    wall = time.perf_counter() - t_start
+    tokens = eng.stats.tokens_generated - tok0
+    probe.check_sync, probe.syncs = True, []
+    eng.step()
+    probe.check_sync = False
+    busy = span = float("nan")
+    if probe.cuda:
+        from torch.profiler import ProfilerActivity, profile
+
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.prof_steps):
+                eng.step()
+            torch.cuda.synchronize()
+        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+            path = f.name
+        prof.export_chrome_trace(path)
+        busy, span = gpu_busy(path)
+        os.unlink(path)
+    while eng.has_unfinished():
+        eng.step()
     if probe.cuda:
         torch.cuda.synchronize()
-    wall = time.perf_counter() - (t_decode or time.perf_counter())
-    decode_tokens = eng.stats.tokens_generated - (tok0 if t_decode else 0)
-    idle = []
-    ev = probe.events[-len(step_s) :] if step_s else []
-    for (s0, e0), (s1, _) in itertools.pairwise(ev):
-        gap = e0.elapsed_time(s1)
-        busy = s0.elapsed_time(e0)
-        idle.append(max(gap, 0.0) / max(gap + busy, 1e-9))
-    steady = step_s[2:] or step_s
     return {
-        "tok/s": decode_tokens / wall if wall > 0 else float("nan"),
-        "host ms/step": 1e3 * statistics.median(host_s[2:] or host_s or [0.0]),
-        "step ms": 1e3 * statistics.median(steady or [0.0]),
-        "GPU idle %": 100 * statistics.median(idle) if idle else 0.0,
+        "tok/s": tokens / wall if wall > 0 else float("nan"),
+        "host ms/step": 1e3 * statistics.median(host_s),
+        "step ms": 1e3 * statistics.median(step_s),
+        "GPU busy ms": busy / args.prof_steps,
+        "GPU idle %": 100 * (1 - busy / span) if span and span == span else float("nan"),
+        "syncs": len(probe.syncs),
+        "sync sites": sorted(set(probe.syncs)),
     }
 
 
@@ -178,7 +233,9 @@ def main() -> None:
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 64, 256])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--prompt-len", type=int, default=32)
-    ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--warm", type=int, default=3, help="decode steps before measuring")
+    ap.add_argument("--steps", type=int, default=8, help="timed decode steps")
+    ap.add_argument("--prof-steps", type=int, default=6, help="profiled decode steps")
     ap.add_argument("--slice-experts", type=int, default=16)
     args = ap.parse_args()
     accel = "nvidia" if args.device == "cuda" else "cpu"
@@ -200,30 +257,33 @@ def main() -> None:
         print(f"# {name}: built in {time.perf_counter() - t:.1f}s on {args.device}", flush=True)
         probe = Probe(llm)
         # Warm-up (lazy CUDA init, kernel compilation, pinned buffers), not reported.
+        warm = argparse.Namespace(**{**vars(args), "warm": 1, "steps": 1, "prof_steps": 1})
         for b in args.batches:
-            run_one(llm, probe, b, args.prompt_len, 2, True)
-        for b in args.batches:
-            for async_on in (True, False):
-                r = run_one(llm, probe, b, args.prompt_len, args.max_tokens, async_on)
+            run_one(llm, probe, b, warm, True)
+        for i, b in enumerate(args.batches):
+            for async_on in (True, False) if i % 2 == 0 else (False, True):
+                r = run_one(llm, probe, b, args, async_on)
                 rows.append((name, b, "on" if async_on else "off", r))
                 print(f"#   {name} B={b} async={'on' if async_on else 'off'}: {r}", flush=True)
-        del llm  # give the KV cache and weights back before the next model
+        del llm, probe  # give the KV cache and weights back before the next model
         gc.collect()
         if args.device == "cuda":
             torch.cuda.empty_cache()
     dev = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(
-        f"\nengine benchmark on {dev}: prompt {args.prompt_len} tokens, "
-        f"{args.max_tokens} new tokens, temperature 0.8 top-p 0.95 seeded"
+        f"\nengine benchmark on {dev}: prompt {args.prompt_len} tokens, decode steps: "
+        f"{args.warm} warm, {args.steps} timed, {args.prof_steps} profiled; "
+        "temperature 0.8 top-p 0.95 seeded"
     )
     print(
         f"{'model':6} {'batch':>5} {'async':>5} {'tok/s':>9} {'host ms/step':>13} "
-        f"{'step ms':>9} {'GPU idle %':>10}"
+        f"{'step ms':>9} {'GPU busy ms':>12} {'GPU idle %':>10} {'syncs':>6}"
     )
     for name, b, a, r in rows:
         print(
             f"{name:6} {b:5d} {a:>5} {r['tok/s']:9.1f} {r['host ms/step']:13.2f} "
-            f"{r['step ms']:9.2f} {r['GPU idle %']:10.1f}"
+            f"{r['step ms']:9.2f} {r['GPU busy ms']:12.2f} {r['GPU idle %']:10.1f} "
+            f"{r['syncs']:6d}"
         )
 
 
