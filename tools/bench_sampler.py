@@ -11,7 +11,19 @@ the vocabulary, plus small noise); --flat uses N(0, 3^2) logits instead, whose t
 of thousands of tokens wide (worst case for the top-p path: it falls back to sorting).
 Baseline: logits / T -> softmax -> sort -> cumsum top-p mask -> torch.multinomial, in the same
 process on the same logits. Time per call is the mean over repeated calls (device synchronised
-before and after); batch building (SamplingBatch.build) is timed separately.
+before and after); batch building (SamplingBatch.build) is timed separately. 'no-triton' is
+Sampler(use_triton=False) (torch.topk + torch ops for the top-k rows) on CUDA; ratio = ours /
+baseline. --chunks also times the triton top-k draw alone at those stage-1 chunk widths.
+
+Last measured (H200, torch 2.11, vocab 129280, Zipf-like, commit c056390, i.e. BEFORE the triton
+top-k path; the table with it is still to be measured):
+    config  rows  ours ms  baseline ms  ratio
+    all        1    0.842        0.519   1.62
+    all       64    0.788        1.302   0.61
+    all      256    0.775        4.106   0.19
+    top_p      1    0.569        0.385   1.48
+    top_p     64    0.615        1.298   0.47
+    top_p    256    1.437        4.106   0.35
 """
 
 from __future__ import annotations
@@ -94,6 +106,20 @@ def profile_call(fn, device: torch.device) -> None:
     print(prof.key_averages().table(sort_by=key, row_limit=14, max_name_column_width=40))
 
 
+def time_chunk(chunk: int, num_rows: int, vocab: int, gen: torch.Generator) -> str:
+    """One table line: the triton top-k draw alone (config 'all') at stage-1 width `chunk`."""
+    from deepinfer_sampling.topk_triton import topk_draw
+
+    device = torch.device("cuda")
+    rows = make_rows("all", num_rows, vocab, gen)
+    x = make_logits(num_rows, vocab, False, gen).to(device)
+    g = SamplingBatch.build(rows, vocab_size=vocab, device=device).topk
+    args = (x, g.rng_keys, g.temperature, g.top_k, g.top_p, g.log_min_p)
+    kw = dict(max_top_k=g.max_top_k, use_min_p=g.use_min_p, use_top_p=g.use_top_p, chunk=chunk)
+    ms = timeit(lambda: topk_draw(*args, **kw), device, 50) * 1e3
+    return f"topk_draw alone, {num_rows} rows, chunk {chunk}: {ms:.3f} ms"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--vocab", type=int, default=129280)
@@ -102,16 +128,24 @@ def main() -> None:
     ap.add_argument("--configs", nargs="+", default=["all", "top_p"])
     ap.add_argument("--flat", action="store_true", help="N(0, 9) logits instead of Zipf-like")
     ap.add_argument(
+        "--chunks",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also time the triton top-k draw alone at these stage-1 chunk widths (CUDA)",
+    )
+    ap.add_argument(
         "--profile", action="store_true", help="also print the kernels of one call (largest size)"
     )
     args = ap.parse_args()
     devices = args.devices or (["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"])
     torch.set_num_threads(max(1, torch.get_num_threads()))
     sampler = Sampler()
+    sampler_torch = Sampler(use_triton=False)  # the same sampler with torch ops only
     gen = torch.Generator().manual_seed(0)
     header = (
-        f"{'device':6} {'config':6} {'rows':>5} {'ours ms':>9} {'baseline ms':>11} "
-        f"{'ratio':>6} {'build ms':>9}"
+        f"{'device':6} {'config':6} {'rows':>5} {'ours ms':>9} {'no-triton':>9} "
+        f"{'baseline ms':>11} {'ratio':>6} {'build ms':>9}"
     )
     lines = [header, "-" * len(header)]
     for dev_name in devices:
@@ -127,14 +161,22 @@ def main() -> None:
                 )
                 build_ms = (time.perf_counter() - t0) * 1e3
                 ours = timeit(lambda b=batch, x=logits: sampler(x, b), device, iters)
+                if device.type == "cuda":
+                    plain = timeit(lambda b=batch, x=logits: sampler_torch(x, b), device, iters)
+                    plain_ms = f"{plain * 1e3:9.3f}"
+                else:
+                    plain_ms = f"{'=':>9}"  # the triton kernels run on CUDA only
                 base = timeit(lambda x=logits: baseline_sample(x, 0.8, 0.9), device, iters)
                 lines.append(
-                    f"{dev_name:6} {config:6} {num_rows:5d} {ours * 1e3:9.3f} {base * 1e3:11.3f} "
-                    f"{ours / base:6.2f} {build_ms:9.2f}"
+                    f"{dev_name:6} {config:6} {num_rows:5d} {ours * 1e3:9.3f} {plain_ms} "
+                    f"{base * 1e3:11.3f} {ours / base:6.2f} {build_ms:9.2f}"
                 )
                 print(lines[-1], flush=True)
                 if args.profile and num_rows == max(args.rows):
                     profile_call(lambda b=batch, x=logits: sampler(x, b), device)
+    for chunk in args.chunks:
+        lines.append(time_chunk(chunk, max(args.rows), args.vocab, gen))
+        print(lines[-1], flush=True)
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA"
     kind = "N(0,9)" if args.flat else "Zipf-like"
     print(f"\nvocab {args.vocab}, float32 {kind} logits, torch {torch.__version__}, {name}")

@@ -22,11 +22,13 @@ penalties, temperature and filters), as vLLM returns by default.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
-from .batch import RowGroup, SamplingBatch
+from .batch import RowGroup, SamplingBatch, SamplingRow
 from .fused import gumbel_score, kept_weight, penalize, top_p_mask
 from .grammar import apply_token_bitmask
 
@@ -51,7 +53,16 @@ class SamplerOutput:
 
 
 class Sampler:
-    """Stateless sampler; `Sampler()(logits, batch)` gives a SamplerOutput."""
+    """Stateless sampler; `Sampler()(logits, batch)` gives a SamplerOutput.
+
+    use_triton: on CUDA, let top-k rows (max top_k <= 256) use the triton kernels of
+        topk_triton.py (imported, compiled and checked against the torch path on first use;
+        any failure falls back to torch with a warning). False: torch ops only (benchmarks
+        compare the two). The tokens are the same either way (see _sample_topk).
+    """
+
+    def __init__(self, use_triton: bool = True) -> None:
+        self.use_triton = use_triton
 
     def __call__(
         self,
@@ -70,7 +81,7 @@ class Sampler:
             (group, fn)
             for group, fn in (
                 (batch.greedy, _sample_greedy),
-                (batch.topk, _sample_topk),
+                (batch.topk, partial(_sample_topk, use_triton=self.use_triton)),
                 (batch.top_p, _sample_top_p),
                 (batch.plain, _sample_plain),
             )
@@ -168,11 +179,127 @@ def _sample_greedy(x, group, batch, generator) -> torch.Tensor:
     return x.argmax(dim=1)
 
 
-def _sample_topk(x, group, batch, generator) -> torch.Tensor:
-    """Rows with a top-k <= candidate_cap: draw among the group's max_top_k candidates."""
+def _sample_topk(x, group, batch, generator, use_triton=False) -> torch.Tensor:
+    """Rows with a top-k <= candidate_cap: draw among the group's max_top_k candidates.
+
+    On CUDA (max_top_k <= 256, triton present and checked): two triton kernels, a two-stage
+    top-k and the fused draw (topk_triton.py). Otherwise torch.topk + _draw_sorted. Both draw
+    with the same float64 arithmetic; they can differ only where torch.topk breaks a tie at the
+    k-th logit differently (the kernels keep the lower token id) or a top-p cumulative sum
+    rounds differently at the boundary (summation order).
+    """
+    keys = _rng_keys(group, generator, x.device)
+    if use_triton and x.is_cuda and group.max_top_k <= _TRITON_MAX_K:
+        topk_draw = _triton_topk_draw(x.device)
+        if topk_draw is not None:
+            return topk_draw(
+                x,
+                keys,
+                group.temperature,
+                group.top_k,
+                group.top_p,
+                group.log_min_p,
+                max_top_k=group.max_top_k,
+                use_min_p=group.use_min_p,
+                use_top_p=group.use_top_p,
+            )
     values, ids = torch.topk(x, group.max_top_k, dim=1, sorted=True)
-    tokens, _ = _draw_sorted(values, ids, group, _rng_keys(group, generator, x.device))
+    tokens, _ = _draw_sorted(values, ids, group, keys)
     return tokens
+
+
+# Largest max_top_k served by the triton kernels (topk_triton.MAX_K; not imported here, so that
+# importing this module never imports triton).
+_TRITON_MAX_K = 256
+# Lazily loaded triton top-k draw (a cache, not state: its tokens equal the torch path's).
+_triton_cache: dict[str, object] = {}
+
+
+def _triton_topk_draw(device: torch.device):
+    """topk_triton.topk_draw once imported and checked on `device`, or None (torch path)."""
+    if "fn" in _triton_cache:
+        return _triton_cache["fn"]
+    if "failed" in _triton_cache:
+        return None
+    try:
+        from .topk_triton import topk_draw
+
+        _check_topk_draw(topk_draw, device, quick=True)
+        _triton_cache["fn"] = topk_draw
+        return topk_draw
+    except Exception as e:  # no triton, no compiler, or a mismatch: keep torch, say so once
+        warnings.warn(
+            f"deepinfer_sampling: triton top-k kernels unavailable ({e!r}); using torch.topk",
+            stacklevel=3,
+        )
+        _triton_cache["failed"] = True
+        return None
+
+
+def _check_topk_draw(
+    topk_draw,
+    device: torch.device,
+    chunk: int | None = None,
+    vocabs: tuple[int, ...] = (20000, 300),
+    quick: bool = False,
+) -> None:
+    """Raise unless topk_draw gives the torch path's tokens on fixed tie-free probes.
+
+    Covers: no filter, min-p only, all filters with per-row top-k, seeded and unseeded keys,
+    several stage-1 chunks (vocab 20000) and a vocab below one chunk. Tests pass a small
+    `chunk` and `vocabs` (to run it under the triton interpreter on CPU). quick: only the
+    all-filters probe at the first vocab (the check on first use: two kernels to compile).
+    """
+    from .params import SamplingParams
+
+    g = torch.Generator().manual_seed(1234)
+    configs = [
+        [dict(top_k=50)] * 4,
+        [dict(top_k=k, min_p=0.05) for k in (1, 7, 50, 200)],
+        [
+            dict(top_k=k, top_p=p, min_p=m)
+            for k in (2, 30, 64)
+            for p in (0.5, 0.9)
+            for m in (0.0, 0.1)
+        ],
+    ]
+    if quick:
+        configs, vocabs = configs[-1:], vocabs[:1]
+    for vocab in vocabs:
+        for config in configs:
+            rows = [
+                SamplingRow(
+                    SamplingParams(temperature=0.5 + 0.1 * i, seed=i if i % 3 else None, **c),
+                    position=7 * i,
+                )
+                for i, c in enumerate(config)
+            ]
+            batch = SamplingBatch.build(rows, vocab_size=vocab, device=device)
+            group = batch.topk
+            if group is None or group.rows is not None:
+                raise ValueError(f"probe vocab {vocab} must exceed every probe top_k")
+            # Distinct float32 values per row: no ties for torch.topk to break its own way.
+            x = torch.randperm(vocab, generator=g).float().repeat(len(rows), 1) / 40.0
+            x = (x + torch.randn(len(rows), 1, generator=g)).to(device)
+            keys = _rng_keys(group, torch.Generator(device=device).manual_seed(5), device)
+            values, ids = torch.topk(x, group.max_top_k, dim=1, sorted=True)
+            want, _ = _draw_sorted(values, ids, group, keys)
+            got = topk_draw(
+                x,
+                keys,
+                group.temperature,
+                group.top_k,
+                group.top_p,
+                group.log_min_p,
+                max_top_k=group.max_top_k,
+                use_min_p=group.use_min_p,
+                use_top_p=group.use_top_p,
+                chunk=chunk,
+            )
+            if not torch.equal(got, want):
+                raise RuntimeError(
+                    f"triton top-k draw disagrees with torch: {got.tolist()} vs {want.tolist()}"
+                )
 
 
 def _sample_plain(x, group, batch, generator) -> torch.Tensor:
