@@ -177,11 +177,27 @@ def topk_draw(
     x: float32 [r, V] processed logits (CUDA, or CPU under TRITON_INTERPRET=1).
     keys: int64 [4, r] counter-RNG keys. temperature, top_p, log_min_p: float64 [r, 1];
     top_k: int64 [r, 1] (each <= max_top_k <= MAX_K). chunk: stage-1 width (power of 2 >= the
-    padded k; default 4096, or 16 * k for large k; tests lower it to exercise several chunks).
+    padded k; default max(4096, 32 * k), widened until stage 2 holds <= MAX_STAGE2_KEYS keys;
+    tests lower it to exercise several chunks). Any CUDA device (launched on x's device).
     Returns int64 [r] token ids.
     """
     if not 1 <= max_top_k <= MAX_K:
         raise ValueError(f"max_top_k must be in [1, {MAX_K}], got {max_top_k}")
+    if x.is_cuda and x.device.index != torch.cuda.current_device():
+        # triton launches on the current device, not the tensors' one.
+        with torch.cuda.device(x.device):
+            return topk_draw(
+                x,
+                keys,
+                temperature,
+                top_k,
+                top_p,
+                log_min_p,
+                max_top_k=max_top_k,
+                use_min_p=use_min_p,
+                use_top_p=use_top_p,
+                chunk=chunk,
+            )
     rows, vocab = x.shape
     x = x.contiguous()
     k = max(16, _next_pow2(max_top_k))
@@ -195,9 +211,9 @@ def topk_draw(
         chunk *= 2
         chunks = _next_pow2(triton.cdiv(vocab, chunk))
     cand = torch.empty(rows, chunks * k, dtype=torch.int64, device=x.device)
-    _chunk_topk_kernel[(rows, chunks)](x, cand, vocab, CHUNK=chunk, K=k, num_warps=8)
     out = torch.empty(rows, dtype=torch.int64, device=x.device)
     keys = keys.contiguous()
+    _chunk_topk_kernel[(rows, chunks)](x, cand, vocab, CHUNK=chunk, K=k, num_warps=8)
     _draw_kernel[(rows,)](
         cand,
         keys,
