@@ -36,19 +36,7 @@ from pathlib import Path
 
 import torch
 
-from deepinfer_model.tokenizer import (
-    ASSISTANT_TOKEN,
-    BOS_TOKEN,
-    DSML_TOKEN,
-    EOS_TOKEN,
-    IMAGE_TOKEN,
-    LATEST_REMINDER_TOKEN,
-    SYSTEM_TOKEN,
-    TASK_TOKENS,
-    THINK_END_TOKEN,
-    THINK_START_TOKEN,
-    USER_TOKEN,
-)
+from deepinfer_model.tokenizer import BOS_TOKEN, EOS_TOKEN, IMAGE_TOKEN, V41_SPECIAL_TOKENS
 
 TINY_FORMAT_VERSION = 1
 """Bump when the generation rules change; part of the cache directory name."""
@@ -62,15 +50,7 @@ TINY_SPECIAL_TOKENS: tuple[str, ...] = (
     BOS_TOKEN,
     EOS_TOKEN,
     PAD_TOKEN,
-    USER_TOKEN,
-    ASSISTANT_TOKEN,
-    SYSTEM_TOKEN,
-    LATEST_REMINDER_TOKEN,
-    IMAGE_TOKEN,
-    THINK_START_TOKEN,
-    THINK_END_TOKEN,
-    DSML_TOKEN,
-    *TASK_TOKENS,
+    *V41_SPECIAL_TOKENS[2:],
 )
 # Dropped by decode(skip_special_tokens=True); the role, think, DSML and task markers stay
 # visible in decoded text (DeepSeek marks them non-special so that parsers can see them).
