@@ -2,7 +2,9 @@
 
 A step is split in two so that async scheduling can overlap host work with the device:
   * `launch(out, prev)` builds the flat `ForwardBatch` (token ids, positions, `cu_seqlens`,
-    context lengths, slots, block tables, logits rows) and enqueues the forward. Tokens still in
+    context lengths, slots, block tables, logits rows), uploads it in one pinned non-blocking
+    copy together with its CPU mirror (`ForwardBatch.host`, so the model's forward never reads
+    the device back) and enqueues the forward. Tokens still in
     flight (placeholders, -1 on the host) are copied on the device from `prev`, the previous
     step's sampled-id tensor, so launching never waits for the previous step's result.
   * `sample(step, rows)` runs the sampler on the step's logits (after the host has filled the
@@ -241,7 +243,10 @@ class ModelRunner:
             )
         logits = step.logits
         if len(live) != logits.shape[0]:
-            logits = logits[torch.tensor(live, dtype=torch.int64).to(logits.device)]
+            keep = torch.tensor(live, dtype=torch.int64)
+            if logits.device.type == "cuda":
+                keep = keep.pin_memory()  # a pageable copy would make the host wait
+            logits = logits[keep.to(logits.device, non_blocking=True)]
         batch = SamplingBatch.build(
             rows, vocab_size=logits.shape[1], device=logits.device, eos_token_ids=eos_token_ids
         )
