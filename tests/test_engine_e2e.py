@@ -102,12 +102,21 @@ def test_chat_and_bad_input(llm):
 
 def test_yoco_compact_matches_the_models_truncated_prefill_under_chunking():
     k = 10  # tiny window 8 + (use_nextn_decode 1 + 1)
-    llm = LLM(accelerator="cpu", kv_cache_bytes=64 << 20, max_num_seqs=4, block_size=8,
-              max_model_len=256, max_num_batched_tokens=7, yoco_prefill_truncation_mode="compact",
-              yoco_prefill_keep_tokens=k, use_nextn_decode=1)
+    llm = LLM(
+        accelerator="cpu",
+        kv_cache_bytes=64 << 20,
+        max_num_seqs=4,
+        block_size=8,
+        max_model_len=256,
+        max_num_batched_tokens=7,
+        yoco_prefill_truncation_mode="compact",
+        yoco_prefill_keep_tokens=k,
+        use_nextn_decode=1,
+    )
     prompt = "The quick brown fox jumps over the lazy dog"
-    out = llm.generate([prompt, "1 2 3"], SamplingParams(temperature=0, max_tokens=3),
-                       use_tqdm=False)
+    out = llm.generate(
+        [prompt, "1 2 3"], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False
+    )
     model, cfg = llm.engine.bundle.model, llm.engine.bundle.model.config
     for o in out:
         ids = o.prompt_token_ids
