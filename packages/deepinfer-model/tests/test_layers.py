@@ -153,6 +153,28 @@ def test_router_weights_match_loop():
             assert abs(float(w[t, k]) - s[e] / tot * 1.5) < 1e-5
 
 
+@pytest.mark.parametrize(("topk", "norm"), [(1, True), (2, False), (2, True)])
+def test_router_normalises_only_with_norm_topk_prob_and_topk_above_one(topk, norm):
+    # reference Gate: weights /= sum + 1e-20 only `if norm_topk_prob and topk > 1`; then * scale
+    cfg = ModelConfig.tiny(norm_topk_prob=norm)
+    moe = MoE(cfg, 4, topk, torch.float32)
+    g = torch.Generator().manual_seed(7)
+    moe.gate.weight.copy_(torch.randn(4, 64, generator=g))
+    moe.gate.bias.copy_(torch.randn(4, generator=g))
+    x = torch.randn(6, 64, generator=g)
+    w, ids = moe.gate(x)
+    for t in range(6):
+        s = [
+            math.sqrt(math.log1p(math.exp(float(x[t].double() @ moe.gate.weight[e].double()))))
+            for e in range(4)
+        ]
+        chosen = sorted(range(4), key=lambda e: -(s[e] + float(moe.gate.bias[e])))[:topk]
+        assert sorted(ids[t].tolist()) == sorted(chosen)
+        tot = sum(s[e] for e in chosen) if (norm and topk > 1) else 1.0
+        for k, e in enumerate(ids[t].tolist()):
+            assert abs(float(w[t, k]) - s[e] / tot * 1.5) < 1e-5
+
+
 def test_shared_expert_swiglu_clamp():
     cfg = ModelConfig.tiny()
     moe = MoE(cfg, 4, 2, torch.float32)

@@ -1,7 +1,8 @@
 """Mixture of experts: sqrt-softplus router with bias, FP4 routed experts, FP8 shared expert.
 
 Router (`gate`): ``s = sqrt(softplus(x Wg^T / gate_temp))`` fp32; ids = top-k of ``s + bias``;
-weights = ``s[ids] / (sum + 1e-20) * routed_scaling_factor`` (`ops.moe_gate`).
+weights = ``s[ids] / (sum + 1e-20) * routed_scaling_factor`` (`ops.moe_gate`); the
+normalisation is skipped when `norm_topk_prob` is false or top-k is 1, as in the reference.
 Expert: ``W2(w * silu(min(W1 x, L)) * clamp(W3 x, -L, L))`` (weight before W2; `ops.moe_experts`).
 Shared expert: the same SwiGLU with FP8 weights, unweighted, added.
 
@@ -19,7 +20,7 @@ from deepinfer_kernels import ops
 from torch import nn
 
 from ..config import ModelConfig
-from .linear import FP4Weight, FP8Linear
+from .linear import FP4Weight, FP8Linear, dense
 
 
 class Gate(nn.Module):
@@ -32,6 +33,8 @@ class Gate(nn.Module):
             config.routed_scaling_factor,
             config.gate_temp,
         )
+        # the reference normalises the chosen scores only `if norm_topk_prob and topk > 1`
+        self.normalize = config.norm_topk_prob and topk > 1
         self.weight = nn.Parameter(
             torch.zeros(n_experts, config.hidden_size, dtype=dtype, device=device),
             requires_grad=False,
@@ -44,10 +47,19 @@ class Gate(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, D] -> (weights [T, k] fp32, ids [T, k] int64)."""
-        return ops.moe_gate(
+        """x [T, D] -> (weights [T, k] fp32, ids [T, k] int64).
+
+        Without normalisation (`norm_topk_prob` false, or top-1 as in the reference) the weights
+        are the raw chosen scores times `routed_scaling_factor`; `ops.moe_gate` always
+        normalises, so that rare path recomputes the scores here.
+        """
+        w, ids = ops.moe_gate(
             x.float(), self.weight.float(), self.bias, self.topk, self.route_scale, self.gate_temp
         )
+        if self.normalize:
+            return w, ids
+        s = torch.sqrt(F.softplus(dense(x.float(), self.weight.float()) / self.gate_temp))
+        return s.gather(-1, ids) * self.route_scale, ids
 
 
 class Expert(nn.Module):
