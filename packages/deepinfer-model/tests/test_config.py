@@ -79,3 +79,65 @@ def test_tiny_roundtrips_through_hf_dict():
 def test_validation_names_the_field(override, field):
     with pytest.raises(ValueError, match=field):
         ModelConfig.tiny(**override)
+
+
+def _hf_text(**text):
+    """A composite HF config.json dict holding the tiny text config plus `text` overrides."""
+    raw = ModelConfig.tiny().to_hf()
+    raw["text_config"].update(text)
+    return raw
+
+
+def test_backbone_only_compress_ratios_get_zero_dspark_entries():
+    # HF DeepseekV41TextConfig: `compress_ratios` has num_hidden_layers entries, optionally
+    # followed by the (always 0) DSpark entries; missing DSpark entries are 0
+    tiny = ModelConfig.tiny()
+    n = tiny.num_hidden_layers
+    cfg = ModelConfig.from_hf(_hf_text(compress_ratios=list(tiny.compress_ratios[:n])))
+    assert cfg.compress_ratios == tiny.compress_ratios
+    cfg = ModelConfig.from_hf(_hf_text(compress_ratios=list(tiny.compress_ratios[: n + 1])))
+    assert cfg.compress_ratios == tiny.compress_ratios
+    with pytest.raises(ValueError, match="compress_ratios"):
+        ModelConfig.from_hf(_hf_text(compress_ratios=list(tiny.compress_ratios[: n - 1])))
+    with pytest.raises(ValueError, match="compress_ratios"):
+        ModelConfig.from_hf(_hf_text(compress_ratios=[*tiny.compress_ratios, 0]))
+
+
+def test_null_candidate_source_means_last_kv_source_and_negative_disables():
+    # HF: `candidate_source_layer_id` None defaults to the last kv source; < 0 disables
+    assert (
+        ModelConfig.from_hf(_hf_text(candidate_source_layer_id=None)).candidate_source_layer_id == 4
+    )
+    assert (
+        ModelConfig.from_hf(_hf_text(candidate_source_layer_id=-1)).candidate_source_layer_id == -1
+    )
+
+
+def test_null_special_token_ids_keep_the_defaults():
+    raw = _hf_text(bos_token_id=None, pad_token_id=None)
+    raw["bos_token_id"] = None
+    raw["pad_token_id"] = None
+    cfg = ModelConfig.from_hf(raw)
+    assert cfg.bos_token_id == 0 and cfg.pad_token_id == 2
+
+
+def test_rope_parameters_main_compress_form():
+    # a config saved by transformers carries rope_parameters {main, compress} (YaRN on compress)
+    raw = _hf_text(
+        rope_parameters={
+            "main": {"rope_type": "default", "rope_theta": 20000.0},
+            "compress": {
+                "rope_type": "yarn",
+                "rope_theta": 80000.0,
+                "factor": 8,
+                "original_max_position_embeddings": 4096,
+                "beta_fast": 16,
+                "beta_slow": 2,
+            },
+        }
+    )
+    del raw["text_config"]["rope_scaling"]
+    cfg = ModelConfig.from_hf(raw)
+    assert (cfg.rope_theta, cfg.compress_rope_theta) == (20000.0, 80000.0)
+    assert (cfg.rope_factor, cfg.original_max_position_embeddings) == (8, 4096)
+    assert (cfg.beta_fast, cfg.beta_slow) == (16, 2)

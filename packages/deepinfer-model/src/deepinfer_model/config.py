@@ -182,6 +182,12 @@ class ModelConfig:
         `quantization_config` are folded into the YaRN and FP8 block fields; a `vision_config`
         is recognised and skipped (text only). Unknown keys go to `extra`. Raises ValueError
         naming the field on an invalid value.
+
+        Hugging Face semantics (`DeepseekV41TextConfig`): `compress_ratios` may list only the
+        backbone layers (the DSpark stages' entries are 0); `candidate_source_layer_id: null`
+        means the last kv source (a negative id disables the candidate level); null special
+        token ids keep the defaults; `rope_parameters` ``{"main", "compress"}`` (a config saved by
+        transformers) gives both thetas and the compressed layers' YaRN.
         """
         if not isinstance(raw, Mapping):
             raise ValueError(f"config: expected a mapping, got {type(raw).__name__}")
@@ -204,7 +210,8 @@ class ModelConfig:
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         kwargs: dict[str, Any] = {}
         extra: dict[str, Any] = {}
-        rope_scaling = flat.pop("rope_scaling", None) or flat.pop("rope_parameters", None)
+        rope_scaling = flat.pop("rope_scaling", None)
+        rope_parameters = flat.pop("rope_parameters", None)
         quant = flat.pop("quantization_config", None)
         for key, value in flat.items():
             name = ALIASES.get(key, key)
@@ -216,6 +223,22 @@ class ModelConfig:
                 kwargs[name] = value
             else:
                 extra[key] = value
+        if isinstance(rope_parameters, Mapping) and isinstance(
+            rope_parameters.get("compress"), Mapping
+        ):
+            # transformers' saved form: {"main": plain rope, "compress": rope (+ YaRN)}; it wins
+            # over the flat thetas, as in DeepseekV41TextConfig
+            main, comp = rope_parameters.get("main") or {}, rope_parameters["compress"]
+            if "rope_theta" in main:
+                kwargs["rope_theta"] = main["rope_theta"]
+            if "rope_theta" in comp:
+                kwargs["compress_rope_theta"] = comp["rope_theta"]
+            if comp.get("rope_type", comp.get("type", "default")) == "default":
+                kwargs["original_max_position_embeddings"] = 0  # no YaRN
+            elif rope_scaling is None:
+                rope_scaling = comp
+        elif rope_scaling is None:
+            rope_scaling = rope_parameters
         if isinstance(rope_scaling, Mapping):
             rtype = rope_scaling.get("rope_type", rope_scaling.get("type", "yarn"))
             if rtype != "yarn":
@@ -240,14 +263,31 @@ class ModelConfig:
                 kwargs["expert_dtype"] = quant["expert_dtype"]
         if isinstance(kwargs.get("eos_token_id"), list | tuple):
             kwargs["eos_token_id"] = int(kwargs["eos_token_id"][0])
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id", "image_token_id"):
+            if name in kwargs and kwargs[name] is None:
+                del kwargs[name]  # HF writes null for "none given": keep the V4.1 default
         for name in _TUPLE_FIELDS:
             if name in kwargs:
                 value = kwargs[name]
                 if not isinstance(value, list | tuple):
                     raise ValueError(f"{name}: expected a list of ints, got {value!r}")
                 kwargs[name] = tuple(int(v) for v in value)
-        if kwargs.get("candidate_source_layer_id") is None:
-            kwargs["candidate_source_layer_id"] = -1
+
+        def given(name: str) -> Any:
+            return kwargs.get(name, cls.__dataclass_fields__[name].default)
+
+        n, n_draft, ratios = (
+            given("num_hidden_layers"),
+            given("num_nextn_predict_layers"),
+            given("compress_ratios"),
+        )
+        if isinstance(n, int) and isinstance(n_draft, int) and n <= len(ratios) < n + n_draft:
+            # HF lists the backbone ratios, optionally followed by the DSpark stages' (always 0)
+            kwargs["compress_ratios"] = tuple(ratios) + (0,) * (n + n_draft - len(ratios))
+        if kwargs.get("candidate_source_layer_id", "absent") is None:
+            # HF semantics: null means the last kv source; a negative id disables the level
+            sources = given("kv_source_layer_ids")
+            kwargs["candidate_source_layer_id"] = sources[-1] if sources else -1
         cfg = cls(**kwargs, extra=extra)
         cfg.validate()
         return cfg
