@@ -74,6 +74,7 @@ def test_tiny_roundtrips_through_hf_dict():
         ({"dspark_target_layer_ids": (8,)}, "dspark_target_layer_ids"),
         ({"scoring_func": "softmax"}, "scoring_func"),
         ({"index_topk": 16}, "index_topk"),
+        ({"index_source_layer_ids": (1, 2, 4, 6)}, "index_source_layer_ids"),
     ],
 )
 def test_validation_names_the_field(override, field):

@@ -570,6 +570,11 @@ class ModelConfig:
             "every source must have compress ratio > 0",
         )
         need(
+            all(self.compress_ratios[s] > 0 for s in self.index_source_layer_ids),
+            "index_source_layer_ids",
+            "every index source must have compress ratio > 0 (it selects compressed entries)",
+        )
+        need(
             set(self.kv_source_layer_ids) <= set(self.index_source_layer_ids),
             "kv_source_layer_ids",
             "every kv source must also be an index source (it owns the index keys)",
