@@ -142,3 +142,10 @@ def test_rope_parameters_main_compress_form():
     assert (cfg.rope_theta, cfg.compress_rope_theta) == (20000.0, 80000.0)
     assert (cfg.rope_factor, cfg.original_max_position_embeddings) == (8, 4096)
     assert (cfg.beta_fast, cfg.beta_slow) == (16, 2)
+
+
+def test_reference_zero_dspark_expert_counts_fall_back_to_the_backbone():
+    # reference ModelArgs.get_moe_config: `dspark_n_routed_experts or n_routed_experts`, same for
+    # the activated count
+    cfg = ModelConfig.from_hf(_hf_text(dspark_n_routed_experts=0, dspark_n_activated_experts=0))
+    assert (cfg.dspark_n_routed_experts, cfg.dspark_num_experts_per_tok) == (4, 2)

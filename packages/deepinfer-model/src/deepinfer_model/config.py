@@ -187,7 +187,8 @@ class ModelConfig:
         backbone layers (the DSpark stages' entries are 0); `candidate_source_layer_id: null`
         means the last kv source (a negative id disables the candidate level); null special
         token ids keep the defaults; `rope_parameters` ``{"main", "compress"}`` (a config saved by
-        transformers) gives both thetas and the compressed layers' YaRN.
+        transformers) gives both thetas and the compressed layers' YaRN. As in the reference,
+        a DSpark expert count of 0 means the backbone's.
         """
         if not isinstance(raw, Mapping):
             raise ValueError(f"config: expected a mapping, got {type(raw).__name__}")
@@ -284,6 +285,13 @@ class ModelConfig:
         if isinstance(n, int) and isinstance(n_draft, int) and n <= len(ratios) < n + n_draft:
             # HF lists the backbone ratios, optionally followed by the DSpark stages' (always 0)
             kwargs["compress_ratios"] = tuple(ratios) + (0,) * (n + n_draft - len(ratios))
+        for name, backbone in (
+            ("dspark_n_routed_experts", "n_routed_experts"),
+            ("dspark_num_experts_per_tok", "num_experts_per_tok"),
+        ):
+            if kwargs.get(name) == 0:
+                # reference ModelArgs.get_moe_config: 0 means "as many as the backbone"
+                kwargs[name] = given(backbone)
         if kwargs.get("candidate_source_layer_id", "absent") is None:
             # HF semantics: null means the last kv source; a negative id disables the level
             sources = given("kv_source_layer_ids")
