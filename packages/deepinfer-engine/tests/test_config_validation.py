@@ -90,3 +90,10 @@ def test_prompt_forms():
     assert [r.prompt_token_ids for r in validate_requests([7, 8], None, encode, 100, 32)] == [
         [7, 8]
     ]
+
+
+def test_gpu_memory_utilization_is_parsed_to_a_float():
+    assert EngineConfig.from_env({}, gpu_memory_utilization="0.5").gpu_memory_utilization == 0.5
+    for bad in ("lots", True, float("nan"), 0, 1.5):
+        with pytest.raises(ValueError, match="gpu_memory_utilization"):
+            EngineConfig.from_env({}, gpu_memory_utilization=bad)

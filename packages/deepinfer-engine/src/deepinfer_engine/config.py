@@ -60,6 +60,19 @@ def _parse_int(name: str, value: Any, minimum: int) -> int:
     return out
 
 
+def _parse_fraction(name: str, value: Any) -> float:
+    """A float in (0, 1]; numeric strings are accepted, bools are not."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        out = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}={value!r} is not a number in (0, 1]") from None
+    if not 0.0 < out <= 1.0:  # also rejects NaN
+        raise ValueError(f"{name}={value!r} must be in (0, 1]")
+    return out
+
+
 def _parse_choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
     v = str(value).strip().lower()
     if v not in allowed:
@@ -112,10 +125,9 @@ class EngineConfig:
         if self.max_model_len is not None:
             self.max_model_len = _parse_int("max_model_len", self.max_model_len, 2)
         self.block_size = _parse_int("block_size", self.block_size, 1)
-        if not (0.0 < float(self.gpu_memory_utilization) <= 1.0):
-            raise ValueError(
-                f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]"
-            )
+        self.gpu_memory_utilization = _parse_fraction(
+            "gpu_memory_utilization", self.gpu_memory_utilization
+        )
         self.kv_cache_bytes = _parse_int("kv_cache_bytes", self.kv_cache_bytes, 1)
         self.async_scheduling = _parse_bool("async_scheduling", self.async_scheduling)
         self.yoco_prefill_truncation_mode = _parse_choice(

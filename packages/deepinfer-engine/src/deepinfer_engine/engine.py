@@ -83,6 +83,14 @@ class Engine:
         spec = bundle.cache_spec(config.block_size, self.dtype)
         budget = self._kv_budget_bytes()
         max_model_len = config.max_model_len or bundle.max_position_embeddings
+        if max_model_len > bundle.max_position_embeddings:
+            # As in vLLM: positions past the model's limit are outside what its RoPE/YaRN
+            # scaling was built for, so generating there would be silently wrong.
+            raise ValueError(
+                f"max_model_len={max_model_len} is larger than the model's "
+                f"max_position_embeddings ({bundle.max_position_embeddings}); "
+                f"allowed: 2..{bundle.max_position_embeddings}"
+            )
         plan = plan_cache(
             budget,
             spec.bytes_per_slot,
@@ -214,6 +222,19 @@ class Engine:
             request.seqs.append(seq)
             self.scheduler.add(seq)
         return request
+
+    def abort_all(self, reason: str) -> None:
+        """End every queued, running or in-flight sequence with finish_reason="error".
+
+        Called when a `generate` call is interrupted by an exception (a device error,
+        KeyboardInterrupt): its slots and blocks go back to the free lists and the step in
+        flight is dropped, so the next call starts from an idle engine and runs only its own
+        requests.
+        """
+        self._inflight = None
+        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+            seq.num_inflight = 0
+            self.scheduler.finish(seq, "error", error=reason)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None

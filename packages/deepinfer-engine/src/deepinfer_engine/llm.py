@@ -75,8 +75,13 @@ class LLM:
             eng.max_model_len,
         )
         eng.check_requests(reqs)
-        requests = [eng.add_request(r) for r in reqs]
-        self._run(requests, use_tqdm)
+        try:
+            requests = [eng.add_request(r) for r in reqs]
+            self._run(requests, use_tqdm)
+        except BaseException as e:
+            # Leave the engine idle for the next call (no queued sequences, no held cache).
+            eng.abort_all(f"generate was interrupted: {type(e).__name__}: {e}")
+            raise
         return [r.to_output() for r in requests]
 
     def _run(self, requests: list[Request], use_tqdm: bool) -> None:
@@ -89,18 +94,20 @@ class LLM:
         pending = {r.request_id: r for r in requests}
         t0 = time.perf_counter()
         tok0 = eng.stats.tokens_generated
-        while eng.has_unfinished():
-            for seq in eng.step():
-                req = pending.get(seq.request_id)
-                if req is not None and req.finished:
-                    del pending[seq.request_id]
-                    if bar is not None:
-                        bar.update(1)
+        try:
+            while eng.has_unfinished():
+                for seq in eng.step():
+                    req = pending.get(seq.request_id)
+                    if req is not None and req.finished:
+                        del pending[seq.request_id]
+                        if bar is not None:
+                            bar.update(1)
+                if bar is not None:
+                    dt = max(time.perf_counter() - t0, 1e-9)
+                    bar.set_postfix_str(f"{(eng.stats.tokens_generated - tok0) / dt:.1f} tok/s")
+        finally:
             if bar is not None:
-                dt = max(time.perf_counter() - t0, 1e-9)
-                bar.set_postfix_str(f"{(eng.stats.tokens_generated - tok0) / dt:.1f} tok/s")
-        if bar is not None:
-            bar.close()
+                bar.close()
 
     # ---- chat --------------------------------------------------------------------------------
     def chat(

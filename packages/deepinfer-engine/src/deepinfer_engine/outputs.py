@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Logprob:
-    """One token's log-probability (natural log, after the sampler's processing).
+    """One token's log-probability: natural log of the model's raw distribution (before
+    temperature, penalties, bias and filters; vLLM's default `raw_logprobs`).
 
     `rank` is 1 for the most likely token; None when the sampler did not report it.
     """

@@ -1,0 +1,96 @@
+"""Engine state across and after `generate` calls: nothing leaks, a failed call leaves it clean."""
+
+from __future__ import annotations
+
+import pytest
+from deepinfer_engine.llm import LLM
+from deepinfer_sampling.params import SamplingParams
+from toy import NAN_TOKEN, VOCAB, ToyModel, greedy_reference, toy_bundle
+
+PROMPTS = [[3, 4, 5], [7] * 11, [9, 2, 30, 31, 8, 6], [12], list(range(2, 40))]
+
+
+def make(bundle=None, **kw):
+    kw.setdefault("accelerator", "cpu")
+    kw.setdefault("dtype", "float32")
+    kw.setdefault("block_size", 4)
+    return LLM.from_bundle(bundle or toy_bundle(), **kw)
+
+
+def assert_idle(llm: LLM) -> None:
+    """Every slot and block is back in the free lists and nothing is queued or in flight."""
+    eng = llm.engine
+    assert eng.kv.num_free_slots == eng.kv.num_slots
+    assert eng.kv.num_free_blocks == eng.kv.num_blocks
+    assert sorted(eng.kv._free_slots) == list(range(eng.kv.num_slots))  # no duplicates
+    assert sorted(eng.kv._free_blocks) == list(range(eng.kv.num_blocks))
+    assert not eng.scheduler.waiting and not eng.scheduler.running
+    assert eng._inflight is None and not eng.has_unfinished()
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_all_slots_and_blocks_free_after_generate(async_scheduling):
+    # Tiny budget (preemption), n > 1, stop strings/ids, EOS, max_model_len, and an error row.
+    llm = make(
+        kv_cache_bytes=2 * 4096 + 24 * 1024,
+        max_num_seqs=8,
+        max_model_len=40,
+        async_scheduling=async_scheduling,
+    )
+    sps = [
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+        SamplingParams(n=3, seed=5, max_tokens=12, stop=["a"]),
+        SamplingParams(temperature=0, max_tokens=None, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=5),
+        SamplingParams(n=2, max_tokens=8, stop_token_ids=[5, 9], logprobs=1),
+    ]
+    prompts = [*PROMPTS[:4], [3, NAN_TOKEN]]
+    outs = llm.generate(prompts, sps, use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert outs[4].outputs[0].finish_reason == "error"
+    assert all(c.finish_reason is not None for o in outs for c in o.outputs)
+    assert_idle(llm)
+
+
+def test_logprobs_above_vocab_size_returns_the_whole_vocabulary():
+    llm = make()
+    sp = SamplingParams(temperature=0, max_tokens=3, logprobs=100)  # toy vocab: 47 tokens
+    c = llm.generate([PROMPTS[0]], sp, use_tqdm=False)[0].outputs[0]
+    assert c.token_ids == greedy_reference(PROMPTS[0], 3)
+    assert [len(lp) for lp in c.logprobs] == [len(VOCAB)] * 3
+    assert_idle(llm)
+
+
+class FailingModel(ToyModel):
+    """The toy model, raising on its `fail_at`-th forward call (an OOM, a kernel error...)."""
+
+    def __init__(self, fail_at: int) -> None:
+        self.calls = 0
+        self.fail_at = fail_at
+
+    def forward(self, batch, cache):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("device error")
+        return super().forward(batch, cache)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_exception_mid_generate_leaves_the_engine_clean(async_scheduling):
+    bundle = toy_bundle()
+    bundle.model = FailingModel(fail_at=3)
+    llm = make(bundle, async_scheduling=async_scheduling, max_num_batched_tokens=8)
+    sp = SamplingParams(temperature=0, max_tokens=6)
+    with pytest.raises(RuntimeError, match="device error"):
+        llm.generate(PROMPTS, sp, use_tqdm=False)
+    assert_idle(llm)
+    # The next call runs only its own requests and gives the same tokens as a fresh engine.
+    outs = llm.generate(PROMPTS[:2], sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [greedy_reference(p, 6) for p in PROMPTS[:2]]
+    assert_idle(llm)
+
+
+def test_max_model_len_above_the_models_limit_is_an_error():
+    with pytest.raises(ValueError, match=r"max_model_len=1000 .*max_position_embeddings \(256\)"):
+        make(max_model_len=1000)
+    assert make(max_model_len=256).engine.max_model_len == 256
