@@ -75,6 +75,12 @@ def test_tiny_roundtrips_through_hf_dict():
         ({"scoring_func": "softmax"}, "scoring_func"),
         ({"index_topk": 16}, "index_topk"),
         ({"index_source_layer_ids": (1, 2, 4, 6)}, "index_source_layer_ids"),
+        ({"rope_theta": "1e4"}, "rope_theta"),
+        ({"compress_rope_theta": 0.0}, "compress_rope_theta"),
+        ({"rope_factor": -1.0}, "rope_factor"),
+        ({"hc_eps": "tiny"}, "hc_eps"),
+        ({"gate_temp": None}, "gate_temp"),
+        ({"swiglu_limit": float("nan")}, "swiglu_limit"),
     ],
 )
 def test_validation_names_the_field(override, field):

@@ -531,8 +531,30 @@ class ModelConfig:
             "must be <= n_routed_experts",
         )
         need(self.expert_dtype == "fp4", "expert_dtype", "only 'fp4' is supported")
-        need(self.gate_temp > 0, "gate_temp", "must be > 0")
-        need(self.rms_norm_eps >= 0, "rms_norm_eps", "must be >= 0")
+
+        def real(name: str) -> bool:
+            v = getattr(self, name)
+            return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+        for name in (
+            "rope_theta",
+            "compress_rope_theta",
+            "rope_factor",
+            "beta_fast",
+            "beta_slow",
+            "gate_temp",
+            "routed_scaling_factor",
+        ):
+            need(real(name) and getattr(self, name) > 0, name, "must be a finite number > 0")
+        for name in ("hc_eps", "rms_norm_eps"):
+            need(real(name) and getattr(self, name) >= 0, name, "must be a finite number >= 0")
+        need(real("swiglu_limit"), "swiglu_limit", "must be a finite number (<= 0: no clamp)")
+        need(
+            isinstance(self.original_max_position_embeddings, int)
+            and self.original_max_position_embeddings >= 0,
+            "original_max_position_embeddings",
+            "must be an int >= 0 (0: no YaRN)",
+        )
         need(self.sliding_window + 8 <= self.max_position_embeddings, "sliding_window", "too large")
 
         n, total = self.num_hidden_layers, self.num_layers_total
@@ -697,5 +719,3 @@ class ModelConfig:
             )
         need(0 <= self.bos_token_id < self.vocab_size, "bos_token_id", "must be a token id")
         need(0 <= self.eos_token_id < self.vocab_size, "eos_token_id", "must be a token id")
-        if not math.isfinite(self.rope_theta) or self.rope_theta <= 0:
-            raise ValueError(f"rope_theta: must be a positive number (got {self.rope_theta!r})")
