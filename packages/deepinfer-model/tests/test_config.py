@@ -118,6 +118,9 @@ def test_null_candidate_source_means_last_kv_source_and_negative_disables():
     assert (
         ModelConfig.from_hf(_hf_text(candidate_source_layer_id=-1)).candidate_source_layer_id == -1
     )
+    raw = _hf_text()
+    del raw["text_config"]["candidate_source_layer_id"]  # absent = HF's default None
+    assert ModelConfig.from_hf(raw).candidate_source_layer_id == 4
 
 
 def test_null_special_token_ids_keep_the_defaults():

@@ -184,11 +184,11 @@ class ModelConfig:
         naming the field on an invalid value.
 
         Hugging Face semantics (`DeepseekV41TextConfig`): `compress_ratios` may list only the
-        backbone layers (the DSpark stages' entries are 0); `candidate_source_layer_id: null`
-        means the last kv source (a negative id disables the candidate level); null special
-        token ids keep the defaults; `rope_parameters` ``{"main", "compress"}`` (a config saved by
-        transformers) gives both thetas and the compressed layers' YaRN. As in the reference,
-        a DSpark expert count of 0 means the backbone's.
+        backbone layers (the DSpark stages' entries are 0); `candidate_source_layer_id` absent
+        or null means the last kv source (a negative id disables the candidate level); null
+        special token ids keep the defaults; `rope_parameters` ``{"main", "compress"}`` (a
+        config saved by transformers) gives both thetas and the compressed layers' YaRN. As in
+        the reference, a DSpark expert count of 0 means the backbone's.
         """
         if not isinstance(raw, Mapping):
             raise ValueError(f"config: expected a mapping, got {type(raw).__name__}")
@@ -292,8 +292,8 @@ class ModelConfig:
             if kwargs.get(name) == 0:
                 # reference ModelArgs.get_moe_config: 0 means "as many as the backbone"
                 kwargs[name] = given(backbone)
-        if kwargs.get("candidate_source_layer_id", "absent") is None:
-            # HF semantics: null means the last kv source; a negative id disables the level
+        if kwargs.get("candidate_source_layer_id") is None:
+            # HF semantics: absent or null means the last kv source; a negative id disables it
             sources = given("kv_source_layer_ids")
             kwargs["candidate_source_layer_id"] = sources[-1] if sources else -1
         cfg = cls(**kwargs, extra=extra)
