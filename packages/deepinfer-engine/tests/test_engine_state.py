@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from deepinfer_engine.llm import LLM
 from deepinfer_sampling.params import SamplingParams
@@ -94,3 +96,20 @@ def test_max_model_len_above_the_models_limit_is_an_error():
     with pytest.raises(ValueError, match=r"max_model_len=1000 .*max_position_embeddings \(256\)"):
         make(max_model_len=1000)
     assert make(max_model_len=256).engine.max_model_len == 256
+
+
+def test_sampled_token_logprob_carries_its_rank():
+    # vLLM: the sampled token's Logprob has its rank in the raw distribution (1 = most likely),
+    # also when it is not among the top N.
+    import torch
+    from toy import reference_logits
+
+    llm = make()
+    sp = SamplingParams(temperature=1.0, seed=11, max_tokens=8, logprobs=1, ignore_eos=True)
+    c = llm.generate([PROMPTS[2]], sp, use_tqdm=False)[0].outputs[0]
+    toks = list(PROMPTS[2])
+    for t, lp in zip(c.token_ids, c.logprobs, strict=True):
+        ref = reference_logits(toks)
+        assert lp[t].rank == 1 + int((ref > ref[t]).sum())
+        assert math.isclose(lp[t].logprob, float(torch.log_softmax(ref, 0)[t]), abs_tol=1e-4)
+        toks.append(t)

@@ -259,6 +259,7 @@ def test_logprobs_are_raw_log_softmax():
         lse = math.log(sum(math.exp(v) for v in row))
         tok = out.token_ids[r].item()
         assert out.logprobs[r].item() == pytest.approx(row[tok] - lse, abs=1e-5)
+        assert out.ranks[r].item() == 1 + sum(v > row[tok] for v in row)
         best = sorted(range(vocab), key=lambda i: -row[i])[:3]
         assert out.top_token_ids[r].tolist() == best
         for k, t in enumerate(best):

@@ -261,6 +261,7 @@ class ModelRunner:
         host = {"token_ids": so.token_ids, "finite": finite, "grammar_ok": grammar_ok}
         if so.logprobs is not None:
             host["logprobs"] = so.logprobs
+            host["ranks"] = so.ranks
             host["top_logprobs"] = so.top_logprobs
             host["top_token_ids"] = so.top_token_ids
         event = None
@@ -285,6 +286,7 @@ class ModelRunner:
         finite = h["finite"].tolist()
         grammar_ok = h["grammar_ok"].tolist()
         lp = h["logprobs"].tolist() if "logprobs" in h else None
+        ranks = h["ranks"].tolist() if "ranks" in h else None
         top_lp = h["top_logprobs"].tolist() if "top_logprobs" in h else None
         top_ids = h["top_token_ids"].tolist() if "top_token_ids" in h else None
         index_of_chunk = {id(c): i for i, c in enumerate(step.out.chunks)}
@@ -304,7 +306,7 @@ class ModelRunner:
                 # The sampler returns min(N, vocab) candidates: a request may ask for more
                 # than the vocabulary holds (vLLM then returns what there is).
                 n = min(c.seq.params.logprobs, len(top_ids[r]))
-                top = {tokens[r]: Logprob(lp[r])}
+                top = {tokens[r]: Logprob(lp[r], rank=ranks[r])}
                 for k in range(n):
                     top.setdefault(top_ids[r][k], Logprob(top_lp[r][k], rank=k + 1))
                 res.top_logprobs = top

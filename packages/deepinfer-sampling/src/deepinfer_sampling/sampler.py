@@ -41,6 +41,8 @@ class SamplerOutput:
 
     token_ids: int64 [R].
     logprobs: float32 [R], logprob of each sampled token (None unless some row asked).
+    ranks: int64 [R], rank of each sampled token in its row's raw logits (1 = most likely;
+        None unless some row asked logprobs).
     top_logprobs: float32 [R, N], top_token_ids: int64 [R, N]: the N = batch.num_logprobs most
         likely tokens of every row, most likely first (None unless some row asked; rows that
         asked fewer use a prefix).
@@ -48,6 +50,7 @@ class SamplerOutput:
 
     token_ids: torch.Tensor
     logprobs: torch.Tensor | None = None
+    ranks: torch.Tensor | None = None
     top_logprobs: torch.Tensor | None = None
     top_token_ids: torch.Tensor | None = None
 
@@ -99,7 +102,9 @@ class Sampler:
         if batch.num_logprobs >= 0:
             raw = logits.to(torch.float32)
             lse = torch.logsumexp(raw, dim=1, keepdim=True)
-            out.logprobs = (raw.gather(1, token_ids[:, None]) - lse).squeeze(1)
+            picked = raw.gather(1, token_ids[:, None])
+            out.logprobs = (picked - lse).squeeze(1)
+            out.ranks = (raw > picked).sum(dim=1) + 1
             top_values, out.top_token_ids = torch.topk(raw, batch.num_logprobs, dim=1)
             out.top_logprobs = top_values - lse
         return out
