@@ -80,6 +80,20 @@ def test_weights_are_in_the_real_formats(tiny_dir: Path) -> None:
     assert entries["layers.0.ffn.experts.0.w1.scale"].shape == (w1.shape[0], 2 * w1.shape[1] // 32)
     assert entries["embed.weight"].dtype == torch.bfloat16
     assert entries["layers.0.hc_attn_fn"].dtype == torch.float32
+    # reference §4: head, compressor wkv/wgate and the DSpark heads are BF16 on disk (the model
+    # computes with them in fp32; the loader widens them); sinks and router biases stay F32
+    last = tiny_config().num_nextn_predict_layers - 1
+    for name in (
+        "head.weight",
+        "layers.2.attn.compressor.wkv.weight",
+        "layers.2.attn.compressor.wgate.weight",
+        "layers.4.attn.compressor.wkv.weight",
+        f"mtp.{last}.markov_head.head.weight",
+        f"mtp.{last}.confidence_head.proj.weight",
+    ):
+        assert entries[name].dtype == torch.bfloat16, name
+    assert entries["layers.2.attn.attn_sink"].dtype == torch.float32
+    assert entries["layers.2.ffn.gate.bias"].dtype == torch.float32
     assert entries["layers.1.engram.embed.weight"].dtype == torch.float8_e4m3fn
     assert any(n.startswith("vision.") for n in entries)
     assert {e.dtype for e in entries.values()} == {

@@ -13,8 +13,8 @@ is the format version plus a fingerprint of the config and of the model's parame
 shapes and dtypes, so a changed model never loads a stale checkpoint.
 
 Weights are in the real formats: dense projections FP8 e4m3 with 32x32 UE8M0 block scales,
-experts FP4 e2m1 (two per byte) with UE8M0 scales per 32 along K, embeddings/head/norms BF16,
-mHC parameters and sinks FP32 (each tensor in the dtype the model declares for it). Values
+experts FP4 e2m1 (two per byte) with UE8M0 scales per 32 along K, embeddings/head/norms and
+the compressor/DSpark-head weights BF16, mHC parameters, sinks and router biases FP32. Values
 come from a CPU `torch.Generator` seeded per tensor from (seed, name), so each tensor is
 independent of the others and of their order, and the files are byte-identical on every
 machine and every run (a checksum test holds this).
@@ -181,18 +181,37 @@ class TensorSpec:
     dtype: torch.dtype
 
 
+# Plain weights the model holds in fp32 only because it computes with them in fp32 (as the
+# reference promotes them), while the released checkpoint stores them BF16 (reference §4: head,
+# compressor wkv/wgate, DSpark markov head; the reference notes confidence_head.proj is bf16).
+_BF16_ON_DISK = (
+    "head.weight",
+    "compressor.wkv.weight",
+    "compressor.wgate.weight",
+    "confidence_head.proj.weight",
+)
+
+
 def model_tensor_specs(config) -> list[TensorSpec]:
     """The checkpoint tensors of `config`'s model, in `state_dict` order, in their stored dtypes.
 
     The model is built with bf16 as its plain dtype, so a tensor the model keeps in fp32
     whatever the compute dtype (mHC parameters, sinks, router biases) is stored as F32 and the
-    rest as BF16, as in the released checkpoint.
+    rest as BF16, as in the released checkpoint; the fp32-computed plain weights of
+    `_BF16_ON_DISK` are stored BF16 as there too (the loader widens them).
     """
     from deepinfer_model.model import Model
 
     with torch.device("cpu"):
         model = Model(config, dtype=torch.bfloat16)
-    return [TensorSpec(n, tuple(t.shape), t.dtype) for n, t in model.state_dict().items()]
+    return [
+        TensorSpec(
+            n,
+            tuple(t.shape),
+            torch.bfloat16 if t.dtype == torch.float32 and n.endswith(_BF16_ON_DISK) else t.dtype,
+        )
+        for n, t in model.state_dict().items()
+    ]
 
 
 def _generator(seed: int, name: str) -> torch.Generator:
