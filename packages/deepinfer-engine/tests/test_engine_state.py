@@ -113,3 +113,28 @@ def test_sampled_token_logprob_carries_its_rank():
         assert lp[t].rank == 1 + int((ref > ref[t]).sum())
         assert math.isclose(lp[t].logprob, float(torch.log_softmax(ref, 0)[t]), abs_tol=1e-4)
         toks.append(t)
+
+
+class MaskedVocabModel(ToyModel):
+    """The toy model with -inf logits for a few tokens (as a model masking padded vocabulary
+    entries does): a legitimate distribution, not a failure."""
+
+    MASKED = (40, 41, 42)
+
+    def forward(self, batch, cache):
+        out = super().forward(batch, cache)
+        out.logits[:, list(self.MASKED)] = float("-inf")
+        return out
+
+
+def test_minus_inf_logits_are_not_an_error_but_nan_is():
+    bundle = toy_bundle()
+    bundle.model = MaskedVocabModel()
+    llm = make(bundle)
+    sp = SamplingParams(temperature=1.0, seed=3, max_tokens=6, logprobs=1)
+    outs = llm.generate([PROMPTS[0], [3, NAN_TOKEN]], sp, use_tqdm=False)
+    good, bad = outs[0].outputs[0], outs[1].outputs[0]
+    assert good.finish_reason in ("stop", "length") and good.error is None
+    assert len(good.token_ids) >= 1 and not set(good.token_ids) & set(MaskedVocabModel.MASKED)
+    assert bad.finish_reason == "error" and "non-finite" in bad.error
+    assert_idle(llm)

@@ -251,9 +251,11 @@ class ModelRunner:
             rows, vocab_size=logits.shape[1], device=logits.device, eos_token_ids=eos_token_ids
         )
         so = self.sampler(logits, batch, generator=self.generator)
-        # Per-row health, computed on the device so nothing waits: a non-finite logit, or a
-        # grammar that allows no token at all (a dead end), ends that request alone.
-        finite = torch.isfinite(logits).all(dim=1)
+        # Per-row health, computed on the device so nothing waits: a NaN or +inf logit, a row
+        # that is -inf everywhere, or a grammar that allows no token at all (a dead end), ends
+        # that request alone. A -inf on some tokens is a valid distribution (masked entries).
+        finite = ~(torch.isnan(logits) | torch.isposinf(logits)).any(dim=1)
+        finite &= ~torch.isneginf(logits).all(dim=1)
         grammar_ok = torch.ones_like(finite)
         if batch.grammar_bitmask is not None:
             has_any = (batch.grammar_bitmask[:, : (logits.shape[1] + 31) // 32] != 0).any(dim=1)
@@ -296,7 +298,9 @@ class ModelRunner:
                 continue  # the sequence finished before this step was sampled
             res = RowResult(token_id=tokens[r])
             if not finite[r]:
-                res = RowResult(error="the model produced non-finite logits (NaN/inf) for this row")
+                res = RowResult(
+                    error="the model produced non-finite logits (NaN, +inf, or -inf everywhere)"
+                )
             elif not grammar_ok[r]:
                 res = RowResult(
                     error="structured output dead end: the grammar allows no token at this point"
