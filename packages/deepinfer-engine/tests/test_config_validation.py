@@ -97,3 +97,15 @@ def test_gpu_memory_utilization_is_parsed_to_a_float():
     for bad in ("lots", True, float("nan"), 0, 1.5):
         with pytest.raises(ValueError, match="gpu_memory_utilization"):
             EngineConfig.from_env({}, gpu_memory_utilization=bad)
+
+
+@pytest.mark.parametrize("ids", [["1", "2"], [1.0, 2], [True, 3], [1, None]])
+def test_token_ids_must_be_integers(ids):
+    with pytest.raises(ValueError, match="prompt 0: prompt_token_ids must be a list of ints"):
+        validate_requests([ids], None, encode, 100, 32)
+
+
+def test_numpy_token_ids_are_accepted():
+    np = pytest.importorskip("numpy")
+    reqs = validate_requests([list(np.array([3, 4]))], None, encode, 100, 32)
+    assert reqs[0].prompt_token_ids == [3, 4] and type(reqs[0].prompt_token_ids[0]) is int

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from numbers import Integral
 from typing import Any
 
 from deepinfer_sampling.params import SamplingParams
@@ -45,14 +46,18 @@ def _as_prompt(i: int, p: Any, encode) -> tuple[str | None, list[int]]:
     )
 
 
+def _is_token_id(t: Any) -> bool:
+    # Integral covers numpy/torch-free ints; strings and floats ("1", 1.0) are refused rather
+    # than silently converted, bools are not token ids.
+    return isinstance(t, Integral) and not isinstance(t, bool)
+
+
 def _as_ids(i: int, ids: Any) -> list[int]:
-    try:
-        out = [int(t) for t in ids]
-    except (TypeError, ValueError):
-        raise ValueError(f"prompt {i}: prompt_token_ids must be a list of ints") from None
-    if any(isinstance(t, bool) or float(t) != int(t) for t in ids):
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
         raise ValueError(f"prompt {i}: prompt_token_ids must be a list of ints")
-    return out
+    if not all(_is_token_id(t) for t in ids):
+        raise ValueError(f"prompt {i}: prompt_token_ids must be a list of ints")
+    return [int(t) for t in ids]
 
 
 def validate_requests(
@@ -69,7 +74,7 @@ def validate_requests(
     encode: text -> token ids (the model tokenizer's `encode`).
     """
     if isinstance(prompts, (str, Mapping)) or (
-        isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+        isinstance(prompts, Sequence) and prompts and _is_token_id(prompts[0])
     ):
         prompts = [prompts]
     if not isinstance(prompts, Sequence):
