@@ -34,6 +34,12 @@ def tokenized_text(draw):
         s = "".join(draw(st.lists(_chars, min_size=1, max_size=3)))
         if len(s) == 1 and len(s.encode()) > 1 and draw(st.booleans()):
             ids += [tok.add(bytes([b])) for b in s.encode()]
+        elif len(s) > 1 and len(s[-1].encode()) > 1 and draw(st.booleans()):
+            # cut inside the last (multi-byte) character: whole characters and a fragment in
+            # one token, as byte-level BPE merges do
+            b, last = s.encode(), len(s[-1].encode())
+            cut = draw(st.integers(len(b) - last + 1, len(b) - 1))
+            ids += [tok.add(b[:cut]), tok.add(b[cut:])]
         else:
             ids.append(tok.add(s.encode()))
     return tok, ids
@@ -95,3 +101,18 @@ def test_check_stop_false_ignores_stop_strings():
     detok = IncrementalDetokenizer(tok, prompt_token_ids=[], stop=["b"])
     assert detok.add_token(a, check_stop=False) is None
     assert detok.text == "ab"
+
+
+def test_complete_characters_before_a_cut_character_are_emitted_and_stop_at_once():
+    # One token carries "a" plus the first byte of 中: "a" is complete text now, so the stop
+    # string "a" fires on this token, not one token later (and not never, if it is the last).
+    tok = BytesTokenizer()
+    b = "中".encode()
+    first, rest = tok.add(b"xa" + b[:1]), tok.add(b[1:])
+    detok = IncrementalDetokenizer(tok, prompt_token_ids=[])
+    detok.add_token(first)
+    assert detok.text == "xa"
+    detok.add_token(rest)
+    assert detok.text == "xa中"
+    detok = IncrementalDetokenizer(tok, prompt_token_ids=[], stop=["a"])
+    assert detok.add_token(first) == "a" and detok.text == "x"

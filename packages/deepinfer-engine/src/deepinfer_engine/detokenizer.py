@@ -3,7 +3,10 @@
 Decoding every output token alone is wrong for byte-level and sentencepiece vocabularies: one
 character can span several tokens (a partial UTF-8 sequence decodes to U+FFFD) and a token's
 leading space depends on its left neighbour. So we decode a short window `ids[prefix:]` and
-emit only the text beyond `ids[prefix:read]`, holding text back while it ends in U+FFFD.
+emit only the text beyond `ids[prefix:read]`. While the window ends in an incomplete character
+(U+FFFD), the complete characters before it are emitted (UTF-8 decoding of earlier bytes does not
+depend on later ones) and only the trailing U+FFFD run is held back: a token carrying "a" plus
+the first byte of a character shows "a", and a stop string "a" fires on that token.
 """
 
 from __future__ import annotations
@@ -41,6 +44,9 @@ class IncrementalDetokenizer:
         self._prefix = 0
         self._read = len(ctx)
         self.text = ""
+        # Characters of the window beyond ids[prefix:read] already emitted while the window
+        # still ended in an incomplete character.
+        self._partial = 0
         self.stop = [s for s in (stop or []) if s]
         self._max_stop = max((len(s) for s in self.stop), default=0)
 
@@ -55,11 +61,21 @@ class IncrementalDetokenizer:
         self._ids.append(token_id)
         prefix_text = self._decode(self._ids[self._prefix : self._read])
         full_text = self._decode(self._ids[self._prefix :])
-        if len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT_CHAR):
-            return None  # incomplete character: wait for the next token
+        if len(full_text) <= len(prefix_text):
+            return None  # the window's text has not grown past what was emitted
+        new = full_text[len(prefix_text) :]
         old_len = len(self.text)
-        self.text += full_text[len(prefix_text) :]
-        self._prefix, self._read = self._read, len(self._ids)
+        if new.endswith(REPLACEMENT_CHAR):
+            # Incomplete character: emit the complete ones before it, hold the rest back.
+            stable = new.rstrip(REPLACEMENT_CHAR)
+            if len(stable) <= self._partial:
+                return None
+            self.text += stable[self._partial :]
+            self._partial = len(stable)
+        else:
+            self.text += new[self._partial :]
+            self._prefix, self._read = self._read, len(self._ids)
+            self._partial = 0
         if check_stop and self.stop:
             return self._cut_at_stop(old_len)
         return None
@@ -81,5 +97,6 @@ class IncrementalDetokenizer:
         prefix_text = self._decode(self._ids[self._prefix : self._read])
         full_text = self._decode(self._ids[self._prefix :])
         if len(full_text) > len(prefix_text):
-            self.text += full_text[len(prefix_text) :]
+            self.text += full_text[len(prefix_text) :][self._partial :]
         self._prefix = self._read = len(self._ids)
+        self._partial = 0
