@@ -122,3 +122,31 @@ def test_yoco_compact_matches_the_models_truncated_prefill_under_chunking():
         ids = o.prompt_token_ids
         ref = plain_greedy(model, cfg, ids, 3, floor=max(0, len(ids) - k))
         assert o.outputs[0].token_ids == ref
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=IndexError,
+    reason="deepinfer-model layers/attention.py _select_group: a sequence with no compressed "
+    "entries that is last in a batched select group (here a 1-token prompt admitted next to a "
+    "decode row) indexes comp.index_k at offset == number of entries (out of bounds); "
+    "remove this marker once the model clamps that index",
+)
+def test_one_token_prompt_admitted_next_to_a_decode_row():
+    # max_num_seqs=2: the third prompt (1 token) is admitted when the first finishes, and runs
+    # in the same step as the second prompt's decode row (both 1 new token: one select group).
+    llm = LLM(
+        accelerator="cpu",
+        dtype="float32",
+        kv_cache_bytes=64 << 20,
+        max_num_seqs=2,
+        block_size=8,
+        max_model_len=64,
+    )
+    prompts = [list(range(5, 15)), list(range(20, 32)), [40]]
+    sps = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (2, 8, 3)]
+    outs = llm.generate(prompts, sps, use_tqdm=False)
+    model, cfg = llm.engine.bundle.model, llm.engine.bundle.model.config
+    for o, m in zip(outs, (2, 8, 3), strict=True):
+        ref = plain_greedy(model, cfg, o.prompt_token_ids, m)
+        assert o.outputs[0].token_ids == ref
