@@ -75,6 +75,7 @@ def test_tiny_roundtrips_through_hf_dict():
         ({"scoring_func": "softmax"}, "scoring_func"),
         ({"index_topk": 16}, "index_topk"),
         ({"index_source_layer_ids": (1, 2, 4, 6)}, "index_source_layer_ids"),
+        ({"fp8_block_size": 128}, "fp8_block_size"),
         ({"rope_theta": "1e4"}, "rope_theta"),
         ({"compress_rope_theta": 0.0}, "compress_rope_theta"),
         ({"rope_factor": -1.0}, "rope_factor"),
@@ -84,7 +85,7 @@ def test_tiny_roundtrips_through_hf_dict():
     ],
 )
 def test_validation_names_the_field(override, field):
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(ValueError, match=f"^{field}:"):
         ModelConfig.tiny(**override)
 
 

@@ -489,7 +489,11 @@ class ModelConfig:
                 "must be a positive int",
             )
         blk = self.fp8_block_size
-        need(blk in (32, 128), "fp8_block_size", "must be 32 or 128")
+        need(
+            blk == 32,
+            "fp8_block_size",
+            "must be 32 (V4.1's 32x32 weight blocks; the FP8 ops implement only that format)",
+        )
         for name in (
             "hidden_size",
             "q_lora_rank",
