@@ -55,3 +55,23 @@ def test_grammar_dead_end_ends_only_that_request():
 def test_invalid_schema_is_a_value_error_naming_the_field():
     with pytest.raises(ValueError, match="so_args"):
         SamplingParams(so_args={"schema_type": "regex", "schema": "(unclosed"})
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_grammar_end_blocked_by_min_tokens_is_a_dead_end_not_a_garbage_token(async_scheduling):
+    # After 5 letters the regex allows only its end (EOS), which min_tokens=8 masks: no token
+    # is allowed. That request ends with a dead-end error, and no token outside the grammar
+    # (whatever the sampler drew from an all -inf row) reaches its output.
+    llm = make(async_scheduling=async_scheduling)
+    blocked = SamplingParams(
+        temperature=0,
+        min_tokens=8,
+        max_tokens=10,
+        so_args={"schema_type": "regex", "schema": "[a-c]{2,5}"},
+    )
+    ok = SamplingParams(temperature=0, max_tokens=6)
+    outs = llm.generate([PROMPTS[0], PROMPTS[1]], [ok, blocked], use_tqdm=False)
+    c = outs[1].outputs[0]
+    assert c.finish_reason == "error" and "dead end" in c.error, c
+    assert re.fullmatch("[a-c]{5}", c.text) and len(c.token_ids) == 5, c
+    assert outs[0].outputs[0].token_ids == greedy_reference(PROMPTS[0], 6)

@@ -197,3 +197,22 @@ def test_tokenizer_info_from_tokenizers_tokenizer():
     assert info.decoded_vocab[vocab["Ġthe"]] == b" the"
     with pytest.raises(ValueError, match="vocab_size"):
         tokenizer_info_from_tokenizer(tok, stop_token_ids=[0], vocab_size=10)
+
+
+def test_has_allowed_flags_rows_whose_masks_leave_no_token():
+    # "a" then the regex allows only its end (EOS); min_tokens=3 masks EOS: a dead end.
+    blocked = CACHE.matcher({"schema_type": "regex", "schema": "a"})
+    assert blocked.accept_token(ord("a"))
+    open_ = CACHE.matcher({"schema_type": "regex", "schema": "ab"})
+    assert open_.accept_token(ord("a"))
+    rows = [
+        SamplingRow(SamplingParams(min_tokens=3), 1, output_token_ids=[ord("a")], grammar=blocked),
+        SamplingRow(SamplingParams(), 1, output_token_ids=[ord("a")], grammar=open_),
+        SamplingRow(SamplingParams(min_tokens=3), 1, output_token_ids=[ord("a")]),
+    ]
+    batch = SamplingBatch.build(rows, vocab_size=VOCAB_SIZE, eos_token_ids=[EOS])
+    out = SAMPLER(torch.zeros(3, VOCAB_SIZE), batch)
+    assert out.has_allowed.tolist() == [False, True, True]
+    assert out.token_ids[1].item() == ord("b")
+    plain = SamplingBatch.build([rows[2]], vocab_size=VOCAB_SIZE, eos_token_ids=[EOS])
+    assert SAMPLER(torch.zeros(1, VOCAB_SIZE), plain).has_allowed is None

@@ -256,10 +256,9 @@ class ModelRunner:
         # that request alone. A -inf on some tokens is a valid distribution (masked entries).
         finite = ~(torch.isnan(logits) | torch.isposinf(logits)).any(dim=1)
         finite &= ~torch.isneginf(logits).all(dim=1)
-        grammar_ok = torch.ones_like(finite)
-        if batch.grammar_bitmask is not None:
-            has_any = (batch.grammar_bitmask[:, : (logits.shape[1] + 31) // 32] != 0).any(dim=1)
-            grammar_ok[batch.grammar_rows] = has_any
+        # The sampler's check sees every mask together (a grammar whose only allowed token is
+        # an EOS that min_tokens masks is a dead end too).
+        grammar_ok = so.has_allowed if so.has_allowed is not None else torch.ones_like(finite)
         host = {"token_ids": so.token_ids, "finite": finite, "grammar_ok": grammar_ok}
         if so.logprobs is not None:
             host["logprobs"] = so.logprobs
@@ -303,7 +302,8 @@ class ModelRunner:
                 )
             elif not grammar_ok[r]:
                 res = RowResult(
-                    error="structured output dead end: the grammar allows no token at this point"
+                    error="structured output dead end: the grammar allows no token at this point "
+                    "(or only EOS/stop ids, which min_tokens masks)"
                 )
             elif lp is not None and c.seq.params.logprobs is not None:
                 res.logprob = lp[r]

@@ -186,6 +186,14 @@ class Scheduler:
                 self.finish(seq, "error", error=res.error)
                 finished.append(seq)
                 continue
+            if seq.grammar is not None and not seq.grammar.accept_token(res.token_id):
+                # The token was sampled under this grammar's mask, so a rejection is an engine
+                # or grammar bug; it ends this request alone, without the rejected token.
+                self.finish(
+                    seq, "error", error=f"structured output: grammar rejected token {res.token_id}"
+                )
+                finished.append(seq)
+                continue
             self._append(seq, res)
             if self._check_stop(seq, res.token_id):
                 finished.append(seq)
@@ -209,20 +217,13 @@ class Scheduler:
         """
         p = seq.params
         n_out = len(seq.output_token_ids)
-        if seq.grammar is not None:
-            # The token was sampled under this grammar's mask, so a rejection is an engine or
-            # grammar bug; it ends this request alone. A grammar that has matched to its end
-            # (its stop token accepted) ends the output.
-            if not seq.grammar.accept_token(token):
-                self.finish(
-                    seq, "error", error=f"structured output: grammar rejected token {token}"
-                )
-                return True
-            if seq.grammar.is_terminated():
-                if seq.detokenizer is not None:
-                    seq.detokenizer.add_token(token, check_stop=False)
-                self.finish(seq, "stop")
-                return True
+        # update() has had the grammar accept the token. A grammar that has matched to its end
+        # (its stop token accepted) ends the output.
+        if seq.grammar is not None and seq.grammar.is_terminated():
+            if seq.detokenizer is not None:
+                seq.detokenizer.add_token(token, check_stop=False)
+            self.finish(seq, "stop")
+            return True
         may_stop = n_out >= (getattr(p, "min_tokens", 0) or 0)
         stop_str = None
         if seq.detokenizer is not None:

@@ -43,6 +43,9 @@ class SamplerOutput:
     logprobs: float32 [R], logprob of each sampled token (None unless some row asked).
     ranks: int64 [R], rank of each sampled token in its row's raw logits (1 = most likely;
         None unless some row asked logprobs).
+    has_allowed: bool [R], whether any token survived the grammar mask together with the
+        other masks (min_tokens' EOS/stop ids): False is a dead end, and that row's token is
+        meaningless. None when no row has a grammar (other masks never empty a row).
     top_logprobs: float32 [R, N], top_token_ids: int64 [R, N]: the N = batch.num_logprobs most
         likely tokens of every row, most likely first (None unless some row asked; rows that
         asked fewer use a prefix).
@@ -51,6 +54,7 @@ class SamplerOutput:
     token_ids: torch.Tensor
     logprobs: torch.Tensor | None = None
     ranks: torch.Tensor | None = None
+    has_allowed: torch.Tensor | None = None
     top_logprobs: torch.Tensor | None = None
     top_token_ids: torch.Tensor | None = None
 
@@ -99,6 +103,8 @@ class Sampler:
                 token_ids[group.rows] = fn(x[group.rows], group, batch, generator)
 
         out = SamplerOutput(token_ids=token_ids)
+        if batch.grammar_bitmask is not None:
+            out.has_allowed = (x > float("-inf")).any(dim=1)
         if batch.num_logprobs >= 0:
             raw = logits.to(torch.float32)
             lse = torch.logsumexp(raw, dim=1, keepdim=True)
