@@ -104,7 +104,10 @@ class Sampler:
 
         out = SamplerOutput(token_ids=token_ids)
         if batch.grammar_bitmask is not None:
-            out.has_allowed = (x > float("-inf")).any(dim=1)
+            # Only grammar rows can be emptied (the other masks touch EOS/stop ids only).
+            out.has_allowed = torch.ones(batch.num_rows, dtype=torch.bool, device=x.device)
+            rows = batch.grammar_rows
+            out.has_allowed[rows] = (x.index_select(0, rows) > float("-inf")).any(dim=1)
         if batch.num_logprobs >= 0:
             raw = logits.to(torch.float32)
             lse = torch.logsumexp(raw, dim=1, keepdim=True)
