@@ -109,3 +109,14 @@ def test_numpy_token_ids_are_accepted():
     np = pytest.importorskip("numpy")
     reqs = validate_requests([list(np.array([3, 4]))], None, encode, 100, 32)
     assert reqs[0].prompt_token_ids == [3, 4] and type(reqs[0].prompt_token_ids[0]) is int
+
+
+@pytest.mark.parametrize("model", ["", "  ", 123])
+def test_bad_model_argument_names_it(model):
+    with pytest.raises(ValueError, match="model="):
+        EngineConfig.from_env({}, model=model)
+
+
+def test_sampling_params_of_the_wrong_type_are_named():
+    with pytest.raises(ValueError, match="sampling_params must be a SamplingParams or a list"):
+        validate_requests(["a"], {"temperature": 0}, encode, 100, 32)

@@ -111,6 +111,14 @@ class EngineConfig:
 
     def validate(self) -> None:
         """Normalise and check every field; errors name the field and the allowed values."""
+        if self.model is not None:
+            if isinstance(self.model, os.PathLike):
+                self.model = os.fspath(self.model)
+            if not isinstance(self.model, str) or not self.model.strip():
+                raise ValueError(
+                    f"model={self.model!r} must be a checkpoint directory or a hub id "
+                    "('owner/name'), or None for DEEPINFER_HF_MODEL_DIR / the tiny checkpoint"
+                )
         if self.accelerator is not None:
             self.accelerator = _parse_choice("accelerator", self.accelerator, ACCELERATORS)
         if self.dtype is not None and self.dtype not in ("bfloat16", "float16", "float32"):

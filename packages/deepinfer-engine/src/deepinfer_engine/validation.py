@@ -7,7 +7,7 @@ allowed token left, non-finite logits) are handled per request by the engine ins
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from numbers import Integral
 from typing import Any
@@ -83,6 +83,11 @@ def validate_requests(
         params_list: list[Any] = [SamplingParams()] * len(prompts)
     elif isinstance(sampling_params, SamplingParams):
         params_list = [sampling_params] * len(prompts)
+    elif isinstance(sampling_params, (Mapping, str)) or not isinstance(sampling_params, Iterable):
+        raise ValueError(
+            "sampling_params must be a SamplingParams or a list of them (one per prompt), got "
+            f"{type(sampling_params).__name__}"
+        )
     else:
         params_list = list(sampling_params)
         if len(params_list) != len(prompts):
