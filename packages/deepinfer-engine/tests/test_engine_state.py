@@ -7,6 +7,8 @@ import math
 import pytest
 from deepinfer_engine.llm import LLM
 from deepinfer_sampling.params import SamplingParams
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from toy import NAN_TOKEN, VOCAB, ToyModel, greedy_reference, toy_bundle
 
 PROMPTS = [[3, 4, 5], [7] * 11, [9, 2, 30, 31, 8, 6], [12], list(range(2, 40))]
@@ -138,3 +140,51 @@ def test_minus_inf_logits_are_not_an_error_but_nan_is():
     assert len(good.token_ids) >= 1 and not set(good.token_ids) & set(MaskedVocabModel.MASKED)
     assert bad.finish_reason == "error" and "non-finite" in bad.error
     assert_idle(llm)
+
+
+@st.composite
+def mixed_requests(draw):
+    """Prompts with a mix of sampling settings (n, seeds, stops, min_tokens, penalties...)."""
+    prompts, params = [], []
+    for _ in range(draw(st.integers(1, 5))):
+        prompts.append(draw(st.lists(st.integers(2, len(VOCAB) - 1), min_size=1, max_size=14)))
+        max_tokens = draw(st.integers(1, 16))
+        params.append(
+            SamplingParams(
+                n=draw(st.integers(1, 2)),
+                temperature=draw(st.sampled_from([0.0, 0.8])),
+                seed=draw(st.integers(0, 1000)),
+                max_tokens=max_tokens,
+                min_tokens=draw(st.integers(0, max_tokens)),
+                stop=draw(st.sampled_from([(), ("a",), ("b ", "9")])),
+                stop_token_ids=draw(st.sampled_from([(), (5,)])),
+                ignore_eos=draw(st.booleans()),
+                logprobs=draw(st.sampled_from([None, 1])),
+                presence_penalty=draw(st.sampled_from([0.0, 0.5])),
+            )
+        )
+    return prompts, params
+
+
+@settings(max_examples=8, deadline=None)
+@given(case=mixed_requests())
+def test_outputs_do_not_depend_on_scheduling_and_nothing_leaks(case):
+    # Same results with async on/off, a tight KV budget (preemption) and a tiny token budget
+    # (chunked prefill); a second call on the same engine repeats them (seeded); all freed.
+    prompts, params = case
+
+    def run(llm):
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert_idle(llm)
+        return [
+            [(c.token_ids, c.text, c.finish_reason, c.stop_reason, c.error) for c in o.outputs]
+            for o in outs
+        ]
+
+    common = {"max_model_len": 40, "max_num_seqs": 8}
+    ref_llm = make(**common)
+    ref = run(ref_llm)
+    assert run(ref_llm) == ref
+    assert run(make(async_scheduling=False, **common)) == ref
+    assert run(make(kv_cache_bytes=2 * 4096 + 14 * 1024, **common)) == ref
+    assert run(make(max_num_batched_tokens=3, async_scheduling=False, **common)) == ref
