@@ -188,3 +188,40 @@ def test_outputs_do_not_depend_on_scheduling_and_nothing_leaks(case):
     assert run(make(async_scheduling=False, **common)) == ref
     assert run(make(kv_cache_bytes=2 * 4096 + 14 * 1024, **common)) == ref
     assert run(make(max_num_batched_tokens=3, async_scheduling=False, **common)) == ref
+
+
+def _char(t: int) -> str:
+    return "" if t < 2 else VOCAB[t]  # the toy decodes specials (<bos>, <eos>) to nothing
+
+
+def test_stop_token_id_is_in_token_ids_but_not_in_text():
+    # vLLM: a request ended by EOS or a stop token id keeps the token in token_ids; its text is
+    # not rendered (include_stop_str_in_output=False).
+    llm = make()
+    base = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    full = llm.generate([PROMPTS[2]], base, use_tqdm=False)[0].outputs[0].token_ids
+    stop_id = next(t for t in full[1:] if t >= 2)
+    k = full.index(stop_id)
+    c = llm.generate([PROMPTS[2]], base.replace(stop_token_ids=[stop_id]), use_tqdm=False)[0]
+    c = c.outputs[0]
+    assert c.token_ids == full[: k + 1] and c.stop_reason == stop_id
+    assert c.text == "".join(_char(t) for t in full[:k])
+
+
+@pytest.mark.parametrize("min_tokens", [1, 2, 3])
+def test_stop_strings_only_match_text_after_min_tokens(min_tokens):
+    # vLLM: the text of the first min_tokens tokens is not searched for stop strings (a stop
+    # string must end after it), so at least min_tokens tokens are in the output.
+    llm = make()
+    base = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    full = llm.generate([PROMPTS[0]], base, use_tqdm=False)[0].outputs[0].token_ids
+    stop = next(_char(t) for t in full if t >= 2)
+    sp = base.replace(stop=[stop], min_tokens=min_tokens)
+    c = llm.generate([PROMPTS[0]], sp, use_tqdm=False)[0].outputs[0]
+    hits = [k for k, t in enumerate(full) if k >= min_tokens and _char(t) == stop]
+    if hits:
+        k = hits[0]
+        assert (c.finish_reason, c.stop_reason, c.token_ids) == ("stop", stop, full[: k + 1])
+        assert c.text == "".join(_char(t) for t in full[:k])
+    else:
+        assert (c.finish_reason, c.token_ids) == ("length", full)

@@ -212,29 +212,28 @@ class Scheduler:
     def _check_stop(self, seq: Sequence, token: int) -> bool:
         """Apply stop rules after appending `token`; finish the sequence if one fires.
 
-        Order as in vLLM: min_tokens gates EOS, stop ids and stop strings; then EOS, stop ids,
-        stop strings (cut from the text), and finally the length limits.
+        As in vLLM: EOS (unless ignore_eos) and stop ids end the output, keeping the token in
+        `token_ids` but not rendering its text; the sampler masks them for the first
+        `min_tokens` tokens. Stop strings must end after the text of the first `min_tokens`
+        tokens, and are cut from the text. Then the length limits.
         """
         p = seq.params
         n_out = len(seq.output_token_ids)
+        min_tokens = getattr(p, "min_tokens", 0) or 0
         # update() has had the grammar accept the token. A grammar that has matched to its end
-        # (its stop token accepted) ends the output.
+        # (its stop token, EOS, accepted) ends the output.
         if seq.grammar is not None and seq.grammar.is_terminated():
-            if seq.detokenizer is not None:
-                seq.detokenizer.add_token(token, check_stop=False)
             self.finish(seq, "stop")
             return True
-        may_stop = n_out >= (getattr(p, "min_tokens", 0) or 0)
-        stop_str = None
-        if seq.detokenizer is not None:
-            stop_str = seq.detokenizer.add_token(token, check_stop=may_stop)
-        if may_stop:
+        if n_out >= min_tokens:
             if not getattr(p, "ignore_eos", False) and token == self.eos_token_id:
                 self.finish(seq, "stop")
                 return True
             if token in (getattr(p, "stop_token_ids", None) or ()):
                 self.finish(seq, "stop", stop_reason=token)
                 return True
+        if seq.detokenizer is not None:
+            stop_str = seq.detokenizer.add_token(token, check_stop=n_out > min_tokens)
             if stop_str is not None:
                 self.finish(seq, "stop", stop_reason=stop_str)
                 return True
