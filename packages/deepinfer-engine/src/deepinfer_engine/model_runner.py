@@ -254,8 +254,10 @@ class ModelRunner:
         # Per-row health, computed on the device so nothing waits: a NaN or +inf logit, a row
         # that is -inf everywhere, or a grammar that allows no token at all (a dead end), ends
         # that request alone. A -inf on some tokens is a valid distribution (masked entries).
-        finite = ~(torch.isnan(logits) | torch.isposinf(logits)).any(dim=1)
-        finite &= ~torch.isneginf(logits).all(dim=1)
+        # One reduction: a row's max is NaN if any entry is (max propagates NaN), +inf if any
+        # entry is, and -inf only if every entry is.
+        row_max = logits.amax(dim=1)
+        finite = (row_max > float("-inf")) & (row_max < float("inf"))
         # The sampler's check sees every mask together (a grammar whose only allowed token is
         # an EOS that min_tokens masks is a dead end too).
         grammar_ok = so.has_allowed if so.has_allowed is not None else torch.ones_like(finite)
