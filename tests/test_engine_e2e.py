@@ -124,14 +124,6 @@ def test_yoco_compact_matches_the_models_truncated_prefill_under_chunking():
         assert o.outputs[0].token_ids == ref
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=IndexError,
-    reason="deepinfer-model layers/attention.py _select_group: a sequence with no compressed "
-    "entries that is last in a batched select group (here a 1-token prompt admitted next to a "
-    "decode row) indexes comp.index_k at offset == number of entries (out of bounds); "
-    "remove this marker once the model clamps that index",
-)
 def test_one_token_prompt_admitted_next_to_a_decode_row():
     # max_num_seqs=2: the third prompt (1 token) is admitted when the first finishes, and runs
     # in the same step as the second prompt's decode row (both 1 new token: one select group).

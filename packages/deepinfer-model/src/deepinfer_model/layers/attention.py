@@ -207,7 +207,10 @@ class Attention(nn.Module):
             rows = torch.tensor([ctx.starts[b] + i for b in group for i in range(n)])
             off = torch.tensor([comp.offsets[b] for b in group]).unsqueeze(1)
             last = torch.tensor([comp.offsets[b] + max(comp.counts[b], 1) - 1 for b in group])
-            ent = torch.minimum(off + torch.arange(width), last.unsqueeze(1)).clamp_min(0)
+            # A sequence with no entries yet points past its own range; keep its (fully masked)
+            # padding reads inside the step's entries.
+            total = sum(comp.counts)
+            ent = torch.minimum(off + torch.arange(width), last.unsqueeze(1)).clamp(0, total - 1)
             whole = rows.tolist() == list(range(ctx.num_tokens))
             packed = ctx.upload(torch.cat([rows, ent.flatten()]))
             return (None if whole else packed[: g * n]), packed[g * n :].view(g, width)
