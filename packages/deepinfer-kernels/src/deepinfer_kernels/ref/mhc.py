@@ -4,12 +4,7 @@ from __future__ import annotations
 
 import torch
 
-
-def _rows_mm(a: torch.Tensor, b_t: torch.Tensor, batch_invariant: bool) -> torch.Tensor:
-    """a [M, K] @ b_t [K, N]; one row at a time when `batch_invariant` (no M-dependent tiling)."""
-    if not batch_invariant or a.shape[0] <= 1:
-        return a @ b_t
-    return torch.cat([a[i : i + 1] @ b_t for i in range(a.shape[0])])
+from .linear import matmul_rows
 
 
 def hc_mixes(
@@ -22,7 +17,7 @@ def hc_mixes(
     """
     x = h.flatten(1).float()
     rstd = torch.rsqrt(x.square().mean(-1, keepdim=True) + norm_eps)
-    return _rows_mm(x, fn.float().t(), batch_invariant) * rstd
+    return matmul_rows(x, fn.float().t(), batch_invariant) * rstd
 
 
 def hc_split_sinkhorn(

@@ -11,18 +11,12 @@ import torch
 import torch.nn.functional as F
 
 from .. import quant
+from .norm import rms_norm
 
 
 def act_quant_fp8(x: torch.Tensor, **_: object) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., K] -> (x_fp8 [..., K] e4m3, scale [..., K/32] fp32 powers of two)."""
     return quant.act_quant_fp8(x)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm in fp32, rounded to x.dtype: ``w * x * rsqrt(mean(x^2) + eps)``."""
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
-    return (weight.float() * y).to(x.dtype)
 
 
 def rms_norm_act_quant_fp8(
