@@ -1,4 +1,4 @@
-"""Argument checks shared by the kernels helper's op modules: a bad argument is a ValueError that
+"""Argument checks shared by the op modules: a bad argument is a ValueError that
 names the parameter and what was expected."""
 
 from __future__ import annotations
@@ -20,10 +20,9 @@ def need_dtype(t: torch.Tensor, name: str, *dtypes: torch.dtype) -> None:
     )
 
 
-def gpu_reason(t: torch.Tensor, min_rows: int = 0) -> str | None:
-    """Common `supports` check of the GPU tiers: a CUDA tensor in a float dtype."""
-    if t.device.type != "cuda":
-        return f"input on {t.device.type}"
-    if t.dtype not in FLOAT_DTYPES:
-        return f"dtype {t.dtype} not in {FLOAT_DTYPES}"
+def cuda_input_reason(x: torch.Tensor, *args: object, **kwargs: object) -> str | None:
+    """The `supports` check the GPU tiers share: why they cannot run a call whose first tensor
+    is `x` (it is not on CUDA), or None."""
+    if x.device.type != "cuda":
+        return f"input on {x.device.type}"
     return None

@@ -28,16 +28,9 @@ for _op in ("fp8_gemm", "fp8_linear"):
             devices=("cuda",),
             min_capability=(9, 0),
             requires=("triton",),
-            supports="deepinfer_kernels.ops.linear:gpu_supports",
+            supports="deepinfer_kernels.ops._checks:cuda_input_reason",
         )
     )
-
-
-def gpu_supports(x: torch.Tensor, *args: object, **kwargs: object) -> str | None:
-    """Why the Triton tier cannot run these arguments, or None."""
-    if x.device.type != "cuda":
-        return f"input on {x.device.type}"
-    return None
 
 
 def _check_weight(w: torch.Tensor, w_scale: torch.Tensor, k: int) -> None:

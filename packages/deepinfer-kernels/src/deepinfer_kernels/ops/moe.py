@@ -10,7 +10,7 @@ import torch
 
 from ..quant import FP4_BLOCK
 from ..registry import REGISTRY, Implementation
-from ._checks import FLOAT_DTYPES, need, need_dtype
+from ._checks import FLOAT_DTYPES, cuda_input_reason, need, need_dtype
 
 REGISTRY.declare(
     "moe_gate",
@@ -43,9 +43,7 @@ def moe_gate_gpu_supports(x: torch.Tensor, weight: torch.Tensor, *args: object, 
     """Why the Triton gate cannot run these arguments, or None."""
     if weight.shape[0] > GATE_MAX_EXPERTS:
         return f"{weight.shape[0]} experts > {GATE_MAX_EXPERTS}"
-    if x.device.type != "cuda":
-        return f"input on {x.device.type}"
-    return None
+    return cuda_input_reason(x)
 
 
 def moe_experts_gpu_supports(x: torch.Tensor, *args: object, **kw: object) -> str | None:
@@ -53,9 +51,7 @@ def moe_experts_gpu_supports(x: torch.Tensor, *args: object, **kw: object) -> st
     for name, s in zip(("s1", "s3", "s2"), (args[3], args[5], args[7]), strict=True):
         if isinstance(s, torch.Tensor) and s.dtype != torch.float8_e8m0fnu:
             return f"{name} is {s.dtype}, the Triton experts read float8_e8m0fnu scales"
-    if x.device.type != "cuda":
-        return f"input on {x.device.type}"
-    return None
+    return cuda_input_reason(x)
 
 
 def moe_gate(

@@ -32,16 +32,9 @@ for _op in ("act_quant_fp8", "rms_norm_act_quant_fp8", "swiglu_act_quant_fp8"):
             devices=("cuda",),
             min_capability=(9, 0),
             requires=("triton",),
-            supports="deepinfer_kernels.ops.quant:gpu_supports",
+            supports="deepinfer_kernels.ops._checks:cuda_input_reason",
         )
     )
-
-
-def gpu_supports(x: torch.Tensor, *args: object, **kwargs: object) -> str | None:
-    """Why the Triton tier cannot run these arguments, or None."""
-    if x.device.type != "cuda":
-        return f"input on {x.device.type}"
-    return None
 
 
 def _check_k(x: torch.Tensor, name: str) -> None:
