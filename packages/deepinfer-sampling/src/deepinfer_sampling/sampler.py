@@ -159,10 +159,7 @@ class Sampler:
             rows = group.rows if group.rows is not None else slice(None)
             values, ids = torch.sort(x[rows], dim=1, descending=True, stable=True)
             v = values.to(torch.float64) / group.temperature
-            keep = _keep(v, group, is_sorted=True, force_top_k=True)
-            weight = torch.exp(v - v[:, :1])
-            if keep is not None:
-                weight = torch.where(keep, weight, 0.0)
+            weight = torch.where(_keep(v, group), torch.exp(v - v[:, :1]), 0.0)
             out[rows] = torch.zeros_like(weight).scatter_(
                 1, ids, weight / weight.sum(dim=1, keepdim=True)
             )
@@ -417,38 +414,18 @@ def _subgroup(group: RowGroup, index: torch.Tensor) -> RowGroup:
     )
 
 
-def _keep(
-    v: torch.Tensor,
-    group: RowGroup,
-    *,
-    is_sorted: bool,
-    total: torch.Tensor | None = None,
-    force_top_k: bool = False,
-) -> torch.Tensor | None:
-    """bool [r, C]: which candidates survive min-p, top-k and top-p (None: all of them).
+def _keep(v: torch.Tensor, group: RowGroup) -> torch.Tensor:
+    """bool [r, C]: which candidates survive min-p, top-k and top-p.
 
-    v: float64 [r, C] logits / temperature. is_sorted: v is sorted descending along each row
-    (then the kept set is a prefix and top-k/top-p apply); otherwise v is in token order and
-    only min-p may apply (the batch guarantees such rows use neither top-k nor top-p).
-    total: float64 [r, 1], the mass top-p renormalises by, in units of exp(v - v_max); NaN or
-    None: the sum over the kept candidates. force_top_k: apply the top-k mask even when the
-    group's candidates are already cut at top-k.
+    v: float64 [r, C] logits / temperature, sorted descending along each row (so the kept set
+    is a prefix). top-p renormalises over what min-p and top-k keep.
     """
-    keep = None
-    v_max = v[:, :1] if is_sorted else v.max(dim=1, keepdim=True).values
+    v_max = v[:, :1]
+    keep = torch.arange(v.shape[1], device=v.device) < group.top_k
     if group.use_min_p:
-        keep = v >= v_max + group.log_min_p
-    if is_sorted and (group.use_top_k or force_top_k):
-        in_top_k = torch.arange(v.shape[1], device=v.device) < group.top_k
-        keep = in_top_k if keep is None else keep & in_top_k
-    if is_sorted and group.use_top_p:
-        weight = torch.exp(v - v_max)
-        if keep is not None:
-            weight = torch.where(keep, weight, 0.0)
+        keep = keep & (v >= v_max + group.log_min_p)
+    if group.use_top_p:
+        weight = torch.where(keep, torch.exp(v - v_max), 0.0)
         cumulative = torch.cumsum(weight, dim=1)
-        kept_mass = cumulative[:, -1:]
-        if total is not None:
-            kept_mass = torch.where(torch.isnan(total), kept_mass, total)
-        in_top_p = cumulative - weight < group.top_p * kept_mass
-        keep = in_top_p if keep is None else keep & in_top_p
+        keep = keep & (cumulative - weight < group.top_p * cumulative[:, -1:])
     return keep
