@@ -56,7 +56,6 @@ class DraftLayout:
         index_in_seq: ``[T]`` ``k``, the draft's index inside its sequence.
         target_row_of_draft: ``[T]`` the target row that judges each draft (``t + seq``).
         first_target_row: ``[B]`` ``cu[b] + b``, the target row for ``k = 0``.
-        seq_of_target_row: ``[T + B]`` the sequence of each target row.
     """
 
     num_drafts: torch.Tensor
@@ -64,7 +63,6 @@ class DraftLayout:
     index_in_seq: torch.Tensor
     target_row_of_draft: torch.Tensor
     first_target_row: torch.Tensor
-    seq_of_target_row: torch.Tensor
 
     @property
     def batch_size(self) -> int:
@@ -91,7 +89,6 @@ class DraftLayout:
             target_row_of_draft=torch.arange(total, dtype=torch.int64, device=device)
             + seq_of_draft,
             first_target_row=cu[:-1] + seq_ids,
-            seq_of_target_row=torch.repeat_interleave(seq_ids, num_drafts + 1),
         )
 
     def to(self, device: torch.device | str) -> DraftLayout:
