@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .sampled_verify import accept_while_equal
+from .sampled_verify import _accept_while_equal
 from .verify_batch import VerifyResult, check_verify_inputs
 
 
@@ -30,6 +30,6 @@ def greedy_verify(
     Returns:
         :class:`VerifyResult`.
     """
-    check_verify_inputs(cu_num_draft_tokens, draft_token_ids, target_scores)
+    layout = check_verify_inputs(cu_num_draft_tokens, draft_token_ids, target_scores)
     # Ties go to the lowest token id, as in the sampler's greedy rows.
-    return accept_while_equal(cu_num_draft_tokens, draft_token_ids, target_scores.argmax(dim=-1))
+    return _accept_while_equal(layout, draft_token_ids, target_scores.argmax(dim=-1))

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import torch
 from deepinfer_sampling import GrammarMatcher, Sampler, SamplingBatch, SamplingParams, SamplingRow
 
-from .verify_batch import VerifyResult, check_draft_layout, check_verify_inputs
+from .verify_batch import DraftLayout, VerifyResult, check_draft_layout, check_verify_inputs
 
 
 def accept_while_equal(
@@ -50,7 +50,15 @@ def accept_while_equal(
         raise ValueError(
             f"target_token_ids must be [sum K + B] = [{rows}], got {list(target_token_ids.shape)}"
         )
-    layout = layout.to(target_token_ids.device)
+    return _accept_while_equal(
+        layout.to(target_token_ids.device), draft_token_ids, target_token_ids
+    )
+
+
+def _accept_while_equal(
+    layout: DraftLayout, draft_token_ids: torch.Tensor, target_token_ids: torch.Tensor
+) -> VerifyResult:
+    """`accept_while_equal` on checked inputs, `layout` on the device of `target_token_ids`."""
     y = target_token_ids.to(torch.int64)
     x = draft_token_ids.to(y.device, torch.int64)
     match = x == y[layout.target_row_of_draft]
@@ -132,7 +140,7 @@ def sampled_verify(
     Returns:
         :class:`VerifyResult`; with every row seeded it equals plain seeded sampling.
     """
-    check_verify_inputs(cu_num_draft_tokens, draft_token_ids, target_logits)
+    layout = check_verify_inputs(cu_num_draft_tokens, draft_token_ids, target_logits)
     if sampling_batch.num_rows != target_logits.shape[0]:
         raise ValueError(
             f"sampling_batch must describe the {target_logits.shape[0]} target rows, has "
@@ -140,4 +148,4 @@ def sampled_verify(
         )
     sampler = sampler if sampler is not None else Sampler()
     target_tokens = sampler(target_logits, sampling_batch, generator).token_ids
-    return accept_while_equal(cu_num_draft_tokens, draft_token_ids, target_tokens)
+    return _accept_while_equal(layout, draft_token_ids, target_tokens)
