@@ -34,12 +34,6 @@ def rope_tail(
     return torch.cat([x[..., :-rd], ops.rope(x[..., -rd:], positions, inv_freq, inverse)], dim=-1)
 
 
-def window_indices(ctx: StepContext, window: int, ring_len: int) -> torch.Tensor:
-    """[T, window] rows into ``cat([rings of the batch's slots [B*ring], this step's kv [T]])``
-    (see `StepContext.window`; built once per forward and shared by the layers)."""
-    return ctx.window(window, ring_len)
-
-
 def write_ring(ring: torch.Tensor, ctx: StepContext, kv: torch.Tensor) -> None:
     """Store this step's kv [T, d] at row p % ring_len of each sequence's slot (newest only)."""
     rows, slot, ring_row = ctx.ring_write(ring.shape[1])
