@@ -24,14 +24,7 @@ from ..forward_batch import Compressed, StepContext
 from .compressor import Compressor
 from .indexer import Indexer
 from .linear import FP8Linear, RMSNorm, dense
-from .rope import layer_inv_freq
-
-
-def rope_tail(
-    x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, rd: int, inverse: bool = False
-) -> torch.Tensor:
-    """RoPE on the last `rd` dims of x [T, ..., d] (a new tensor)."""
-    return torch.cat([x[..., :-rd], ops.rope(x[..., -rd:], positions, inv_freq, inverse)], dim=-1)
+from .rope import layer_inv_freq, rope_tail
 
 
 def write_ring(ring: torch.Tensor, ctx: StepContext, kv: torch.Tensor) -> None:

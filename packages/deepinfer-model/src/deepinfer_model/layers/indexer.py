@@ -29,6 +29,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from .linear import FP8Linear, Linear, RMSNorm
+from .rope import rope_tail
 
 
 class Indexer(nn.Module):
@@ -52,18 +53,12 @@ class Indexer(nn.Module):
             self.wk = Linear(config.head_dim, self.head_dim, dtype, device)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device)
 
-    def _rope_tail(
-        self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor
-    ) -> torch.Tensor:
-        rd = self.rope_dim
-        return torch.cat([x[..., :-rd], ops.rope(x[..., -rd:], positions, inv_freq)], dim=-1)
-
     def index_keys(
         self, latent: torch.Tensor, entry: torch.Tensor, inv_freq: torch.Tensor, fake_quant: bool
     ) -> torch.Tensor:
         """latent [M, head_dim] (pre-RoPE), entry ids [M] -> index keys [M, Id]."""
         k = self.k_norm(self.wk(latent))
-        k = self._rope_tail(k, entry * self.ratio, inv_freq)
+        k = rope_tail(k, entry * self.ratio, inv_freq, self.rope_dim)
         return quant.fake_quant_fp4_ue8m0(k, 32) if fake_quant else k
 
     def queries(
@@ -76,7 +71,7 @@ class Indexer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D], qr [T, q_lora] -> (q [T, IH, Id], weights [T, IH] fp32)."""
         q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)
-        q = self._rope_tail(q, positions, inv_freq)
+        q = rope_tail(q, positions, inv_freq, self.rope_dim)
         if fake_quant:
             q = quant.fake_quant_fp4_ue8m0(q, 32)
         w = self.weights_proj(x, torch.float32) * (self.head_dim**-0.5 * self.n_heads**-0.5)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import torch
+from deepinfer_kernels import ops
 
 from ..config import ModelConfig
 
@@ -61,3 +62,10 @@ def layer_inv_freq(config: ModelConfig, compress_ratio: int) -> torch.Tensor:
             config.beta_slow,
         )
     return yarn_inv_freq(config.qk_rope_head_dim, config.rope_theta)
+
+
+def rope_tail(
+    x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, rd: int, inverse: bool = False
+) -> torch.Tensor:
+    """RoPE on the last `rd` dims of x [T, ..., d] (a new tensor)."""
+    return torch.cat([x[..., :-rd], ops.rope(x[..., -rd:], positions, inv_freq, inverse)], dim=-1)
