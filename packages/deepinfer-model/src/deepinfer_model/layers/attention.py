@@ -140,9 +140,8 @@ class Attention(nn.Module):
         own entries, padded ([g, n, max_entries]); longer ones (prefill) alone."""
         q, w = self.indexer.queries(x, qr, ctx.positions, self.inv_freq, self.fake_quant_kv)
         comp = ctx.compressed[self.kv_source]
+        # without candidates a layer that needs them fails in `Indexer.select` (RuntimeError)
         use_cand = ctx.candidates is not None and self.indexer.uses_candidates
-        if self.indexer.uses_candidates and ctx.candidates is None:
-            raise RuntimeError(f"layer {self.layer_id}: candidate blocks were not computed")
         parts, part_rows = [], []
         cands: list[torch.Tensor | None] = [None] * ctx.num_seqs
         for group in ctx.equal_length_groups(self.BATCHED_SELECT_MAX_TOKENS):
