@@ -235,17 +235,13 @@ def init_random_(model: Model, seed: int = 0) -> Model:
 
     done: set[int] = set()
     for mod in model.modules():
-        if isinstance(mod, FP8Linear):
-            w, s = quant.quantize_fp8_blocks(
-                randn(mod.out_features, mod.in_features, std=mod.in_features**-0.5)
+        if isinstance(mod, (FP8Linear, FP4Weight)):
+            quantize = (
+                quant.quantize_fp8_blocks
+                if isinstance(mod, FP8Linear)
+                else quant.quantize_fp4_experts
             )
-            mod.weight.copy_(w)
-            mod.scale.copy_(s)
-            done.update((id(mod.weight), id(mod.scale)))
-        elif isinstance(mod, FP4Weight):
-            w, s = quant.quantize_fp4_experts(
-                randn(mod.out_features, mod.in_features, std=mod.in_features**-0.5)
-            )
+            w, s = quantize(randn(mod.out_features, mod.in_features, std=mod.in_features**-0.5))
             mod.weight.copy_(w)
             mod.scale.copy_(s)
             done.update((id(mod.weight), id(mod.scale)))
