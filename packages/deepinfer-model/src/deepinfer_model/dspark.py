@@ -27,7 +27,7 @@ from torch import nn
 
 from .cache import KVCache
 from .config import ModelConfig
-from .forward_batch import ForwardBatch, HostBatchInfo, StepContext
+from .forward_batch import ForwardBatch, StepContext
 from .layers.attention import Attention, write_ring
 from .layers.block import Block
 from .layers.linear import Embedding, FP8Linear, Linear, RMSNorm, dense
@@ -235,26 +235,10 @@ def _dspark_per_token(model, batch, hidden, cache, draft_ids, sample, last_posit
         raise ValueError(f"draft_ids: must be [{n_seq}], got {list(draft_ids.shape)}")
     host = batch.host_info()
     cu = host.cu_seqlens
-    dev = batch.input_ids.device
     outs = []
     for b in range(len(cu) - 1):
         for row in range(cu[b], cu[b + 1]):
-            one = ForwardBatch(
-                input_ids=batch.input_ids[row : row + 1],
-                positions=batch.positions[row : row + 1],
-                cu_seqlens=torch.tensor([0, 1], dtype=torch.int32, device=dev),
-                context_lens=batch.positions[row : row + 1].to(batch.context_lens.dtype),
-                slots=batch.slots[b : b + 1],
-                block_tables=batch.block_tables[b : b + 1],
-                logits_indices=torch.zeros(0, dtype=torch.int64, device=dev),
-                host=HostBatchInfo(
-                    [0, 1],
-                    [host.context_lens[b] + row - cu[b]],
-                    [host.slots[b]],
-                    host.block_tables[b : b + 1],
-                    [],
-                ),
-            )
+            one = batch.token_alone(host, b, row, logits=False)
             last_row = row == cu[b + 1] - 1
             out = dspark_step(
                 model,

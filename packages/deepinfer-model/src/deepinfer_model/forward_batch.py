@@ -143,6 +143,32 @@ class ForwardBatch:
             self.host.yoco_floor = list(floor)
         return self
 
+    def token_alone(self, host: HostBatchInfo, b: int, row: int, logits: bool) -> ForwardBatch:
+        """Flat row `row` (of sequence `b`) as a one-token batch of its own, for the
+        batch-invariant per-token mode: the token at its position with its sequence's slot,
+        pages and YOCO floor; its logits row requested iff `logits`. `host`: this batch's
+        `host_info()`."""
+        dev = self.input_ids.device
+        return ForwardBatch(
+            input_ids=self.input_ids[row : row + 1],
+            positions=self.positions[row : row + 1],
+            cu_seqlens=torch.tensor([0, 1], dtype=torch.int32).to(dev),
+            context_lens=self.positions[row : row + 1].to(self.context_lens.dtype),
+            slots=self.slots[b : b + 1],
+            block_tables=self.block_tables[b : b + 1],
+            logits_indices=torch.zeros(1 if logits else 0, dtype=torch.int64).to(dev),
+            return_hidden=self.return_hidden,
+            yoco_floor=None if self.yoco_floor is None else self.yoco_floor[b : b + 1],
+            host=HostBatchInfo(
+                [0, 1],
+                [host.context_lens[b] + row - host.cu_seqlens[b]],
+                [host.slots[b]],
+                host.block_tables[b : b + 1],
+                [0] if logits else [],
+                None if host.yoco_floor is None else [host.yoco_floor[b]],
+            ),
+        )
+
     def host_info(self) -> HostBatchInfo:
         """The CPU mirror: `host` if given (checked against CPU tensors), else read back."""
         if self.host is None:

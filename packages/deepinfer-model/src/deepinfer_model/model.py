@@ -14,7 +14,7 @@ from torch import nn
 from .cache import KVCache
 from .config import ModelConfig
 from .dspark import DSparkStage
-from .forward_batch import ForwardBatch, ForwardOutput, HostBatchInfo, StepContext
+from .forward_batch import ForwardBatch, ForwardOutput, StepContext
 from .layers.block import Block
 from .layers.engram import EngramHasher
 from .layers.linear import Embedding, RMSNorm, dense
@@ -108,32 +108,9 @@ class Model(nn.Module):
         logits: list[torch.Tensor | None] = [None] * len(wanted)
         hidden = []
         cu = host.cu_seqlens
-        dev = batch.input_ids.device
         for b in range(len(cu) - 1):
             for row in range(cu[b], cu[b + 1]):
-                pos = host.context_lens[b] + row - cu[b]
-                floor = None if host.yoco_floor is None else [host.yoco_floor[b]]
-                one = ForwardBatch(
-                    input_ids=batch.input_ids[row : row + 1],
-                    positions=batch.positions[row : row + 1],
-                    cu_seqlens=torch.tensor([0, 1], dtype=torch.int32).to(dev),
-                    context_lens=batch.positions[row : row + 1].to(batch.context_lens.dtype),
-                    slots=batch.slots[b : b + 1],
-                    block_tables=batch.block_tables[b : b + 1],
-                    logits_indices=torch.zeros(1 if row in wanted else 0, dtype=torch.int64).to(
-                        dev
-                    ),
-                    return_hidden=batch.return_hidden,
-                    yoco_floor=None if batch.yoco_floor is None else batch.yoco_floor[b : b + 1],
-                    host=HostBatchInfo(
-                        [0, 1],
-                        [pos],
-                        [host.slots[b]],
-                        host.block_tables[b : b + 1],
-                        [0] if row in wanted else [],
-                        floor,
-                    ),
-                )
+                one = batch.token_alone(host, b, row, logits=row in wanted)
                 out = self._forward(one, cache)
                 if row in wanted:
                     logits[wanted[row]] = out.logits[0]
