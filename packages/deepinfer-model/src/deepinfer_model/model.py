@@ -31,9 +31,7 @@ class Head(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return dense(
-            x.float(), self.weight if self.weight.dtype == torch.float32 else self.weight.float()
-        )
+        return dense(x.float(), self.weight.float())  # .float() of the fp32 weight is itself
 
 
 class Model(nn.Module):
@@ -147,21 +145,20 @@ class Model(nn.Module):
         rows = batch.logits_indices
         hashes = self.engram_hasher(ids, ctx, cache) if self.engram_hasher is not None else None
         h = self.embed(ids).to(self.dtype).unsqueeze(1).repeat(1, cfg.hc_mult, 1)
-        pre = identity_pre(ids.shape[0], cfg.hc_mult, ids.device)
+        pre = identity_pre(t, cfg.hc_mult, ids.device)
         hidden: dict[int, torch.Tensor] = {}
         rows_of = None  # YOCO compact: flat rows still running, after the CED split layer
         rows_of_cpu = None
-        full_t = ids.shape[0]
         for i, layer in enumerate(self.layers):
             if rows_of is not None and rows_of.numel() == 0:
                 # every token of the step lies below its YOCO floor: nothing left to run
                 if batch.return_hidden and i in cfg.dspark_target_layer_ids:
-                    hidden[i] = h.new_zeros(full_t, cfg.hidden_size)
+                    hidden[i] = h.new_zeros(t, cfg.hidden_size)
                 continue
             if layer.engram is not None:
                 h = layer.engram(h, hashes[:, layer.engram.layer_index])
             if batch.return_hidden and i in cfg.dspark_target_layer_ids:
-                hidden[i] = self._scatter(h.float().mean(1).to(h.dtype), rows_of, full_t)
+                hidden[i] = self._scatter(h.float().mean(1).to(h.dtype), rows_of, t)
             h, pre = layer(h, pre, ctx, cache)
             if i == cfg.decoder_start_layer and ctx.floor is not None:
                 late = ctx.late_subset()
@@ -169,7 +166,7 @@ class Model(nn.Module):
                     ctx, rows_of, rows_of_cpu = late
                     h, pre = h[rows_of], pre[rows_of]
         if rows_of_cpu is not None:
-            pos_of = torch.full((full_t,), -1, dtype=torch.int64)
+            pos_of = torch.full((t,), -1, dtype=torch.int64)
             pos_of[rows_of_cpu] = torch.arange(rows_of_cpu.shape[0])
             kept = pos_of[torch.tensor(host_rows, dtype=torch.int64)]
             if kept.numel() and int(kept.min()) < 0:
