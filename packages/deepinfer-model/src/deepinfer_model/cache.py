@@ -130,20 +130,3 @@ class KVCache:
         for t in self.comp_score.values():
             t[slot].fill_(float("-inf"))
         self.engram_history[slot].zero_()
-
-    # -- paged entries -------------------------------------------------------------------------
-    def entry_location(
-        self, block_table: torch.Tensor, entries: torch.Tensor, ratio: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(page ids, row ids) of compressed entries `entries` [n] of one sequence."""
-        tok = entries * ratio
-        col = tok // self.block_size
-        if col.numel() and int(col.max()) >= block_table.shape[0]:
-            raise ValueError(
-                f"block_tables: entry {int(entries.max())} needs page column {int(col.max())} "
-                f"but the table has {block_table.shape[0]}"
-            )
-        pages = block_table[col].long()
-        if pages.numel() and int(pages.min()) < 0:
-            raise ValueError("block_tables: a needed page id is -1 (unallocated)")
-        return pages, (tok % self.block_size) // ratio
