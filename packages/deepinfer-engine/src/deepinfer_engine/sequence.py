@@ -70,20 +70,18 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def token_id(self, pos: int) -> int:
-        """Token at absolute position `pos`; -1 for a position still in flight."""
-        p = len(self.prompt_token_ids)
-        if pos < p:
-            return self.prompt_token_ids[pos]
-        if pos - p < len(self.output_token_ids):
-            return self.output_token_ids[pos - p]
-        if pos < self.num_tokens:
-            return -1
-        raise IndexError(f"position {pos} >= num_tokens {self.num_tokens}")
-
     def token_ids(self, start: int, end: int) -> list[int]:
         """Tokens at positions [start, end); in-flight positions are -1."""
-        return [self.token_id(i) for i in range(start, end)]
+        if end > max(start, self.num_tokens):
+            raise IndexError(
+                f"position {max(start, self.num_tokens)} >= num_tokens {self.num_tokens}"
+            )
+        p = len(self.prompt_token_ids)
+        ids = (
+            self.prompt_token_ids[start:end]
+            + self.output_token_ids[max(start - p, 0) : max(end - p, 0)]
+        )
+        return ids + [-1] * (end - start - len(ids))
 
     @property
     def text(self) -> str:
