@@ -54,11 +54,6 @@ class Sequence:
         return len(self.prompt_token_ids)
 
     @property
-    def num_output_tokens(self) -> int:
-        """Generated tokens, including those still in flight."""
-        return len(self.output_token_ids) + self.num_inflight
-
-    @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_inflight
 
