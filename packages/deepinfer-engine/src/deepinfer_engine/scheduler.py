@@ -219,17 +219,17 @@ class Scheduler:
         """
         p = seq.params
         n_out = len(seq.output_token_ids)
-        min_tokens = getattr(p, "min_tokens", 0) or 0
+        min_tokens = p.min_tokens
         # update() has had the grammar accept the token. A grammar that has matched to its end
         # (its stop token, EOS, accepted) ends the output.
         if seq.grammar is not None and seq.grammar.is_terminated():
             self.finish(seq, "stop")
             return True
         if n_out >= min_tokens:
-            if not getattr(p, "ignore_eos", False) and token == self.eos_token_id:
+            if not p.ignore_eos and token == self.eos_token_id:
                 self.finish(seq, "stop")
                 return True
-            if token in (getattr(p, "stop_token_ids", None) or ()):
+            if token in p.stop_token_ids:
                 self.finish(seq, "stop", stop_reason=token)
                 return True
         if seq.detokenizer is not None:
@@ -237,7 +237,7 @@ class Scheduler:
             if stop_str is not None:
                 self.finish(seq, "stop", stop_reason=stop_str)
                 return True
-        max_tokens = getattr(p, "max_tokens", None)
+        max_tokens = p.max_tokens
         if (max_tokens is not None and n_out >= max_tokens) or (
             seq.num_known_tokens >= self.max_model_len
         ):
