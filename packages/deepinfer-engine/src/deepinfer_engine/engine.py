@@ -66,7 +66,7 @@ class Request:
 
 @dataclass
 class StepStats:
-    """Counters for progress bars and benchmarks (host seconds measured with perf_counter)."""
+    """Counters for progress bars and benchmarks."""
 
     steps: int = 0
     tokens_generated: int = 0
