@@ -203,20 +203,26 @@ def _sample_topk(x, group, batch, generator, use_triton=False) -> torch.Tensor:
     if use_triton and x.is_cuda and group.max_top_k <= _TRITON_MAX_K:
         topk_draw = _triton_topk_draw(x.device)
         if topk_draw is not None:
-            return topk_draw(
-                x,
-                keys,
-                group.temperature,
-                group.top_k,
-                group.top_p,
-                group.log_min_p,
-                max_top_k=group.max_top_k,
-                use_min_p=group.use_min_p,
-                use_top_p=group.use_top_p,
-            )
+            return _run_topk_draw(topk_draw, x, keys, group)
     values, ids = torch.topk(x, group.max_top_k, dim=1, sorted=True)
     tokens, _ = _draw_sorted(values, ids, group, keys)
     return tokens
+
+
+def _run_topk_draw(topk_draw, x, keys, group: RowGroup, **kwargs) -> torch.Tensor:
+    """topk_triton.topk_draw on a top-k group's rows (kwargs: its tuning knobs, e.g. chunk)."""
+    return topk_draw(
+        x,
+        keys,
+        group.temperature,
+        group.top_k,
+        group.top_p,
+        group.log_min_p,
+        max_top_k=group.max_top_k,
+        use_min_p=group.use_min_p,
+        use_top_p=group.use_top_p,
+        **kwargs,
+    )
 
 
 # Largest max_top_k served by the triton kernels (topk_triton.MAX_K; not imported here, so that
@@ -295,18 +301,7 @@ def _check_topk_draw(
             keys = _rng_keys(group, torch.Generator(device=device).manual_seed(5), device)
             values, ids = torch.topk(x, group.max_top_k, dim=1, sorted=True)
             want, _ = _draw_sorted(values, ids, group, keys)
-            got = topk_draw(
-                x,
-                keys,
-                group.temperature,
-                group.top_k,
-                group.top_p,
-                group.log_min_p,
-                max_top_k=group.max_top_k,
-                use_min_p=group.use_min_p,
-                use_top_p=group.use_top_p,
-                chunk=chunk,
-            )
+            got = _run_topk_draw(topk_draw, x, keys, group, chunk=chunk)
             if not torch.equal(got, want):
                 raise RuntimeError(
                     f"triton top-k draw disagrees with torch: {got.tolist()} vs {want.tolist()}"
