@@ -115,7 +115,7 @@ def rejection_sample(
         device,
     )[:, 0]
     accept = (q_x > 0) & (p_x >= u * q_x)
-    any_greedy = bool(greedy.any())
+    any_greedy = greedy is not None and bool(greedy.any())
     if any_greedy:
         target_argmax = target_probs.argmax(dim=-1)  # [T + B]; ties go to the lowest token id
         is_greedy = greedy[layout.seq_of_draft]
@@ -154,9 +154,12 @@ def rejection_sample(
     return layout.assemble(x, num_accepted, next_tokens)
 
 
-def _check_greedy(greedy: torch.Tensor | None, batch: int, device: torch.device) -> torch.Tensor:
+def _check_greedy(
+    greedy: torch.Tensor | None, batch: int, device: torch.device
+) -> torch.Tensor | None:
+    """Check ``greedy [B]`` bool and move it to ``device``; None (no greedy sequence) stays None."""
     if greedy is None:
-        return torch.zeros(batch, dtype=torch.bool, device=device)
+        return None
     if greedy.dtype != torch.bool or tuple(greedy.shape) != (batch,):
         raise ValueError(
             f"greedy must be a bool tensor [B] = [{batch}], got dtype {greedy.dtype}, shape "
