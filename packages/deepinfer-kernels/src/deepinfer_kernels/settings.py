@@ -1,6 +1,6 @@
 """The kernel package's settings, read from the environment in this one place.
 
-`DEEPINFER_KERNELS`: per-op tier overrides, e.g. ``"fp8_gemm=ref,moe=triton"``.
+`DEEPINFER_KERNELS`: per-op tier overrides, e.g. ``"fp8_gemm=ref,moe_experts=triton"``.
 `DEEPINFER_BATCH_INVARIANT`: ``1`` makes every op's result for a row independent of the other
 rows in the call (no tile or split choice that depends on the number of rows).
 """

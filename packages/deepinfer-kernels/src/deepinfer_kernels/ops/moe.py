@@ -14,7 +14,8 @@ from ._checks import FLOAT_DTYPES, cuda_input_reason, need, need_dtype
 
 REGISTRY.declare(
     "moe_gate",
-    "x [T, D], weight [E, D], bias [E] -> (topk_weights [T, k] fp32, topk_ids [T, k] int64)",
+    "x [T, D], weight [E, D], bias [E]/[T, E]/None, topk, route_scale, gate_temp -> "
+    "(topk_weights [T, k] fp32, topk_ids [T, k] int64)",
 )
 REGISTRY.declare(
     "moe_experts",
