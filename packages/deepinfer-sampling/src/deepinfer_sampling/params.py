@@ -219,10 +219,6 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
 
-    @property
-    def top_k_enabled(self) -> bool:
-        return self.top_k > 0
-
     def replace(self, **changes: Any) -> SamplingParams:
         """A copy with `changes` applied, validated again."""
         return dataclasses.replace(self, **changes)
