@@ -230,10 +230,10 @@ def dspark_step(
 
 def _dspark_per_token(model, batch, hidden, cache, draft_ids, sample, last_positions):
     """Batch-invariant mode: seed every token alone, then draft each sequence alone."""
-    n_seq = StepContext.from_batch(batch).num_seqs
+    host = batch.host_info()
+    n_seq = StepContext.from_batch(batch, host).num_seqs
     if draft_ids is not None and draft_ids.shape != (n_seq,):
         raise ValueError(f"draft_ids: must be [{n_seq}], got {list(draft_ids.shape)}")
-    host = batch.host_info()
     cu = host.cu_seqlens
     outs = []
     for b in range(len(cu) - 1):

@@ -14,7 +14,7 @@ from torch import nn
 from .cache import KVCache
 from .config import ModelConfig
 from .dspark import DSparkStage
-from .forward_batch import ForwardBatch, ForwardOutput, StepContext
+from .forward_batch import ForwardBatch, ForwardOutput, HostBatchInfo, StepContext
 from .layers.block import Block
 from .layers.engram import EngramHasher
 from .layers.linear import Embedding, RMSNorm, dense
@@ -95,13 +95,16 @@ class Model(nn.Module):
         every index it needs is built on the host and copied over without blocking.
         """
         if REGISTRY.batch_invariant and batch.input_ids.shape[0] > 1:
-            StepContext.from_batch(batch)  # validate once, with the batch's own field names
-            return self._forward_per_token(batch, cache)
+            host = batch.host_info()
+            StepContext.from_batch(batch, host)  # validate once, with the batch's own field names
+            return self._forward_per_token(batch, cache, host)
         return self._forward(batch, cache)
 
-    def _forward_per_token(self, batch: ForwardBatch, cache: KVCache) -> ForwardOutput:
-        """`forward` as a sequence of single-token forwards (batch-invariant mode)."""
-        host = batch.host_info()
+    def _forward_per_token(
+        self, batch: ForwardBatch, cache: KVCache, host: HostBatchInfo
+    ) -> ForwardOutput:
+        """`forward` as a sequence of single-token forwards (batch-invariant mode); `host` is
+        the batch's `host_info()`."""
         wanted = {r: i for i, r in enumerate(host.logits_indices)}
         logits: list[torch.Tensor | None] = [None] * len(wanted)
         hidden = []
