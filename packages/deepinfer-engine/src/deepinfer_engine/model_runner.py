@@ -288,10 +288,11 @@ class ModelRunner:
         tokens = h["token_ids"].tolist()
         finite = h["finite"].tolist()
         grammar_ok = h["grammar_ok"].tolist()
-        lp = h["logprobs"].tolist() if "logprobs" in h else None
-        ranks = h["ranks"].tolist() if "ranks" in h else None
-        top_lp = h["top_logprobs"].tolist() if "top_logprobs" in h else None
-        top_ids = h["top_token_ids"].tolist() if "top_token_ids" in h else None
+        lp = ranks = top_lp = top_ids = None
+        if "logprobs" in h:  # sample() copies the four together
+            lp, ranks, top_lp, top_ids = (
+                h[k].tolist() for k in ("logprobs", "ranks", "top_logprobs", "top_token_ids")
+            )
         index_of_chunk = {id(c): i for i, c in enumerate(step.out.chunks)}
         for c in step.sample_chunks:
             r = sampled.row_of_seq.get(c.seq.seq_id)
