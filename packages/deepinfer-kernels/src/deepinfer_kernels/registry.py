@@ -166,7 +166,11 @@ class OpRegistry:
 
     def resolve(self, op: str, *args: Any, **kwargs: Any) -> Implementation:
         """The implementation that a call of `op` with these arguments runs."""
-        device = _first_tensor(args).device
+        return self._resolve(op, _first_tensor(args).device, args, kwargs)
+
+    def _resolve(
+        self, op: str, device: torch.device, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Implementation:
         reasons = []
         candidates = self._candidates(op, device)
         if not candidates:
@@ -190,8 +194,8 @@ class OpRegistry:
     def call(self, op: str, *args: Any, **kwargs: Any) -> Any:
         """Run `op` with the implementation `resolve` picks. GPU kernels launch on the current
         CUDA device, so a call whose tensors live on another GPU runs under that device."""
-        impl = self.resolve(op, *args, **kwargs)
         device = _first_tensor(args).device
+        impl = self._resolve(op, device, args, kwargs)
         other_gpu = device.type == "cuda" and device.index is not None
         if other_gpu and device.index != torch.cuda.current_device():
             with torch.cuda.device(device):
