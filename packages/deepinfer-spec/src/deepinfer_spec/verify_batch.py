@@ -80,14 +80,12 @@ class DraftLayout:
         batch = num_drafts.shape[0]
         seq_ids = torch.arange(batch, dtype=torch.int64, device=device)
         seq_of_draft = torch.repeat_interleave(seq_ids, num_drafts)
-        total = seq_of_draft.shape[0]
-        index_in_seq = torch.arange(total, dtype=torch.int64, device=device) - cu[seq_of_draft]
+        draft_rows = torch.arange(seq_of_draft.shape[0], dtype=torch.int64, device=device)
         return DraftLayout(
             num_drafts=num_drafts,
             seq_of_draft=seq_of_draft,
-            index_in_seq=index_in_seq,
-            target_row_of_draft=torch.arange(total, dtype=torch.int64, device=device)
-            + seq_of_draft,
+            index_in_seq=draft_rows - cu[seq_of_draft],
+            target_row_of_draft=draft_rows + seq_of_draft,
             first_target_row=cu[:-1] + seq_ids,
         )
 
