@@ -15,6 +15,12 @@ if [ $# -gt 0 ]; then packages=("$@"); full=0; else packages=("${all[@]}"); full
 
 summary=()
 failed=0
+# Property tests draw fresh examples on every local run; CI replays a fixed seed so that a
+# red run always means a change broke something (DEEPINFER_TEST_SEED overrides it).
+seed=""
+if [ -n "${CI:-}" ] || [ -n "${DEEPINFER_TEST_SEED:-}" ]; then
+  seed="--hypothesis-seed=${DEEPINFER_TEST_SEED:-0}"
+fi
 
 # pytest's exit 5 means it collected nothing: a failure here, never a pass.
 record() { # step rc seconds
@@ -34,7 +40,7 @@ for p in "${packages[@]}"; do
   start=$SECONDS
   env="$envs/$p"
   if UV_PROJECT_ENVIRONMENT="$env" uv sync --frozen --package "deepinfer-$p" --quiet; then
-    "$env/bin/python" -m pytest "packages/deepinfer-$p/tests"
+    "$env/bin/python" -m pytest $seed "packages/deepinfer-$p/tests"
     rc=$?
   else
     rc=1
@@ -46,7 +52,7 @@ if [ "$full" -eq 1 ]; then
   echo "=== cross-package tests (full workspace environment) ==="
   start=$SECONDS
   if uv sync --frozen --all-packages --quiet; then
-    uv run --frozen --no-sync python -m pytest tests
+    uv run --frozen --no-sync python -m pytest $seed tests
     rc=$?
   else
     rc=1

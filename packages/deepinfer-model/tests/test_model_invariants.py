@@ -173,9 +173,15 @@ def test_bad_batches_name_the_field(tiny):
     plans=st.lists(st.tuples(st.integers(1, 20), st.integers(1, 9)), min_size=2, max_size=3),
     seed=st.integers(0, 99),
 )
+@example(plans=[(1, 1), (10, 6)], seed=46)
 def test_random_batches_equal_each_sequence_alone(tiny, plans, seed):
     """Each sequence: a first chunk of p tokens, then a second step of q tokens, all sequences
-    of a step in one flat batch (different slots and interleaved pages)."""
+    of a step in one flat batch (different slots and interleaved pages).
+
+    Compared with the one-shot prefill at a looser tolerance than `TOL`: the linears quantise
+    activations to FP8 per 32 channels, so a last-bit fp32 difference between a 16-row and a
+    10 + 6-row matmul can flip one FP8 rounding (the pinned example moves logits by 1.8e-3).
+    Wrong windows, entries or pages give O(1) errors and a different argmax."""
     cfg, model, spec = tiny
     seqs = [_tokens(p + q, seed + i) for i, (p, q) in enumerate(plans)]
     alone = [_prefill(model, _cache(cfg, spec), s, 0, [0, 1]) for s in seqs]
@@ -192,8 +198,9 @@ def test_random_batches_equal_each_sequence_alone(tiny, plans, seed):
     ).logits
     o1 = o2 = 0
     for i, (p, q) in enumerate(plans):
-        torch.testing.assert_close(out1[o1 : o1 + p], alone[i][:p], **TOL)
-        torch.testing.assert_close(out2[o2 : o2 + q], alone[i][p:], **TOL)
+        got = torch.cat([out1[o1 : o1 + p], out2[o2 : o2 + q]])
+        torch.testing.assert_close(got, alone[i], rtol=0, atol=1e-2)
+        assert torch.equal(got.argmax(-1), alone[i].argmax(-1))
         o1, o2 = o1 + p, o2 + q
 
 
