@@ -157,6 +157,15 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((p & 0xF, p >> 4), dim=-1).flatten(-2)
 
 
+def _fp4_ue8m0_groups(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] -> (x / scale clamped to +-6, fp32 [..., K/block, block]; scale
+    ``2**ceil(log2(amax / 6))`` fp32 [..., K/block, 1]), amax floored so the scale stays normal."""
+    groups = x.float().unflatten(-1, (-1, block))
+    amax = groups.abs().amax(-1, keepdim=True).clamp_min(FP4_MAX * 2.0**-126)
+    scale = pow2_ceil(amax * _FP4_MAX_INV.to(x.device))
+    return (groups / scale).clamp(-FP4_MAX, FP4_MAX), scale
+
+
 def quantize_fp4_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantise an expert weight to FP4 e2m1 with one UE8M0 scale per 32 along K.
 
@@ -164,11 +173,8 @@ def quantize_fp4_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale [..., N, K/32] float8_e8m0fnu). The scale is ``2**ceil(log2(amax / 6))``.
     """
     _check_last_dim(w, FP4_BLOCK, "quantize_fp4_experts")
-    groups = w.float().unflatten(-1, (-1, FP4_BLOCK))
-    amax = groups.abs().amax(-1).clamp_min(FP4_MAX * 2.0**-126)
-    scale = pow2_ceil(amax * _FP4_MAX_INV.to(w.device))
-    q = (groups / scale.unsqueeze(-1)).clamp(-FP4_MAX, FP4_MAX)
-    return pack_fp4(e2m1_code(q).flatten(-2)), scale.to(torch.float8_e8m0fnu)
+    q, scale = _fp4_ue8m0_groups(w, FP4_BLOCK)
+    return pack_fp4(e2m1_code(q).flatten(-2)), scale.squeeze(-1).to(torch.float8_e8m0fnu)
 
 
 def dequantize_fp4(
@@ -224,10 +230,7 @@ def fake_quant_fp8_ue8m0(x: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tenso
 def fake_quant_fp4_ue8m0(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     """FP4 e2m1 quantise-dequantise per `block`, power-of-two scales (index keys and queries)."""
     _check_last_dim(x, block, "fake_quant_fp4_ue8m0")
-    groups = x.float().unflatten(-1, (-1, block))
-    amax = groups.abs().amax(-1, keepdim=True).clamp_min(FP4_MAX * 2.0**-126)
-    scale = pow2_ceil(amax * _FP4_MAX_INV.to(x.device))
-    q = (groups / scale).clamp(-FP4_MAX, FP4_MAX)
+    q, scale = _fp4_ue8m0_groups(x, block)
     return (e2m1_value(e2m1_code(q)) * scale).flatten(-2).to(x.dtype)
 
 
