@@ -26,11 +26,10 @@ def count_expert_tokens(topk_ids: torch.Tensor, num_experts: int) -> torch.Tenso
     if num_experts <= 0:
         raise ValueError(f"num_experts must be > 0, got {num_experts}")
     flat = topk_ids.reshape(-1).to(torch.int64)
-    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= num_experts):
-        raise ValueError(
-            f"topk_ids must lie in [0, {num_experts}), got range "
-            f"[{int(flat.min())}, {int(flat.max())}]"
-        )
+    if flat.numel():
+        lo, hi = torch.stack(torch.aminmax(flat)).tolist()  # one host read, not two
+        if lo < 0 or hi >= num_experts:
+            raise ValueError(f"topk_ids must lie in [0, {num_experts}), got range [{lo}, {hi}]")
     return torch.bincount(flat, minlength=num_experts)
 
 
