@@ -175,8 +175,10 @@ def check_verify_inputs(
     vocab = target_probs.shape[1]
     if vocab == 0:
         raise ValueError("target_probs must have a vocabulary dimension V >= 1")
-    if total and (int(draft_token_ids.min()) < 0 or int(draft_token_ids.max()) >= vocab):
-        raise ValueError(f"draft_token_ids must lie in [0, V = {vocab})")
+    if total:
+        lo, hi = torch.stack(torch.aminmax(draft_token_ids)).tolist()  # one host read, not two
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"draft_token_ids must lie in [0, V = {vocab})")
     if draft_probs is not None and (
         draft_probs.dim() != 2 or tuple(draft_probs.shape) != (total, vocab)
     ):
