@@ -180,7 +180,9 @@ class GrammarMatcher:
         return ok
 
     def accept_string(self, text: str | bytes) -> bool:
-        """Advance by raw text (e.g. a forced prefix). Returns False if the grammar rejects it."""
+        """Advance by raw text (e.g. a forced prefix). Returns False if the grammar rejects it.
+
+        Text is not a token: `rollback` counts accepted tokens only and never undoes it."""
         return bool(self._matcher.accept_string(text))
 
     def rollback(self, num_tokens: int) -> None:
