@@ -35,8 +35,11 @@ WEIGHT_AMAX_FLOOR = FP8_MAX * 2.0**-126
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 """e2m1 magnitudes by code 0..7; code | 8 is the negative value."""
 
-_FP8_MAX_INV = torch.tensor(1.0 / FP8_MAX, dtype=torch.float32)
-_FP4_MAX_INV = torch.tensor(1.0 / FP4_MAX, dtype=torch.float32)
+# Python floats, not tensors: a tensor constant would be copied host->device on every CUDA call.
+# A Python scalar times an fp32 tensor is computed in fp32 with the scalar rounded to fp32 first,
+# the same product a 0-dim fp32 tensor of 1/max gives, bit for bit.
+_FP8_MAX_INV = 1.0 / FP8_MAX
+_FP4_MAX_INV = 1.0 / FP4_MAX
 
 
 def _check_last_dim(x: torch.Tensor, block: int, name: str) -> None:
@@ -86,7 +89,7 @@ def quantize_fp8_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n, k = w.shape
     blocks, nb, kb = _block_view(w.float(), FP8_BLOCK)
     amax = blocks.abs().amax(dim=(1, 3)).clamp_min(WEIGHT_AMAX_FLOOR)  # [nb, kb]
-    scale = pow2_ceil(amax * _FP8_MAX_INV.to(w.device))
+    scale = pow2_ceil(amax * _FP8_MAX_INV)
     q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
     w_fp8 = q.reshape(nb * FP8_BLOCK, kb * FP8_BLOCK)[:n, :k].to(torch.float8_e4m3fn)
     return w_fp8.contiguous(), scale.to(torch.float8_e8m0fnu)
@@ -139,9 +142,17 @@ def e2m1_code(q: torch.Tensor) -> torch.Tensor:
 
 
 def e2m1_value(code: torch.Tensor) -> torch.Tensor:
-    """e2m1 codes (any integer dtype, low 4 bits used) -> fp32 values."""
-    table = torch.tensor(FP4_VALUES + tuple(-v for v in FP4_VALUES), device=code.device)
-    return table[(code.to(torch.int32) & 0xF).long()]
+    """e2m1 codes (any integer dtype, low 4 bits used) -> fp32 values (code 8 is -0.0).
+
+    Built from the fp32 bit pattern on the codes' device (a lookup table would be uploaded on every
+    CUDA call): magnitude code m = 2e + f is 2**(e - 1) * (1 + f/2) for e >= 1 (fp32 exponent field
+    e + 126, top mantissa bit f) and f/2 for e = 0 (0 or 0.5, exponent field 126 when f = 1).
+    """
+    c = code.to(torch.int32) & 0xF
+    e, f = (c >> 1) & 3, c & 1
+    normal = ((e + 126) << 23) | (f << 22)
+    bits = torch.where(e > 0, normal, f * (126 << 23)) | ((c >> 3) << 31)
+    return bits.view(torch.float32)
 
 
 def pack_fp4(code: torch.Tensor) -> torch.Tensor:
@@ -162,7 +173,7 @@ def _fp4_ue8m0_groups(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.
     ``2**ceil(log2(amax / 6))`` fp32 [..., K/block, 1]), amax floored so the scale stays normal."""
     groups = x.float().unflatten(-1, (-1, block))
     amax = groups.abs().amax(-1, keepdim=True).clamp_min(FP4_MAX * 2.0**-126)
-    scale = pow2_ceil(amax * _FP4_MAX_INV.to(x.device))
+    scale = pow2_ceil(amax * _FP4_MAX_INV)
     return (groups / scale).clamp(-FP4_MAX, FP4_MAX), scale
 
 
@@ -207,7 +218,7 @@ def act_quant_fp8(x: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor
     _check_last_dim(x, block, "act_quant_fp8")
     groups = x.float().unflatten(-1, (-1, block))
     amax = groups.abs().amax(-1).clamp_min(ACT_AMAX_FLOOR)
-    scale = pow2_ceil(amax * _FP8_MAX_INV.to(x.device))
+    scale = pow2_ceil(amax * _FP8_MAX_INV)
     q = (groups / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX)
     return q.flatten(-2).to(torch.float8_e4m3fn), scale
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..registry import REGISTRY, Implementation
+from ._checks import cuda_input_reason
 
 REGISTRY.declare("hc_mixes", "h [T,hc,D], fn [mix,hc*D], norm_eps -> [T,mix] fp32")
 REGISTRY.declare(
@@ -13,8 +14,36 @@ REGISTRY.declare(
 )
 REGISTRY.declare("hc_pre", "h [T,hc,D], pre [T,hc] -> [T,D]")
 REGISTRY.declare("hc_post", "y [T,D], residual [T,hc,D], post [T,hc], comb [T,hc,hc] -> [T,hc,D]")
+_SUPPORTS = {
+    "hc_mixes": "deepinfer_kernels.ops._checks:cuda_input_reason",
+    "hc_split_sinkhorn": "deepinfer_kernels.ops.mhc:sinkhorn_triton_reason",
+    "hc_pre": "deepinfer_kernels.ops._checks:cuda_input_reason",
+    "hc_post": "deepinfer_kernels.ops._checks:cuda_input_reason",
+}
 for _op in ("hc_mixes", "hc_split_sinkhorn", "hc_pre", "hc_post"):
     REGISTRY.register(Implementation(_op, "ref", f"deepinfer_kernels.ref.mhc:{_op}"))
+    REGISTRY.register(
+        Implementation(
+            _op,
+            "triton",
+            f"deepinfer_kernels.triton.mhc:{_op}",
+            devices=("cuda",),
+            min_capability=(9, 0),
+            requires=("triton",),
+            supports=_SUPPORTS[_op],
+        )
+    )
+
+_SINKHORN_MAX_HC = 16  # the triton kernel holds a token's [hc, hc] matrix in registers
+
+
+def sinkhorn_triton_reason(mixes: torch.Tensor, scale, base, hc_mult, *_, **__) -> str | None:
+    """Why the triton `hc_split_sinkhorn` cannot run this call (input not on CUDA, hc too large),
+    or None."""
+    why = cuda_input_reason(mixes)
+    if why is None and int(hc_mult) > _SINKHORN_MAX_HC:
+        why = f"hc_mult {hc_mult} > {_SINKHORN_MAX_HC}"
+    return why
 
 
 def hc_mixes(h: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:

@@ -8,6 +8,17 @@ from ..registry import REGISTRY, Implementation
 
 REGISTRY.declare("rms_norm", "x [..., d], weight [d], eps -> [..., d] x.dtype (fp32 statistics)")
 REGISTRY.register(Implementation("rms_norm", "ref", "deepinfer_kernels.ref.norm:rms_norm"))
+REGISTRY.register(
+    Implementation(
+        "rms_norm",
+        "triton",
+        "deepinfer_kernels.triton.norm:rms_norm",
+        devices=("cuda",),
+        min_capability=(9, 0),
+        requires=("triton",),
+        supports="deepinfer_kernels.ops._checks:cuda_input_reason",
+    )
+)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

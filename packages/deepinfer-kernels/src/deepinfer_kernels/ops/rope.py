@@ -11,6 +11,17 @@ REGISTRY.declare(
     "x [T, ..., rd], positions [T], inv_freq [rd/2] fp32, inverse -> [T, ..., rd] x.dtype",
 )
 REGISTRY.register(Implementation("rope", "ref", "deepinfer_kernels.ref.rope:rope"))
+REGISTRY.register(
+    Implementation(
+        "rope",
+        "triton",
+        "deepinfer_kernels.triton.rope:rope",
+        devices=("cuda",),
+        min_capability=(9, 0),
+        requires=("triton",),
+        supports="deepinfer_kernels.ops._checks:cuda_input_reason",
+    )
+)
 
 
 def rope(
