@@ -274,6 +274,147 @@ def moe_rows(tokens_list, quick):
     return rows
 
 
+def decode_rows(quick):
+    """The decode (weight-bandwidth) rows: dense FP8 GEMM at M <= 256 and the MoE layer at
+    T <= 256, each timed eagerly and as CUDA-graph replays (how the engine runs decode), in auto
+    and batch-invariant mode, plus a few candidate configurations of the decode kernels."""
+    from deepinfer_kernels import quant
+    from deepinfer_kernels.triton import gemv
+    from deepinfer_kernels.triton import linear as tl_linear
+    from deepinfer_kernels.triton import moe as tmoe
+
+    rows = []
+
+    def row(op, shape, ms, flops, nbytes, torch_ms=float("nan"), mm_ms=float("nan")):
+        rows.append(
+            dict(
+                op=op,
+                shape=shape,
+                ms=ms,
+                flops=flops,
+                bytes=nbytes,
+                torch_ms=torch_ms,
+                mm_only_ms=mm_ms,
+            )
+        )
+
+    D = gemv.DecodeConfig
+    sweep = {
+        "fold k128 st4": D(),
+        "fold k256 st3": D(block_k=256, num_stages=3),
+        "fold k64 st6": D(block_k=64, num_stages=6),
+        "fold k128 st4 w8": D(num_warps=8),
+        "fold k128 s2": D(split_k=2),
+        "fold k128 s4": D(split_k=4),
+        "swap16 k128 st4": D(block_m=16, block_n=64, fold=False),
+        "swap16 k256 st3": D(block_m=16, block_n=64, block_k=256, num_stages=3, fold=False),
+    }
+    shapes = [
+        (1, 5120, 8192),
+        (16, 5120, 8192),
+        (64, 5120, 8192),
+        (128, 5120, 8192),
+        (256, 5120, 8192),
+        (1, 2112, 7168),
+        (64, 32768, 1280),
+    ]
+    for m, n, k in shapes:
+        sets = []
+        for _ in range(max(2, min(6, (256 << 20) // (n * k)))):
+            w, ws = quant.quantize_fp8_blocks(torch.randn(n, k, device="cuda") * 0.02)
+            x = torch.randn(m, k, device="cuda").bfloat16()
+            xq, xs = quant.act_quant_fp8(x)
+            sets.append((x, xq, xs, w, ws))
+        flops = 2.0 * m * n * k
+        nbytes = n * k + (n // 32 + 1) * (k // 32)  # weight bytes (what decode must stream)
+        shape = f"{m}x{n}x{k}"
+
+        def torch_base(x, xq, xs, w, ws):
+            return x @ quant.dequantize_fp8_blocks(w, ws, torch.bfloat16).t()
+
+        t_torch = _bench(Rotating(torch_base, sets))
+        for name, inv in (("auto", False), ("inv", True)):
+
+            def fn(x, xq, xs, w, ws, inv=inv):
+                return tl_linear.fp8_gemm(xq, xs, w, ws, torch.bfloat16, batch_invariant=inv)
+
+            row(f"fp8_gemm[{name}]", shape, _bench(Rotating(fn, sets)), flops, nbytes, t_torch)
+            row(f"fp8_gemm[graph {name}]", shape, _bench_graphs(fn, sets), flops, nbytes, t_torch)
+        if quick or m not in (1, 16, 64) or n != 5120:
+            continue
+        for name, cfg in sweep.items():
+            try:
+                ms = _bench_graphs(
+                    lambda x, xq, xs, w, ws, cfg=cfg: gemv.decode_gemm(
+                        xq, xs, w, ws, torch.bfloat16, cfg
+                    ),
+                    sets,
+                )
+            except Exception as exc:  # a config that does not compile is reported, not fatal
+                print(f"sweep: {name} failed: {type(exc).__name__}: {str(exc)[:300]}")
+                continue
+            row(f"sweep dec[{name}]", shape, ms, flops, nbytes)
+        del sets
+
+    # MoE decode: graph replays of the whole layer's experts, a few tile configurations
+    d, i, e, k, limit = 5120, 2304, 384, 6, 10.0
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def fp4(n_, k_):
+        packed = torch.randint(
+            -128, 128, (e, n_, k_ // 2), device="cuda", generator=g, dtype=torch.int8
+        )
+        scale = torch.randint(
+            118, 123, (e, n_, k_ // 32), device="cuda", generator=g, dtype=torch.uint8
+        )
+        return packed, scale.view(torch.float8_e8m0fnu)
+
+    (w1, s1), (w3, s3), (w2, s2) = fp4(i, d), fp4(i, d), fp4(d, i)
+    per_expert = 3 * (i * d // 2 + i * d // 32)
+    M = tmoe.MoeConfig
+    moe_cands = {
+        "auto": None,
+        "mma k256": M(16, 64, 64, 4, 4, 4, False, 256),
+        "wgmma k256": M(16, 64, 64, 4, 4, 4, True, 256),
+        "wgmma k256 n128": M(16, 128, 128, 4, 4, 3, True, 256),
+    }
+    for t in (1, 16, 64, 256):
+        sets = []
+        for _ in range(8):
+            x = torch.randn(t, d, device="cuda", generator=g).bfloat16()
+            ids = torch.rand(t, e, device="cuda", generator=g).topk(k, dim=-1).indices
+            sets.append((x, torch.rand(t, k, device="cuda", generator=g), ids))
+        active = sum(int(torch.unique(st[2]).numel()) for st in sets) / len(sets)
+        nbytes = active * per_expert
+        shape = f"T={t} E=384 k=6 D=5120 I=2304"
+        for name, cfg in moe_cands.items():
+            for inv in (False, True) if cfg is None else (False,):
+                try:
+                    ms = _bench_graphs(
+                        lambda x, tw, ids, cfg=cfg, inv=inv: tmoe.moe_experts(
+                            x,
+                            tw,
+                            ids,
+                            w1,
+                            s1,
+                            w3,
+                            s3,
+                            w2,
+                            s2,
+                            limit,
+                            batch_invariant=inv,
+                            config=cfg,
+                        ),
+                        sets,
+                    )
+                except Exception as exc:
+                    print(f"sweep: moe {name} failed: {type(exc).__name__}: {str(exc)[:300]}")
+                    continue
+                label = ("graph inv" if inv else "graph auto") if cfg is None else name
+                row(f"moe_experts[{label}]", shape, ms, 6.0 * t * k * d * i, nbytes)
+    return rows
+
+
 def _torch_gate(x, wg, bias, k, route_scale):
     s = torch.sqrt(F.softplus(x.float() @ wg.float().t()))
     ids = (s + bias).topk(k, dim=-1).indices
@@ -487,7 +628,10 @@ def main() -> None:
         "--json", default=os.path.join(os.environ.get("OUT", "."), "bench_kernels.json")
     )
     ap.add_argument(
-        "--only", default="gemm,moe,quant", help="comma list of gemm, moe, quant, sweep"
+        "--only",
+        default="gemm,moe,quant",
+        help="comma list of gemm, moe, quant, decode (decode GEMM/MoE rows + candidates), sweep, "
+        "probe",
     )
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -516,6 +660,8 @@ def main() -> None:
         rows += gemm_rows(shapes, args.quick)
     if "moe" in parts:
         rows += moe_rows([1, 16, 64, 256, 8192], args.quick)
+    if "decode" in parts:
+        rows += decode_rows(args.quick)
     if "sweep" in parts:
         rows += sweep_rows()
     if "probe" in parts:

@@ -317,3 +317,80 @@ def test_moe_experts_cuda_graph_replay():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, tmoe.moe_experts(x, tw, ids, *ws, 10.0))
+
+
+# -- decode (weight-streaming) GEMM ------------------------------------------------------------
+
+DECODE_SHAPES = [(1, 5120, 8192), (3, 40, 64), (16, 2112, 7168), (17, 33, 320), (64, 512, 1280)]
+
+
+@pytest.mark.parametrize(("m", "n", "k"), DECODE_SHAPES)
+@pytest.mark.parametrize("cfg_name", ["auto", "swap16", "fold_bk64_split2"])
+def test_decode_gemm_close_to_ref(m, n, k, cfg_name):
+    from deepinfer_kernels.triton import gemv
+
+    cfg = {
+        "auto": None,
+        "swap16": gemv.DecodeConfig(block_m=16, block_n=64, fold=False),
+        "fold_bk64_split2": gemv.DecodeConfig(block_k=64, split_k=2),
+    }[cfg_name]
+    if cfg is not None and cfg.split_k and (k // 32) % cfg.split_k:
+        pytest.skip("split must divide K/32")
+    xq, xs, w, ws = _gemm_inputs(m, n, k, seed=m * 7 + n + k)
+    want = ref_linear.fp8_gemm(xq, xs, w, ws, torch.float32)
+    _poison()
+    got = gemv.decode_gemm(xq, xs, w, ws, torch.float32, cfg)
+    assert _rel(got, want) < 1e-3
+    xa = quant.act_dequant_fp8(xq, xs, torch.bfloat16)  # exact: the bf16-activation path
+    assert torch.equal(gemv.decode_gemm(xa, xa, w, ws, torch.float32, cfg), got)
+    got16 = gemv.decode_gemm(xq, xs, w, ws.float(), torch.bfloat16, cfg)
+    assert _rel(got16, want) < 1e-2
+
+
+@pytest.mark.parametrize(("n", "k"), [(2112, 7168), (5120, 1024), (96, 320)])
+def test_decode_gemm_batch_invariant_across_paths(n, k):
+    """A row's bits are the same at M=1 (decode kernel), M=64 (decode) and M=301 (prefill tiles
+    with the decode kernel's split of K), in invariant mode; in auto mode at M <= 64."""
+    from deepinfer_kernels.triton import linear as tl_linear
+
+    xq, xs, w, ws = _gemm_inputs(301, n, k, seed=n + k)
+    full = tl_linear.fp8_gemm(xq, xs, w, ws, torch.bfloat16, batch_invariant=True)
+    for lo, hi in ((0, 1), (300, 301), (5, 69), (17, 30), (100, 300)):
+        for inv in (True, False) if hi - lo <= 64 else (True,):
+            part = tl_linear.fp8_gemm(
+                xq[lo:hi], xs[lo:hi], w, ws, torch.bfloat16, batch_invariant=inv
+            )
+            assert torch.equal(part, full[lo:hi]), (lo, hi, inv)
+
+
+def test_decode_gemm_graph_replay():
+    from deepinfer_kernels.triton import linear as tl_linear
+
+    xq, xs, w, ws = _gemm_inputs(4, 2112, 7168, seed=3)
+    out = tl_linear.fp8_gemm(xq, xs, w, ws, torch.bfloat16)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tl_linear.fp8_gemm(xq, xs, w, ws, torch.bfloat16)
+    x2, s2, *_ = _gemm_inputs(4, 2112, 7168, seed=4)
+    xq.copy_(x2)
+    xs.copy_(s2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, tl_linear.fp8_gemm(xq, xs, w, ws, torch.bfloat16))
+
+
+@pytest.mark.parametrize(
+    ("t", "e", "k", "bm"), [(1, 384, 6, 16), (64, 384, 6, 16), (341, 384, 6, 16), (9, 8, 2, 128)]
+)
+def test_fused_routing_equals_torch_routing(t, e, k, bm):
+    from deepinfer_kernels.triton import moe as tmoe
+
+    g = _gen(t + e)
+    ids = torch.rand(t, e, device=DEV, generator=g).topk(k, dim=-1).indices
+    ids[::5, 0] = -1  # experts on another rank
+    tw = torch.rand(t, k, device=DEV, generator=g)
+    fused = tmoe.build_routing(tw, ids, e, bm, fused=True)
+    plain = tmoe.build_routing(tw, ids, e, bm, fused=False)
+    for name in ("sorted_token", "sorted_weight", "tiles", "combine_pos"):
+        assert torch.equal(getattr(fused, name), getattr(plain, name)), name

@@ -60,3 +60,22 @@ def fp4_to_bf16_scaled(packed, scale_u8, ROWS: tl.constexpr, KP: tl.constexpr, K
         return v * s
     v3 = tl.reshape(v, (ROWS, KG, 32)) * s[:, :, None]
     return tl.reshape(v3, (ROWS, 2 * KP))
+
+
+@triton.jit
+def dot_exact(a, b, acc, F32_MATH: tl.constexpr):
+    """acc + a @ b for bf16 a, b (products exact in fp32). F32_MATH runs the same values through an
+    fp32 IEEE dot: what the CPU tests use, since the Triton interpreter's bf16 math is wrong."""
+    if F32_MATH:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def scale_bf16(v, s, F32_MATH: tl.constexpr):
+    """bf16 v times power-of-two s (fp32, broadcastable) -> bf16, exact. On the GPU one bf16
+    multiply; F32_MATH (the Triton interpreter, whose bf16 arithmetic is wrong) goes through fp32,
+    which gives the same bits."""
+    if F32_MATH:
+        return (v.to(tl.float32) * s.to(tl.float32)).to(tl.bfloat16)
+    return v * s.to(tl.bfloat16)

@@ -8,9 +8,11 @@ each into the fp32 accumulator with ``sa[m] * sb[n // 32]``, as DeepGEMM promote
 Triton its loads are not software-pipelined and it spills at 128x128 tiles, so it is a variant
 kept for measurement.
 
-Tile choice depends on M. In batch-invariant mode split-K is off and only wgmma tiles are used,
-which give a row the same bits whatever the tile (see `pick_config`), so a row's result never
-depends on the other rows; the GPU tests check this bitwise.
+Decode shapes (M <= DECODE_MAX_M) go to the weight-streaming kernel of `gemv.py`. Above that the
+tile choice depends on M. In batch-invariant mode K is split exactly as the decode kernel splits it
+(a function of N and K only) and only wgmma tiles are used, which give a row the same bits whatever
+the tile (see `pick_config`), so a row's result never depends on the other rows; the GPU tests
+check this bitwise.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import e8m0_to_fp32
+from ._common import dot_exact, e8m0_to_fp32, scale_bf16
+from .gemv import DecodeConfig, decode_gemm, decode_split, sum_splits
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,7 @@ def _fp8_gemm_kernel(
     M,
     N,
     K,
+    k_chunk,
     stride_am,
     stride_asm,
     stride_bn,
@@ -57,10 +61,10 @@ def _fp8_gemm_kernel(
     DEQUANT_BF16: tl.constexpr,
     SWAP_AB: tl.constexpr,
     A_BF16: tl.constexpr,
+    F32_MATH: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -79,7 +83,6 @@ def _fp8_gemm_kernel(
     rows_b = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
     # K is a multiple of 32; a step covers BLOCK_K (KG scale groups), the last one masked
     KG: tl.constexpr = BLOCK_K // 32
-    k_chunk = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
     k_begin = pid_k * k_chunk
     k_end = tl.minimum(K, k_begin + k_chunk)
     offs_k = tl.arange(0, BLOCK_K)
@@ -114,23 +117,21 @@ def _fp8_gemm_kernel(
                 if KG == 1:
                     a16 = (a.to(tl.float32) * sa).to(tl.bfloat16)
                 else:
-                    a3 = (
-                        tl.reshape(a.to(tl.bfloat16), (BLOCK_M, KG, 32))
-                        * sa.to(tl.bfloat16)[:, :, None]
+                    a3 = scale_bf16(
+                        tl.reshape(a.to(tl.bfloat16), (BLOCK_M, KG, 32)), sa[:, :, None], F32_MATH
                     )
                     a16 = tl.reshape(a3, (BLOCK_M, BLOCK_K))
             if KG == 1:
                 b16 = (b.to(tl.float32) * sb).to(tl.bfloat16)
             else:  # bf16 x power of two is exact; bf16 halves the registers of the expansion
-                b3 = (
-                    tl.reshape(b.to(tl.bfloat16), (BLOCK_N, KG, 32))
-                    * sb.to(tl.bfloat16)[:, :, None]
+                b3 = scale_bf16(
+                    tl.reshape(b.to(tl.bfloat16), (BLOCK_N, KG, 32)), sb[:, :, None], F32_MATH
                 )
                 b16 = tl.reshape(b3, (BLOCK_N, BLOCK_K))
-            if SWAP_AB:  # noqa: SIM108 (a Triton constexpr branch)
-                acc = tl.dot(b16, tl.trans(a16), acc)
+            if SWAP_AB:
+                acc = dot_exact(b16, tl.trans(a16), acc, F32_MATH)
             else:
-                acc = tl.dot(a16, tl.trans(b16), acc)
+                acc = dot_exact(a16, tl.trans(b16), acc, F32_MATH)
         else:  # BLOCK_K == 32: FP8 dot, promoted with its two scales
             sa = tl.load(as_ptrs)
             part = tl.dot(a, tl.trans(b))
@@ -150,33 +151,40 @@ def _fp8_gemm_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=cmask)
 
 
+DECODE_MAX_M = 64
+"""Calls with at most this many rows take the weight-streaming decode kernel (`gemv.py`)."""
+
+
 def pick_config(
     m: int, n: int, k: int, batch_invariant: bool, a_bf16: bool = False, num_sms: int = 132
-) -> GemmConfig:
-    """Tile shapes by M bucket; decode shapes add split-K until there are ~4 CTAs per SM.
+) -> GemmConfig | DecodeConfig:
+    """Decode shapes (M <= DECODE_MAX_M) take the weight-streaming kernel of `gemv.py`, whose
+    split of K depends on (N, K) only. Larger M: tile shapes by M bucket; in auto mode, M <= 256
+    adds split-K until there are ~4 CTAs per SM.
 
-    Every configuration expands the FP8 operands exactly to bf16 (`DEQUANT_BF16`) and runs on
-    wgmma (small M swaps A and B so the weight rows fill the MMA's 64 rows): on Triton the
-    depth-32 FP8 dots with per-step promotion neither pipeline their loads nor fit in registers,
-    so they are kept only as a variant. Batch-invariant mode keeps the tiles but drops split-K:
-    measured on the H200 (tools/bench_kernels.py --only probe), wgmma tiles of any shape, swapped
-    or not, with any K step, give bitwise the same rows as long as K is not split; the mma.sync
-    path (16-row tiles without the swap) does not, so it is never chosen.
+    Every configuration expands the FP8 operands exactly to bf16 and runs on wgmma: on Triton
+    the depth-32 FP8 dots with per-step promotion neither pipeline their loads nor fit in
+    registers, so they are kept only as a variant. Measured on the H200 (`tools/bench_kernels.py
+    --only probe`): wgmma tiles of any shape, swapped or not, with any K step, give bitwise the same
+    rows for the same split of K; the mma.sync path (16-row tiles without the swap) does not, so it
+    is never chosen. Batch-invariant mode therefore splits K exactly as the decode kernel does
+    (`decode_split(N, K)`, K/split per slice, fixed-order sum), so a row's bits do not depend on M
+    across the decode/prefill boundary either.
     """
-    bk, swap = 32, False
-    if m <= 16:  # weight-bandwidth bound: weight rows as the MMA's M, 128 bytes of a row a step
-        bm, bn, warps, stages, bk, swap = 16, 64, 4, 4, 128, True
-    elif m <= 64:
-        bm, bn, warps, stages = 64, 64, 4, 5
-    elif m <= 256:
+    if m <= DECODE_MAX_M:
+        return DecodeConfig()
+    bk = 32
+    if m <= 256:
         bm, bn, warps, stages = 64, 128, 4, 5
     else:  # with bf16 activations a 64-deep step pays (417 vs 395 TFLOP/s measured at 8192^2)
         bm, bn, warps, stages, bk = 128, 128, 8, 4, (64 if a_bf16 else 32)
+    if batch_invariant:
+        return GemmConfig(bm, bn, decode_split(n, k), warps, stages, True, block_k=bk)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     split = 1
-    while not batch_invariant and tiles * split < 4 * num_sms and k // (split * 2) >= 512:
+    while m <= 256 and tiles * split < 4 * num_sms and k // (split * 2) >= 512:
         split *= 2
-    return GemmConfig(bm, bn, split, warps, stages, True, swap_ab=swap, block_k=bk)
+    return GemmConfig(bm, bn, split, warps, stages, True, block_k=bk)
 
 
 def fp8_gemm(
@@ -187,17 +195,31 @@ def fp8_gemm(
     out_dtype: torch.dtype,
     *,
     batch_invariant: bool = False,
-    config: GemmConfig | None = None,
+    config: GemmConfig | DecodeConfig | None = None,
 ) -> torch.Tensor:
-    """[M, K] e4m3 (+ [M, K/32] fp32 scales) x [N, K] e4m3 (+ [N/32, K/32] e8m0) -> [M, N]."""
+    """[M, K] e4m3 (+ [M, K/32] fp32 scales) x [N, K] e4m3 (+ [N/32, K/32] e8m0) -> [M, N].
+
+    x_fp8 may instead be bf16 activations already expanded (x_fp8 * scale, see `fp8_linear`);
+    x_scale is then ignored. In batch-invariant mode the split of K is `decode_split(N, K)` (or
+    the config's, which must then divide K/32) and the slices are K/split each.
+    """
     m, k = x_fp8.shape
     n = w.shape[0]
+    cfg = config or pick_config(m, n, k, batch_invariant, x_fp8.dtype == torch.bfloat16)
+    if isinstance(cfg, DecodeConfig):
+        return decode_gemm(x_fp8, x_scale, w, w_scale, out_dtype, cfg)
     x_fp8, x_scale, w = x_fp8.contiguous(), x_scale.contiguous(), w.contiguous()
     e8m0 = w_scale.dtype == torch.float8_e8m0fnu
     ws = (w_scale.view(torch.uint8) if e8m0 else w_scale.float()).contiguous()
-    cfg = config or pick_config(m, n, k, batch_invariant, x_fp8.dtype == torch.bfloat16)
     if m == 0:
         return torch.empty(0, n, dtype=out_dtype, device=x_fp8.device)
+    bk = cfg.block_k if cfg.dequant_bf16 else 32
+    if batch_invariant:  # the decode kernel's cut: K/split per slice
+        if (k // 32) % cfg.split_k:
+            raise ValueError(f"fp8_gemm: split_k={cfg.split_k} must divide K/32={k // 32}")
+        k_chunk = k // cfg.split_k
+    else:
+        k_chunk = triton.cdiv(triton.cdiv(k, bk), cfg.split_k) * bk
     if cfg.split_k > 1:
         c = torch.empty(cfg.split_k, m, n, dtype=torch.float32, device=x_fp8.device)
     else:
@@ -212,6 +234,7 @@ def fp8_gemm(
         m,
         n,
         k,
+        k_chunk,
         x_fp8.stride(0),
         x_scale.stride(0),
         w.stride(0),
@@ -222,16 +245,16 @@ def fp8_gemm(
         DEQUANT_BF16=cfg.dequant_bf16,
         SWAP_AB=cfg.swap_ab and cfg.dequant_bf16,
         A_BF16=x_fp8.dtype == torch.bfloat16,
+        F32_MATH=x_fp8.device.type == "cpu",  # the Triton interpreter (CPU tests)
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k if cfg.dequant_bf16 else 32,
-        SPLIT_K=cfg.split_k,
+        BLOCK_K=bk,
         GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
     if cfg.split_k > 1:
-        return c.sum(0).to(out_dtype)  # fixed-order reduction: deterministic run to run
+        return sum_splits(c, out_dtype)  # fixed-order reduction: deterministic, M-independent
     return c[0]
 
 

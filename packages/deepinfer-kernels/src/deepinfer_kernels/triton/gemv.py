@@ -1,0 +1,264 @@
+"""Decode-shaped FP8 GEMM (few activation rows): a weight-streaming kernel with a fixed split-K.
+
+At M <= 64 the op reads 32x32-block FP8 weights [N, K] once and does little arithmetic per byte,
+so the kernel is built to stream the weight: each program owns `block_n` output features and a
+fixed slice of K, loads the weight in full `block_k`-wide rows (no masks along K, so the loads stay
+16-byte vectors), and keeps the few activation rows of the tile in registers.
+
+Two ways to apply the weight's per-32x32 UE8M0 scale, both exact (every factor is a power of two):
+- `fold` (default): a program's 32 weight rows are exactly one scale block row, so the scale of a
+  (block row, K group) pair multiplies the *activation* tile instead (x_hat[m, k] * 2**e, exact in
+  bf16); the weight is converted e4m3 -> bf16 with no multiply. Activations fill the MMA's M
+  (padded to `block_m`), the weight rows its N.
+- swap: 64 weight rows fill the MMA's M and are expanded ``e4m3 * 2**e`` per element (the
+  prefill kernel's expansion); activations are the MMA's N (16/32/64).
+
+Either way the products are the exact products the prefill kernel (`linear._fp8_gemm_kernel`)
+forms and both run on wgmma, whose rows do not depend on the tile (measured, see linear.py):
+with the same split of K the two kernels give a row the same bits. The split count comes from N
+and K only (`decode_split`), never from M, and the partial sums are added by `sum_splits` in a
+fixed order: batch-invariant by construction, in either mode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import dot_exact, e8m0_to_fp32, scale_bf16
+
+NUM_SMS = 132
+"""H200 multiprocessors: the split policy's target. A constant, not read from the device, so the
+split (and therefore every row's bits) is a function of (N, K) alone."""
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """One decode-kernel configuration. `split_k` of 0 means `decode_split(N, K)`."""
+
+    block_m: int = 64
+    block_n: int = 32
+    block_k: int = 128
+    split_k: int = 0
+    num_warps: int = 4
+    num_stages: int = 4
+    fold: bool = True
+
+    def __post_init__(self) -> None:
+        if self.fold and self.block_n != 32:
+            raise ValueError(f"DecodeConfig.block_n must be 32 with fold=True, got {self.block_n}")
+        if not self.fold and self.block_n % 32:
+            raise ValueError(f"DecodeConfig.block_n must be a multiple of 32, got {self.block_n}")
+        if self.block_k % 32 or self.block_k < 32:
+            raise ValueError(f"DecodeConfig.block_k must be a multiple of 32, got {self.block_k}")
+
+
+def decode_split(n: int, k: int) -> int:
+    """Split count of K for an [N, K] weight: a function of N and K only (never of M).
+
+    Doubles from 1 while there are fewer 32-row weight tiles x splits than `NUM_SMS`, a split
+    keeps >= 1024 columns of K, and K/32 stays divisible by the count (so splits start on scale
+    groups and every kernel cuts K at the same places: K/split each)."""
+    tiles = triton.cdiv(n, 32)
+    s = 1
+    while tiles * s < NUM_SMS and (k // 32) % (2 * s) == 0 and k // (2 * s) >= 1024:
+        s *= 2
+    return s
+
+
+def pick_block_k(chunk: int, want: int) -> int:
+    """The largest of want, want/2, ..., 32 that divides the K chunk (K steps then need no mask)."""
+    bk = want
+    while chunk % bk:
+        bk //= 2
+    return bk
+
+
+@triton.jit(do_not_specialize=["M"])  # one compile for every M
+def _decode_gemm_kernel(
+    a_ptr,
+    as_ptr,
+    w_ptr,
+    ws_ptr,
+    c_ptr,
+    M,
+    N,
+    k_chunk,
+    stride_am,
+    stride_asm,
+    stride_wn,
+    stride_wsn,
+    stride_cs,
+    stride_cm,
+    A_BF16: tl.constexpr,
+    WS_E8M0: tl.constexpr,
+    FOLD: tl.constexpr,
+    F32_MATH: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """c[s, m, n] = sum over K slice s of x_hat[m, k] * w_hat[n, k] (fp32, one wgmma chain).
+
+    a: x_fp8 [M, K] e4m3 with as [M, K/32] fp32 scales, or (A_BF16) x_hat [M, K] bf16 already
+    expanded. w [N, K] e4m3 with ws [ceil(N/32), K/32] (e8m0 bytes or fp32). k_chunk is a
+    multiple of BLOCK_K and the K slices tile K exactly, so no load is masked along K. Grid
+    (M tiles, N tiles, splits): the M tiles of one weight tile are adjacent, so extra M tiles hit
+    L2. F32_MATH (CPU tensors: only the Triton interpreter runs those) computes the same exact
+    values in fp32 (the interpreter's bf16 arithmetic is wrong).
+    """
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # clamped rows: padded activation rows repeat row 0 and padded weight rows repeat row 0, so no
+    # load needs a mask; their results are never stored
+    rows_a = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
+    rows_w = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+    KG: tl.constexpr = BLOCK_K // 32
+    k_begin = pid_s * k_chunk
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_g = tl.arange(0, KG)
+    a_ptrs = a_ptr + rows_a[:, None] * stride_am + (k_begin + offs_k)[None, :]
+    as_ptrs = as_ptr + rows_a[:, None] * stride_asm + (k_begin // 32 + offs_g)[None, :]
+    w_ptrs = w_ptr + rows_w[:, None] * stride_wn + (k_begin + offs_k)[None, :]
+    if FOLD:  # one scale row per program: a [BLOCK_K] vector of per-column scales
+        ws_ptrs = ws_ptr + (pid_n * BLOCK_N // 32) * stride_wsn + (k_begin + offs_k) // 32
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        ws_ptrs = ws_ptr + (rows_w // 32)[:, None] * stride_wsn + (k_begin // 32 + offs_g)[None, :]
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for _ in range(0, k_chunk, BLOCK_K):
+        w = tl.load(w_ptrs)
+        a = tl.load(a_ptrs)
+        sw = tl.load(ws_ptrs)
+        if WS_E8M0:
+            sw = e8m0_to_fp32(sw)
+        # x_hat = x_fp8 * 2**e, exact in bf16 (the same expansion as the prefill kernel)
+        if A_BF16:
+            a16 = a
+        else:
+            sa = tl.load(as_ptrs)
+            if KG == 1:
+                a16 = (a.to(tl.float32) * sa).to(tl.bfloat16)
+            else:
+                a3 = scale_bf16(
+                    tl.reshape(a.to(tl.bfloat16), (BLOCK_M, KG, 32)), sa[:, :, None], F32_MATH
+                )
+                a16 = tl.reshape(a3, (BLOCK_M, BLOCK_K))
+        if FOLD:
+            # x_hat * 2**e_w is exact in bf16; the weight is a plain e4m3 -> bf16 conversion
+            a16 = scale_bf16(a16, sw[None, :], F32_MATH)
+            acc = dot_exact(a16, tl.trans(w.to(tl.bfloat16)), acc, F32_MATH)
+        else:
+            if KG == 1:
+                w16 = (w.to(tl.float32) * sw).to(tl.bfloat16)
+            else:
+                w3 = scale_bf16(
+                    tl.reshape(w.to(tl.bfloat16), (BLOCK_N, KG, 32)), sw[:, :, None], F32_MATH
+                )
+                w16 = tl.reshape(w3, (BLOCK_N, BLOCK_K))
+            acc = dot_exact(w16, tl.trans(a16), acc, F32_MATH)
+        a_ptrs += BLOCK_K
+        as_ptrs += KG
+        w_ptrs += BLOCK_K
+        ws_ptrs += KG
+    if not FOLD:
+        acc = tl.trans(acc)
+    c_ptrs = c_ptr + pid_s * stride_cs + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    cmask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=cmask)
+
+
+@triton.jit
+def _sum_splits_kernel(p_ptr, out_ptr, numel, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """out[i] = ((p[0, i] + p[1, i]) + p[2, i]) + ...: a fixed order, whoever wrote first."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    acc = tl.load(p_ptr + offs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLITS):
+        acc += tl.load(p_ptr + s * numel + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def sum_splits(partials: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """partials [S, M, N] fp32 -> [M, N] out_dtype, summed over S in ascending order."""
+    s, m, n = partials.shape
+    out = torch.empty(m, n, dtype=out_dtype, device=partials.device)
+    numel = m * n
+    if numel:
+        block = 1024
+        _sum_splits_kernel[(triton.cdiv(numel, block),)](
+            partials, out, numel, SPLITS=s, BLOCK=block, num_warps=4
+        )
+    return out
+
+
+def decode_gemm(
+    x: torch.Tensor,
+    x_scale: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+    config: DecodeConfig | None = None,
+) -> torch.Tensor:
+    """[M, K] activations x [N, K] e4m3 weight -> [M, N] out_dtype, fp32 accumulation.
+
+    x is x_fp8 [M, K] e4m3 with x_scale [M, K/32] fp32 powers of two, or x_hat [M, K] bf16 already
+    expanded (then x_scale is ignored); w_scale [ceil(N/32), K/32] e8m0 or fp32 powers of two.
+    Row results do not depend on M (see the module docstring).
+    """
+    cfg = config or DecodeConfig()
+    m, k = x.shape
+    n = w.shape[0]
+    if k % 32:
+        raise ValueError(f"decode_gemm: K must be a multiple of 32, got {k}")
+    split = cfg.split_k or decode_split(n, k)
+    if (k // 32) % split:
+        raise ValueError(f"decode_gemm: split_k={split} must divide K/32={k // 32}")
+    chunk = k // split
+    bk = pick_block_k(chunk, cfg.block_k)
+    a_bf16 = x.dtype == torch.bfloat16
+    x, w = x.contiguous(), w.contiguous()
+    xs = x if a_bf16 else x_scale.contiguous()
+    e8m0 = w_scale.dtype == torch.float8_e8m0fnu
+    ws = (w_scale.view(torch.uint8) if e8m0 else w_scale.float()).contiguous()
+    if m == 0:
+        return torch.empty(0, n, dtype=out_dtype, device=x.device)
+    if split > 1:
+        c = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    else:
+        c = torch.empty(1, m, n, dtype=out_dtype, device=x.device)
+    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), split)
+    _decode_gemm_kernel[grid](
+        x,
+        xs,
+        w,
+        ws,
+        c,
+        m,
+        n,
+        chunk,
+        x.stride(0),
+        xs.stride(0),
+        w.stride(0),
+        ws.stride(0),
+        c.stride(0),
+        c.stride(1),
+        A_BF16=a_bf16,
+        WS_E8M0=e8m0,
+        FOLD=cfg.fold,
+        F32_MATH=x.device.type == "cpu",
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=bk,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if split > 1:
+        return sum_splits(c, out_dtype)
+    return c[0]

@@ -1,0 +1,28 @@
+"""The decode kernels (triton/gemv.py, the prefill GEMM's invariant split, the fused MoE routing)
+under the Triton interpreter on CPU, against float64 math / plain loops: `interp_checks.py` in a
+subprocess, since Triton reads TRITON_INTERPRET when it is imported. On a GPU machine test_gpu.py
+runs them compiled.
+"""
+
+import importlib.util
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA runs the compiled kernels instead")
+def test_interpreted_decode_kernels():
+    script = pathlib.Path(__file__).with_name("interp_checks.py")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert "interpreted decode checks passed" in done.stdout
