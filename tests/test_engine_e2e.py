@@ -142,3 +142,28 @@ def test_one_token_prompt_admitted_next_to_a_decode_row():
     for o, m in zip(outs, (2, 8, 3), strict=True):
         ref = plain_greedy(model, cfg, o.prompt_token_ids, m)
         assert o.outputs[0].token_ids == ref
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("async_on", [True, False])
+def test_cuda_graphs_give_the_eager_tokens(async_on):
+    """Decode steps through piecewise CUDA graphs == enforce_eager, token for token (4 prompts:
+    the graphs run exactly the eager shapes, bucket 4)."""
+    kw = dict(
+        accelerator="nvidia",
+        dtype="float32",
+        max_num_seqs=8,
+        max_model_len=256,
+        gpu_memory_utilization=0.3,
+        async_scheduling=async_on,
+    )
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = [*PROMPTS, "one more prompt"]
+    graphed = LLM(**kw)
+    assert graphed.engine.runner.graphs is not None
+    got = [o.outputs[0].token_ids for o in graphed.generate(prompts, sp, use_tqdm=False)]
+    assert 4 in graphed.engine.runner.graphs.buckets
+    eager = LLM(enforce_eager=True, **kw)
+    assert eager.engine.runner.graphs is None
+    want = [o.outputs[0].token_ids for o in eager.generate(prompts, sp, use_tqdm=False)]
+    assert got == want

@@ -19,6 +19,8 @@ decode step under CUDA sync-debug mode, then --prof-steps decode steps under tor
   GPU busy ms   per profiled step: the union of the GPU's kernel/memcpy/memset intervals
   GPU idle %    1 - busy / span, span = first kernel start .. last kernel end of the profiled
                 steps (the whole GPU timeline of those steps, gaps inside the forward included)
+  mode          graph: pure decode steps replay piecewise CUDA graphs (the default on CUDA);
+                eager: the same engine with its graphs switched off (enforce_eager)
   syncs         device->host synchronisations the sync-debug step saw in launch (forward) and
                 sample (the engine's resolve wait is the one intended and not counted)
 """
@@ -54,6 +56,7 @@ class IdTokenizer:
 def slice_bundle(device: str, experts: int) -> ModelBundle:
     from deepinfer_model.cache import CacheSpec, KVCache
     from deepinfer_model.config import ModelConfig
+    from deepinfer_model.cuda_graph import DecodeGraphs
     from deepinfer_model.model import Model, init_random_
 
     cfg = ModelConfig(
@@ -84,6 +87,7 @@ def slice_bundle(device: str, experts: int) -> ModelBundle:
         cache_spec=lambda bs, dt: CacheSpec.from_config(cfg, block_size=bs, dtype=dt),
         make_cache=lambda spec, nb, ns, dev, dt: KVCache(cfg, spec, nb, ns, device=dev, dtype=dt),
         name="v41-slice",
+        decode_graphs=lambda max_batch: DecodeGraphs(model, max_batch),
     )
 
 
@@ -156,9 +160,11 @@ def gpu_busy(trace_path: str) -> tuple[float, float]:
     return busy / 1e3, (max(e for _, e in iv) - iv[0][0]) / 1e3
 
 
-def run_one(llm: LLM, probe: Probe, batch: int, args, async_on: bool) -> dict:
+def run_one(llm: LLM, probe: Probe, batch: int, args, async_on: bool, graphs) -> dict:
+    """One measured run; `graphs` is the runner's DecodeGraphs to use, or None (eager)."""
     eng = llm.engine
     eng.config.async_scheduling = async_on
+    eng.runner.graphs = graphs
     g = torch.Generator().manual_seed(batch)
     vocab = min(eng.bundle.vocab_size, 500)
     prompts = [
@@ -258,13 +264,18 @@ def main() -> None:
         probe = Probe(llm)
         # Warm-up (lazy CUDA init, kernel compilation, pinned buffers), not reported.
         warm = argparse.Namespace(**{**vars(args), "warm": 1, "steps": 1, "prof_steps": 1})
+        graphs = llm.engine.runner.graphs
+        # (async, graphs) per batch size; the order alternates between batch sizes
+        modes = [(True, graphs), (False, graphs)] + ([(True, None)] if graphs else [])
         for b in args.batches:
-            run_one(llm, probe, b, warm, True)
+            for a, g in modes:
+                run_one(llm, probe, b, warm, a, g)  # also captures the bucket's graphs
         for i, b in enumerate(args.batches):
-            for async_on in (True, False) if i % 2 == 0 else (False, True):
-                r = run_one(llm, probe, b, args, async_on)
-                rows.append((name, b, "on" if async_on else "off", r))
-                print(f"#   {name} B={b} async={'on' if async_on else 'off'}: {r}", flush=True)
+            for async_on, g in modes if i % 2 == 0 else modes[::-1]:
+                r = run_one(llm, probe, b, args, async_on, g)
+                label = ("on" if async_on else "off", "graph" if g else "eager")
+                rows.append((name, b, *label, r))
+                print(f"#   {name} B={b} async={label[0]} {label[1]}: {r}", flush=True)
         del llm, probe  # give the KV cache and weights back before the next model
         gc.collect()
         if args.device == "cuda":
@@ -276,12 +287,12 @@ def main() -> None:
         "temperature 0.8 top-p 0.95 seeded"
     )
     print(
-        f"{'model':6} {'batch':>5} {'async':>5} {'tok/s':>9} {'host ms/step':>13} "
+        f"{'model':6} {'batch':>5} {'async':>5} {'mode':>5} {'tok/s':>9} {'host ms/step':>13} "
         f"{'step ms':>9} {'GPU busy ms':>12} {'GPU idle %':>10} {'syncs':>6}"
     )
-    for name, b, a, r in rows:
+    for name, b, a, mode, r in rows:
         print(
-            f"{name:6} {b:5d} {a:>5} {r['tok/s']:9.1f} {r['host ms/step']:13.2f} "
+            f"{name:6} {b:5d} {a:>5} {mode:>5} {r['tok/s']:9.1f} {r['host ms/step']:13.2f} "
             f"{r['step ms']:9.2f} {r['GPU busy ms']:12.2f} {r['GPU idle %']:10.1f} "
             f"{r['syncs']:6d}"
         )

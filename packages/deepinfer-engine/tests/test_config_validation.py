@@ -47,6 +47,9 @@ def test_bad_argument_names_the_argument():
         EngineConfig.from_env({}, max_num_seqs=0)
     with pytest.raises(ValueError, match="unknown engine argument"):
         EngineConfig.from_env({}, max_num_sequences=3)
+    with pytest.raises(ValueError, match="enforce_eager"):
+        EngineConfig.from_env({}, enforce_eager="sometimes")
+    assert EngineConfig.from_env({}, enforce_eager="1").enforce_eager is True
 
 
 def encode(text: str) -> list[int]:

@@ -53,15 +53,17 @@ def captured():
     model.engram_hasher.set_token_map([i % 300 for i in range(cfg.vocab_size)])
     ins, outs = {}, {}
 
-    def keep(i):
+    def keep(store, i):
         def hook(mod, args, out):
-            ins[i] = args[0].detach().double()
-            outs[i] = out.detach().double()
+            store[i] = out.detach().double()
 
         return hook
 
+    # A layer's attention input is its attention norm's output (Block.enter) and its output is
+    # wo_b's (Attention.output).
     for i, layer in enumerate(model.layers):
-        layer.attn.register_forward_hook(keep(i))
+        layer.attn_norm.register_forward_hook(keep(ins, i))
+        layer.attn.wo_b.register_forward_hook(keep(outs, i))
     t = 23
     toks = torch.randint(0, 500, (t,), generator=torch.Generator().manual_seed(7)).tolist()
     spec = CacheSpec.from_config(cfg, block_size=16, dtype=torch.float32)

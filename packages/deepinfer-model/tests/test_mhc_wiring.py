@@ -58,8 +58,16 @@ def test_single_pass_mhc_wiring_end_to_end():
 
         return hook
 
+    def keep_out(name):
+        def hook(mod, args, out):
+            cap[name] = out.detach().double()
+
+        return hook
+
     for i, layer in enumerate(model.layers):
-        layer.attn.register_forward_hook(keep(f"{i}.attn"))
+        # the attention's input is its norm's output (Block.enter), its output wo_b's
+        layer.attn_norm.register_forward_hook(keep_out(f"{i}.attn.in"))
+        layer.attn.wo_b.register_forward_hook(keep_out(f"{i}.attn.out"))
         layer.ffn.register_forward_hook(keep(f"{i}.ffn"))
         if layer.engram is not None:
             layer.engram.register_forward_hook(keep(f"{i}.engram"))

@@ -87,6 +87,9 @@ class EngineConfig:
     Memory: on CUDA the KV cache gets `gpu_memory_utilization` of the device memory minus what is
     in use after loading the model; on CPU it gets `kv_cache_bytes`. Capacity is logged in tokens.
     `max_model_len` None means the model's `max_position_embeddings`, capped by the KV capacity.
+    CUDA graphs: on CUDA, pure decode steps of up to `max_num_seqs` sequences replay piecewise
+    CUDA graphs (each padded batch size is captured the first time it runs);
+    `enforce_eager=True` runs every step eagerly.
     """
 
     model: str | None = None
@@ -105,6 +108,7 @@ class EngineConfig:
     use_nextn_decode: int = 5  # maximum draft length (spec decoding); 0 = off
     enable_mtp_varlen: bool = False
     batch_invariant: bool = False
+    enforce_eager: bool = False  # True: no CUDA graphs for decode steps (as in vLLM)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -147,6 +151,7 @@ class EngineConfig:
         self.use_nextn_decode = _parse_int("use_nextn_decode", self.use_nextn_decode, 0)
         self.enable_mtp_varlen = _parse_bool("enable_mtp_varlen", self.enable_mtp_varlen)
         self.batch_invariant = _parse_bool("batch_invariant", self.batch_invariant)
+        self.enforce_eager = _parse_bool("enforce_eager", self.enforce_eager)
 
     def torch_dtype(self, device: str):
         """The compute/cache dtype: `dtype`, else bfloat16 on GPU and float32 on CPU."""

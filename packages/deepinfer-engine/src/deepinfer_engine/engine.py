@@ -127,6 +127,7 @@ class Engine:
             self.dtype,
             config.seed,
             keep_tokens=keep,
+            graph_max_batch=0 if config.enforce_eager else config.max_num_seqs,
         )
         self.eos_ids: tuple[int, ...] = (
             (bundle.eos_token_id,) if bundle.eos_token_id is not None else ()

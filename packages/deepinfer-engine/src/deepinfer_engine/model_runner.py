@@ -16,14 +16,18 @@ On CPU everything is synchronous and the same code runs.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from deepinfer_model.cuda_graph import GraphCaptureError
 
 from deepinfer_engine.outputs import Logprob
 from deepinfer_engine.scheduler import RowResult, ScheduledChunk, SchedulerOutput
+
+logger = logging.getLogger("deepinfer.engine")
 
 
 @dataclass
@@ -46,11 +50,15 @@ class ModelBundle:
     make_cache: Callable[[Any, int, int, torch.device, torch.dtype], Any]
     supports_yoco_floor: bool = False
     name: str = "model"
+    decode_graphs: Callable[[int], Any] | None = None
+    """decode_graphs(max_batch) -> an object with `unsupported(batch) -> str | None` and
+    `forward(batch, cache)` that runs pure decode steps through CUDA graphs (None: never)."""
 
     @classmethod
     def from_loaded(cls, loaded: Any) -> ModelBundle:
         """Wrap a `deepinfer_model.loader.LoadedModel`."""
         from deepinfer_model.cache import CacheSpec, KVCache
+        from deepinfer_model.cuda_graph import DecodeGraphs
         from deepinfer_model.forward_batch import ForwardBatch
 
         cfg = loaded.config
@@ -73,6 +81,7 @@ class ModelBundle:
             # YOCO compact prefill needs ForwardBatch.yoco_floor in the model's batch type.
             supports_yoco_floor="yoco_floor" in {f.name for f in dataclasses.fields(ForwardBatch)},
             name=str(loaded.path),
+            decode_graphs=lambda max_batch: DecodeGraphs(loaded.model, max_batch),
         )
 
 
@@ -114,7 +123,10 @@ class ModelRunner:
         dtype: torch.dtype,
         seed: int,
         keep_tokens: int | None = None,
+        graph_max_batch: int = 0,
     ) -> None:
+        """graph_max_batch: decode steps of up to this many sequences replay CUDA graphs (on
+        CUDA, when the bundle offers them; 0 = always eager)."""
         from deepinfer_sampling.sampler import Sampler
 
         self.bundle = bundle
@@ -129,6 +141,9 @@ class ModelRunner:
         self.generator = torch.Generator(device=gen_device)
         self.generator.manual_seed(seed)
         self.keep_tokens = keep_tokens  # YOCO compact prefill: decoder runs on the last K only
+        self.graphs = None
+        if device.type == "cuda" and graph_max_batch > 0 and bundle.decode_graphs is not None:
+            self.graphs = bundle.decode_graphs(graph_max_batch)
 
     # ---- forward -----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -201,7 +216,15 @@ class ModelRunner:
             host=HostBatchInfo(cu, ctx_lens, slots, bt, logits_rows, floor),
         )
         # Prefill chunks that sample nothing still run: they write their KV into the cache.
-        res = self.bundle.model.forward(batch, self.cache)
+        res = None
+        if self.graphs is not None and self.graphs.unsupported(batch) is None:
+            try:
+                res = self.graphs.forward(batch, self.cache)
+            except GraphCaptureError as e:  # nothing of the step ran: it goes eager
+                logger.warning("CUDA graphs switched off, decode runs eagerly: %s", e)
+                self.graphs = None
+        if res is None:
+            res = self.bundle.model.forward(batch, self.cache)
         return LaunchedStep(out, res.logits if logits_rows else None, sample_chunks)
 
     def _yoco_floor(self, c: ScheduledChunk) -> int:

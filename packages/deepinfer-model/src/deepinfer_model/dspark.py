@@ -53,10 +53,17 @@ class DSparkAttention(Attention):
         """Write ``kv(main_x)`` [T, D] of the main tokens into this stage's ring."""
         write_ring(cache.swa[self.layer_id], ctx, self.project_kv(main_x, ctx.positions))
 
-    def forward(self, x: torch.Tensor, dctx: DraftContext, cache: KVCache) -> torch.Tensor:
-        """x [B*block, D] (the draft block) -> [B*block, D]."""
-        q, _ = self.project_q(x, dctx.positions)
-        kv = self.project_kv(x, dctx.positions)
+    def attend(
+        self,
+        x: torch.Tensor,
+        q: torch.Tensor,
+        qr: torch.Tensor,
+        kv: torch.Tensor,
+        dctx: DraftContext,
+        cache: KVCache,
+    ) -> torch.Tensor:
+        """The draft block's core: q [B*block, H, head_dim], kv [B*block, head_dim] over the
+        stage's ring plus the block -> o [B*block, H, head_dim] (`forward` adds the rest)."""
         ring = cache.swa[self.layer_id]
         r_len, n_seq, w = ring.shape[1], dctx.slots.shape[0], self.window
         dev = x.device
@@ -73,8 +80,7 @@ class DSparkAttention(Attention):
         )
         idx = torch.cat([win, blk], dim=1)[dctx.seq_of]  # [B*block, W + block]
         pool = torch.cat([ring[dctx.slots].flatten(0, 1).to(x.dtype), kv])
-        o = ops.sparse_sink_attention(q, pool, idx, self.attn_sink, self.head_dim**-0.5)
-        return self.output(o, dctx.positions)
+        return ops.sparse_sink_attention(q, pool, idx, self.attn_sink, self.head_dim**-0.5)
 
 
 class MarkovHead(nn.Module):

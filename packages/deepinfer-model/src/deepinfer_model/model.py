@@ -126,7 +126,8 @@ class Model(nn.Module):
             logits=stacked, hidden=torch.cat(hidden) if batch.return_hidden else None
         )
 
-    def _forward(self, batch: ForwardBatch, cache: KVCache) -> ForwardOutput:
+    def step_context(self, batch: ForwardBatch) -> tuple[StepContext, HostBatchInfo]:
+        """Validate `batch` (ValueError naming the field) and build its `StepContext`."""
         host = batch.host_info()
         ctx = StepContext.from_batch(batch, host)
         cfg = self.config
@@ -139,16 +140,22 @@ class Model(nn.Module):
                 f"ForwardBatch.positions: must be < max_position_embeddings "
                 f"{cfg.max_position_embeddings}"
             )
-        host_rows = host.logits_indices
         t = ids.shape[0]
-        if len(host_rows) != batch.logits_indices.shape[0] or any(
-            r < 0 or r >= t for r in host_rows
+        if len(host.logits_indices) != batch.logits_indices.shape[0] or any(
+            r < 0 or r >= t for r in host.logits_indices
         ):
             raise ValueError(f"ForwardBatch.logits_indices: rows must be in [0, {t})")
+        return ctx, host
+
+    def _forward(self, batch: ForwardBatch, cache: KVCache) -> ForwardOutput:
+        ctx, host = self.step_context(batch)
+        cfg = self.config
+        ids = batch.input_ids
+        host_rows = host.logits_indices
+        t = ids.shape[0]
         rows = batch.logits_indices
         hashes = self.engram_hasher(ids, ctx, cache) if self.engram_hasher is not None else None
-        h = self.embed(ids).to(self.dtype).unsqueeze(1).repeat(1, cfg.hc_mult, 1)
-        pre = identity_pre(t, cfg.hc_mult, ids.device)
+        h, pre = self.embed_streams(ids)
         hidden: dict[int, torch.Tensor] = {}
         rows_of = None  # YOCO compact: flat rows still running, after the CED split layer
         rows_of_cpu = None
@@ -178,12 +185,22 @@ class Model(nn.Module):
                     "yoco_floor, so the decoder layers never ran on it"
                 )
             rows = ctx.upload(kept)
-        y = self.norm(ops.hc_pre(h[rows], pre[rows]))
-        logits = self.head(y)
+        logits = self.logits(h[rows], pre[rows])
         out_hidden = None
         if batch.return_hidden:
             out_hidden = torch.cat([hidden[i] for i in cfg.dspark_target_layer_ids], dim=-1)
         return ForwardOutput(logits=logits, hidden=out_hidden)
+
+    def embed_streams(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids [T] -> (h [T, hc, D] the embedding on every stream, pre [T, hc] the one-hot
+        collapse layer 0's attention uses)."""
+        h = self.embed(ids).to(self.dtype).unsqueeze(1).repeat(1, self.config.hc_mult, 1)
+        return h, identity_pre(ids.shape[0], self.config.hc_mult, ids.device)
+
+    def logits(self, h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        """Last streams h [R, hc, D] and the last FFN site's pre [R, hc] -> logits [R, vocab]
+        fp32."""
+        return self.head(self.norm(ops.hc_pre(h, pre)))
 
     @staticmethod
     def _scatter(x: torch.Tensor, rows: torch.Tensor | None, total: int) -> torch.Tensor:

@@ -222,6 +222,20 @@ class Attention(nn.Module):
         pos = ctx.positions
         q, qr = self.project_q(x, pos)
         kv = self.project_kv(x, pos)
+        return self.output(self.attend(x, q, qr, kv, ctx, cache), pos)
+
+    def attend(
+        self,
+        x: torch.Tensor,
+        q: torch.Tensor,
+        qr: torch.Tensor,
+        kv: torch.Tensor,
+        ctx: StepContext,
+        cache: KVCache,
+    ) -> torch.Tensor:
+        """The part that reads and writes the cache: x [T, D], q [T, H, head_dim], qr
+        [T, q_lora_rank], kv [T, head_dim] (from `project_q`/`project_kv`) -> o [T, H, head_dim]
+        before `output`. Everything else of the layer is per token (CUDA-graph pieces)."""
         ring = cache.swa[self.layer_id]
         pool = [ring[ctx.token["slots"]].flatten(0, 1).to(x.dtype), kv]
         idx = [ctx.window(self.window, ring.shape[1])]
@@ -240,4 +254,4 @@ class Attention(nn.Module):
             q, torch.cat(pool), torch.cat(idx, dim=1), self.attn_sink, self.head_dim**-0.5
         )
         write_ring(ring, ctx, kv)
-        return self.output(o, pos)
+        return o

@@ -2,16 +2,38 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from deepinfer_kernels import ops
 from torch import nn
 
+from ..cache import KVCache
 from ..config import ModelConfig
+from ..forward_batch import StepContext
 from .attention import Attention
 from .engram import Engram
 from .linear import RMSNorm
 from .mhc import HCSite, hc_params
 from .moe import MoE
+
+
+@dataclass
+class AttentionInputs:
+    """A layer's state at its attention core (`Block.enter`), all per token [T, ...]:
+    h [T, hc, D] the residual streams; attn_pre [T, hc] this site's `pre` (collapses the streams
+    for the FFN); post [T, hc], comb [T, hc, hc] (fp32) expand the attention output back; x
+    [T, D] the normed attention input; q [T, H, head_dim], qr [T, q_lora_rank], kv
+    [T, head_dim] its projections."""
+
+    h: torch.Tensor
+    attn_pre: torch.Tensor
+    post: torch.Tensor
+    comb: torch.Tensor
+    x: torch.Tensor
+    q: torch.Tensor
+    qr: torch.Tensor
+    kv: torch.Tensor
 
 
 class Block(nn.Module):
@@ -49,16 +71,34 @@ class Block(nn.Module):
         self.hc = HCSite(config)
 
     def forward(
-        self, h: torch.Tensor, pre: torch.Tensor, *attn_args
+        self, h: torch.Tensor, pre: torch.Tensor, ctx: StepContext, cache: KVCache
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """h [T, hc, D], pre [T, hc] -> (h', this FFN site's pre). `ctx` is the step's context
+        (a DSpark stage passes its draft context, which has `positions` too)."""
+        s = self.enter(h, pre, ctx.positions)
+        o = self.attn.attend(s.x, s.q, s.qr, s.kv, ctx, cache)
+        return self.leave(o, s, ctx.positions)
+
+    def enter(self, h: torch.Tensor, pre: torch.Tensor, positions: torch.Tensor) -> AttentionInputs:
+        """Everything per token before the attention core: the site's mHC coefficients, the
+        stream collapse with `pre` [T, hc], the norm and the q/kv projections at `positions` [T]."""
         attn_pre, post, comb = self.hc.coefficients(
             h, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base
         )
         x = self.attn_norm(ops.hc_pre(h, pre))
-        h = ops.hc_post(self.attn(x, *attn_args), h, post, comb)
+        q, qr = self.attn.project_q(x, positions)
+        kv = self.attn.project_kv(x, positions)
+        return AttentionInputs(h, attn_pre, post, comb, x, q, qr, kv)
+
+    def leave(
+        self, o: torch.Tensor, s: AttentionInputs, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Everything per token after the attention core: o [T, H, head_dim] -> (h' [T, hc, D],
+        this FFN site's pre [T, hc])."""
+        h = ops.hc_post(self.attn.output(o, positions), s.h, s.post, s.comb)
         ffn_pre, post, comb = self.hc.coefficients(
             h, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base
         )
-        x = self.ffn_norm(ops.hc_pre(h, attn_pre))
+        x = self.ffn_norm(ops.hc_pre(h, s.attn_pre))
         h = ops.hc_post(self.ffn(x), h, post, comb)
         return h, ffn_pre
