@@ -286,6 +286,8 @@ def decode_rows(quick):
     rows = []
 
     def row(op, shape, ms, flops, nbytes, torch_ms=float("nan"), mm_ms=float("nan")):
+        # printed as measured too, so a run cut off by a timeout still reports its rows
+        print(f"row {op:<28}{shape:<30}{ms:>9.4f} ms {nbytes / ms / 1e6:>7.0f} GB/s", flush=True)
         rows.append(
             dict(
                 op=op,
@@ -300,14 +302,18 @@ def decode_rows(quick):
 
     D = gemv.DecodeConfig
     sweep = {
-        "fold k128 st4": D(),
-        "fold k256 st3": D(block_k=256, num_stages=3),
-        "fold k64 st6": D(block_k=64, num_stages=6),
-        "fold k128 st4 w8": D(num_warps=8),
-        "fold k128 s2": D(split_k=2),
-        "fold k128 s4": D(split_k=4),
-        "swap16 k128 st4": D(block_m=16, block_n=64, fold=False),
-        "swap16 k256 st3": D(block_m=16, block_n=64, block_k=256, num_stages=3, fold=False),
+        "fold k128": D(),
+        "fold k128 A16": D(),  # activations pre-expanded to bf16 (what fp8_linear feeds)
+        "swap16 k128 s1": D(block_m=16, block_n=64, fold=False, split_k=1),
+        "swap16 k128 s2": D(block_m=16, block_n=64, fold=False, split_k=2),
+        "swap16 k128 s4": D(block_m=16, block_n=64, fold=False, split_k=4),
+        "swap16 k128 s8": D(block_m=16, block_n=64, fold=False, split_k=8),
+        "swap16 k256 s4": D(
+            block_m=16, block_n=64, block_k=256, num_stages=3, fold=False, split_k=4
+        ),
+        "swap16 k128 st6 s4": D(block_m=16, block_n=64, num_stages=6, fold=False, split_k=4),
+        "swap w8 n128 s4": D(block_m=16, block_n=128, num_warps=8, fold=False, split_k=4),
+        "swap64 k128 s4": D(block_m=64, block_n=64, fold=False, split_k=4),
     }
     shapes = [
         (1, 5120, 8192),
@@ -338,17 +344,28 @@ def decode_rows(quick):
             def fn(x, xq, xs, w, ws, inv=inv):
                 return tl_linear.fp8_gemm(xq, xs, w, ws, torch.bfloat16, batch_invariant=inv)
 
-            row(f"fp8_gemm[{name}]", shape, _bench(Rotating(fn, sets)), flops, nbytes, t_torch)
-            row(f"fp8_gemm[graph {name}]", shape, _bench_graphs(fn, sets), flops, nbytes, t_torch)
+            try:
+                ms_eager = _bench(Rotating(fn, sets))
+                ms_graph = _bench_graphs(fn, sets)
+            except Exception as exc:  # reported, the other rows still run
+                print(f"decode: fp8_gemm {name} {shape} failed: {type(exc).__name__}: {exc}")
+                continue
+            row(f"fp8_gemm[{name}]", shape, ms_eager, flops, nbytes, t_torch)
+            row(f"fp8_gemm[graph {name}]", shape, ms_graph, flops, nbytes, t_torch)
         if quick or m not in (1, 16, 64) or n != 5120:
             continue
         for name, cfg in sweep.items():
+            if cfg.block_m < min(m, 64) and not cfg.fold:
+                continue  # swap tiles of fewer activation rows than M: more M tiles, skip
+            a16 = "A16" in name
             try:
                 ms = _bench_graphs(
-                    lambda x, xq, xs, w, ws, cfg=cfg: gemv.decode_gemm(
-                        xq, xs, w, ws, torch.bfloat16, cfg
+                    lambda x, xq, xs, w, ws, cfg=cfg, a16=a16: gemv.decode_gemm(
+                        x if a16 else xq, xs, w, ws, torch.bfloat16, cfg
                     ),
-                    sets,
+                    [(quant.act_dequant_fp8(st[1], st[2], torch.bfloat16), *st[1:]) for st in sets]
+                    if a16
+                    else sets,
                 )
             except Exception as exc:  # a config that does not compile is reported, not fatal
                 print(f"sweep: {name} failed: {type(exc).__name__}: {str(exc)[:300]}")
@@ -375,8 +392,10 @@ def decode_rows(quick):
     moe_cands = {
         "auto": None,
         "mma k256": M(16, 64, 64, 4, 4, 4, False, 256),
-        "wgmma k256": M(16, 64, 64, 4, 4, 4, True, 256),
-        "wgmma k256 n128": M(16, 128, 128, 4, 4, 3, True, 256),
+        "mma k128 m2": M(16, 64, 64, 4, 4, 4, False, 128, fp4_mode=2),
+        "mma k256 m2": M(16, 64, 64, 4, 4, 4, False, 256, fp4_mode=2),
+        "wgmma k128 m2": M(16, 64, 64, 4, 4, 4, True, 128, fp4_mode=2),
+        "wgmma k256 m2": M(16, 64, 64, 4, 4, 4, True, 256, fp4_mode=2),
     }
     for t in (1, 16, 64, 256):
         sets = []
@@ -638,6 +657,7 @@ def main() -> None:
         sys.exit("bench_kernels: needs a CUDA GPU")
     torch.backends.cuda.matmul.allow_tf32 = False
     copy_gbs = measure_copy_gbs()
+    print(f"copy ceiling {copy_gbs:.0f} GB/s", flush=True)
     parts = set(args.only.split(","))
     rows = []
     if "quant" in parts:

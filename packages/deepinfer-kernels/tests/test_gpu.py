@@ -221,17 +221,40 @@ MOE_SHAPES = [
 
 
 @pytest.mark.parametrize(("t", "d", "i", "e", "k"), MOE_SHAPES)
-@pytest.mark.parametrize("cfg_name", ["auto", "DECODE", "DECODE_WGMMA", "PREFILL"])
+@pytest.mark.parametrize(
+    "cfg_name",
+    ["auto", "DECODE", "DECODE_WGMMA", "PREFILL", "wg_k256_m1", "mma_k256_m2", "wg_k128_m2"],
+)
 def test_moe_experts_close_to_ref(t, d, i, e, k, cfg_name):
     from deepinfer_kernels.triton import moe as tmoe
 
     args = _moe_inputs(t, d, i, e, k, seed=t + e, neg=t % 2 == 1)
     want = ref_moe.moe_experts(*args, 10.0)
-    cfg = None if cfg_name == "auto" else getattr(tmoe, cfg_name)
+    extra = {
+        "wg_k256_m1": tmoe.MoeConfig(16, 64, 64, 4, 4, 4, True, 256, fp4_mode=1),
+        "mma_k256_m2": tmoe.MoeConfig(16, 64, 64, 4, 4, 4, False, 256, fp4_mode=2),
+        "wg_k128_m2": tmoe.MoeConfig(16, 64, 64, 4, 4, 4, True, 128, fp4_mode=2),
+    }
+    cfg = None if cfg_name == "auto" else extra.get(cfg_name) or getattr(tmoe, cfg_name)
     _poison()
     got = tmoe.moe_experts(*args, 10.0, config=cfg)
     assert got.dtype == torch.bfloat16
     assert _rel(got, want) < 1.5e-2
+
+
+def test_fp4_expansion_modes_bitwise():
+    """The three FP4 expansions give the same bf16 values, in the wgmma configuration whose rows
+    are bitwise tile-independent: same outputs bit for bit, at real dims."""
+    from deepinfer_kernels.triton import moe as tmoe
+
+    args = _moe_inputs(9, 5120, 2304, 64, 6, seed=61)
+    outs = [
+        tmoe.moe_experts(
+            *args, 10.0, config=tmoe.MoeConfig(16, 64, 64, 4, 4, 4, True, 128, fp4_mode=mode)
+        )
+        for mode in (0, 1, 2)
+    ]
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
 def test_moe_experts_real_dims_decode():

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from ..quant import ACT_AMAX_FLOOR
-from ._common import fp4_to_bf16_scaled, quant_groups_fp8
+from ._common import fp4_expand, quant_groups_fp8
 from .quant import act_fake_quant_bf16, swiglu_quant_tile
 
 # ---------------------------------------------------------------------------------------------
@@ -172,6 +172,7 @@ class MoeConfig:
     stages: int
     swap_ab: bool = False
     block_k: int = 32  # K per step (falls back to 32 where D or I is not a multiple)
+    fp4_mode: int = 0  # FP4 expansion: 0 fp16 trick, 1 bits into bf16, 2 packed PTX (fp4_expand)
 
 
 DECODE = MoeConfig(16, 64, 64, 4, 4, 4, swap_ab=False, block_k=128)
@@ -393,6 +394,7 @@ def _w13_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SWAP_AB: tl.constexpr,
+    FP4_MODE: tl.constexpr,
 ):
     """Rows of one expert's tile: gate/up = x_hat W1^T, x_hat W3^T (x_hat: bf16-expanded FP8 x,
     gathered by token), then h = swiglu(gate, up) * weight, quantised per 32 to FP8 and written
@@ -410,8 +412,9 @@ def _w13_kernel(
     ncl = tl.where(offs_n < I, offs_n, 0).to(tl.int64)
     ex = expert.to(tl.int64)
     KG: tl.constexpr = BLOCK_K // 32
+    PACK: tl.constexpr = 8 if FP4_MODE == 2 else 2  # values per weight element (int32 / int8)
     offs_k = tl.arange(0, BLOCK_K)
-    offs_p = tl.arange(0, BLOCK_K // 2)
+    offs_p = tl.arange(0, BLOCK_K // PACK)
     offs_g = tl.arange(0, KG)
     a_ptrs = xa_ptr + tok[:, None] * D + offs_k[None, :]
     w_off = ex * stride_we + ncl[:, None] * stride_wn + offs_p[None, :]
@@ -429,8 +432,8 @@ def _w13_kernel(
     # D is a multiple of BLOCK_K (checked on the host): no masks in the loop
     for _ in range(0, D, BLOCK_K):
         a16 = tl.load(a_ptrs)
-        b1 = fp4_to_bf16_scaled(tl.load(w1_ptrs), tl.load(s1_ptrs), BLOCK_N, BLOCK_K // 2, KG)
-        b3 = fp4_to_bf16_scaled(tl.load(w3_ptrs), tl.load(s3_ptrs), BLOCK_N, BLOCK_K // 2, KG)
+        b1 = fp4_expand(tl.load(w1_ptrs), tl.load(s1_ptrs), BLOCK_N, BLOCK_K, FP4_MODE)
+        b3 = fp4_expand(tl.load(w3_ptrs), tl.load(s3_ptrs), BLOCK_N, BLOCK_K, FP4_MODE)
         if SWAP_AB:
             acc_g = tl.dot(b1, tl.trans(a16), acc_g)
             acc_u = tl.dot(b3, tl.trans(a16), acc_u)
@@ -438,8 +441,8 @@ def _w13_kernel(
             acc_g = tl.dot(a16, tl.trans(b1), acc_g)
             acc_u = tl.dot(a16, tl.trans(b3), acc_u)
         a_ptrs += BLOCK_K
-        w1_ptrs += BLOCK_K // 2
-        w3_ptrs += BLOCK_K // 2
+        w1_ptrs += BLOCK_K // PACK
+        w3_ptrs += BLOCK_K // PACK
         s1_ptrs += KG
         s3_ptrs += KG
     if SWAP_AB:
@@ -474,6 +477,7 @@ def _w2_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SWAP_AB: tl.constexpr,
+    FP4_MODE: tl.constexpr,
 ):
     """y = h_hat W2^T for one expert's tile of sorted rows, rounded to y's dtype."""
     tile = tl.program_id(0)
@@ -489,10 +493,11 @@ def _w2_kernel(
     ncl = tl.where(offs_n < D, offs_n, 0).to(tl.int64)
     ex = expert.to(tl.int64)
     KG: tl.constexpr = BLOCK_K // 32
+    PACK: tl.constexpr = 8 if FP4_MODE == 2 else 2  # values per weight element (int32 / int8)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = h_ptr + r64[:, None] * I + offs_k[None, :]
     w_ptrs = (
-        w2_ptr + ex * stride_we + ncl[:, None] * stride_wn + tl.arange(0, BLOCK_K // 2)[None, :]
+        w2_ptr + ex * stride_we + ncl[:, None] * stride_wn + tl.arange(0, BLOCK_K // PACK)[None, :]
     )
     s_ptrs = s2_ptr + ex * stride_se + ncl[:, None] * stride_sn + tl.arange(0, KG)[None, :]
     if SWAP_AB:
@@ -501,13 +506,13 @@ def _w2_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for _ in range(0, I, BLOCK_K):
         a16 = tl.load(a_ptrs)
-        b16 = fp4_to_bf16_scaled(tl.load(w_ptrs), tl.load(s_ptrs), BLOCK_N, BLOCK_K // 2, KG)
+        b16 = fp4_expand(tl.load(w_ptrs), tl.load(s_ptrs), BLOCK_N, BLOCK_K, FP4_MODE)
         if SWAP_AB:  # noqa: SIM108 (a Triton constexpr branch)
             acc = tl.dot(b16, tl.trans(a16), acc)
         else:
             acc = tl.dot(a16, tl.trans(b16), acc)
         a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K // 2
+        w_ptrs += BLOCK_K // PACK
         s_ptrs += KG
     if SWAP_AB:
         acc = tl.trans(acc)
@@ -563,6 +568,8 @@ def moe_experts(
     h = torch.empty(p, i, dtype=torch.bfloat16, device=x.device)
     y = torch.empty(p, d, dtype=x.dtype, device=x.device)
     w1, w3, w2 = w1.contiguous(), w3.contiguous(), w2.contiguous()
+    if cfg.fp4_mode == 2:  # the packed bytes read as int32 words (8 values); strides in words
+        w1, w3, w2 = w1.view(torch.int32), w3.view(torch.int32), w2.view(torch.int32)
     s1u, s3u, s2u = (s.contiguous().view(torch.uint8) for s in (s1, s3, s2))
     bk1 = cfg.block_k if d % cfg.block_k == 0 else 32
     bk2 = cfg.block_k if i % cfg.block_k == 0 else 32
@@ -591,6 +598,7 @@ def moe_experts(
         BLOCK_N=cfg.block_n1,
         BLOCK_K=bk1,
         SWAP_AB=cfg.swap_ab,
+        FP4_MODE=cfg.fp4_mode,
         num_warps=cfg.warps1,
         num_stages=cfg.stages,
     )
@@ -610,6 +618,7 @@ def moe_experts(
         BLOCK_N=cfg.block_n2,
         BLOCK_K=bk2,
         SWAP_AB=cfg.swap_ab,
+        FP4_MODE=cfg.fp4_mode,
         num_warps=cfg.warps2,
         num_stages=cfg.stages,
     )
