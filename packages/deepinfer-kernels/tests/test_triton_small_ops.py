@@ -292,3 +292,17 @@ def test_per_token_ops_are_batch_invariant():
     for rows in (slice(20, 21), slice(3, 20)):
         for a, b in zip(run(rows), full, strict=True):
             assert torch.equal(a, b[rows])
+
+
+def test_hc_mixes_triton_dispatch_limit(monkeypatch):
+    """The triton hc_mixes takes any T in batch-invariant mode, else at most 128 tokens."""
+    from deepinfer_kernels.ops import mhc as ops_mhc
+
+    monkeypatch.setattr(ops_mhc, "cuda_input_reason", lambda *a, **k: None)
+    fn = torch.zeros(24, 4 * 8)
+    small, big = torch.zeros(128, 4, 8), torch.zeros(129, 4, 8)
+    assert ops_mhc.mixes_triton_reason(small, fn, 1e-20, batch_invariant=False) is None
+    assert "129 > 128" in ops_mhc.mixes_triton_reason(big, fn, 1e-20, batch_invariant=False)
+    assert ops_mhc.mixes_triton_reason(big, fn, 1e-20, batch_invariant=True) is None
+    monkeypatch.undo()
+    assert "cpu" in ops_mhc.mixes_triton_reason(small, fn, 1e-20, batch_invariant=True)

@@ -15,7 +15,7 @@ REGISTRY.declare(
 REGISTRY.declare("hc_pre", "h [T,hc,D], pre [T,hc] -> [T,D]")
 REGISTRY.declare("hc_post", "y [T,D], residual [T,hc,D], post [T,hc], comb [T,hc,hc] -> [T,hc,D]")
 _SUPPORTS = {
-    "hc_mixes": "deepinfer_kernels.ops._checks:cuda_input_reason",
+    "hc_mixes": "deepinfer_kernels.ops.mhc:mixes_triton_reason",
     "hc_split_sinkhorn": "deepinfer_kernels.ops.mhc:sinkhorn_triton_reason",
     "hc_pre": "deepinfer_kernels.ops._checks:cuda_input_reason",
     "hc_post": "deepinfer_kernels.ops._checks:cuda_input_reason",
@@ -33,6 +33,27 @@ for _op in ("hc_mixes", "hc_split_sinkhorn", "hc_pre", "hc_post"):
             supports=_SUPPORTS[_op],
         )
     )
+
+_MIXES_TRITON_MAX_T = 128
+"""Above this many tokens the triton `hc_mixes` (an fp32 FMA dot) is slower than the ref tier's
+cuBLAS GEMM on the H200 (tools/bench_small_ops.py, 2026-11-30: 1.1x faster at T=64, 0.45x at
+T=4096), so outside batch-invariant mode larger calls go to ref."""
+
+
+def mixes_triton_reason(
+    h: torch.Tensor, fn, norm_eps, *_, batch_invariant: bool = False, **__
+) -> str | None:
+    """Why the triton `hc_mixes` should not run this call, or None. In batch-invariant mode it
+    runs at every T (it is invariant by construction; cuBLAS is not); otherwise only up to
+    `_MIXES_TRITON_MAX_T` tokens."""
+    why = cuda_input_reason(h)
+    if why is None and not batch_invariant and h.shape[0] > _MIXES_TRITON_MAX_T:
+        why = (
+            f"T = {h.shape[0]} > {_MIXES_TRITON_MAX_T} outside batch-invariant mode "
+            "(the ref tier's GEMM is faster there)"
+        )
+    return why
+
 
 _SINKHORN_MAX_HC = 16  # the triton kernel holds a token's [hc, hc] matrix in registers
 
