@@ -106,18 +106,23 @@ def profile_call(fn, device: torch.device) -> None:
     print(prof.key_averages().table(sort_by=key, row_limit=14, max_name_column_width=40))
 
 
-def time_chunk(chunk: int, num_rows: int, vocab: int, gen: torch.Generator) -> str:
-    """One table line: the triton top-k draw alone (config 'all') at stage-1 width `chunk`."""
+def time_knobs(chunk: int, group: int | None, rows: list[int], vocab: int, gen) -> str:
+    """One table line: the triton top-k draw alone (config 'all') at each row count, for one
+    (stage-1 chunk width, group width); group None = the default for top-k 50."""
     from deepinfer_sampling.topk_triton import topk_draw
 
     device = torch.device("cuda")
-    rows = make_rows("all", num_rows, vocab, gen)
-    x = make_logits(num_rows, vocab, False, gen).to(device)
-    g = SamplingBatch.build(rows, vocab_size=vocab, device=device).topk
-    args = (x, g.rng_keys, g.temperature, g.top_k, g.top_p, g.log_min_p)
-    kw = dict(max_top_k=g.max_top_k, use_min_p=g.use_min_p, use_top_p=g.use_top_p, chunk=chunk)
-    ms = timeit(lambda: topk_draw(*args, **kw), device, 50) * 1e3
-    return f"topk_draw alone, {num_rows} rows, chunk {chunk}: {ms:.3f} ms"
+    cells = []
+    for num_rows in rows:
+        x = make_logits(num_rows, vocab, False, gen).to(device)
+        rows_all = make_rows("all", num_rows, vocab, gen)
+        g = SamplingBatch.build(rows_all, vocab_size=vocab, device=device).topk
+        args = (x, g.rng_keys, g.temperature, g.top_k, g.top_p, g.log_min_p)
+        kw = dict(max_top_k=g.max_top_k, use_min_p=g.use_min_p, use_top_p=g.use_top_p)
+        kw.update(chunk=chunk, group=group)
+        ms = timeit(lambda a=args, k=kw: topk_draw(*a, **k), device, 50) * 1e3
+        cells.append(f"{ms:8.3f}")
+    return f"topk_draw alone  chunk {chunk:5d} group {group or 'dflt':>4}: " + " ".join(cells)
 
 
 def main() -> None:
@@ -133,6 +138,13 @@ def main() -> None:
         nargs="*",
         default=[],
         help="also time the triton top-k draw alone at these stage-1 chunk widths (CUDA)",
+    )
+    ap.add_argument(
+        "--groups",
+        type=int,
+        nargs="*",
+        default=[0],
+        help="... and these group widths (0 = default; each with every --chunks width)",
     )
     ap.add_argument(
         "--profile", action="store_true", help="also print the kernels of one call (largest size)"
@@ -174,9 +186,12 @@ def main() -> None:
                 print(lines[-1], flush=True)
                 if args.profile and num_rows == max(args.rows):
                     profile_call(lambda b=batch, x=logits: sampler(x, b), device)
+    if args.chunks:
+        lines.append(f"{'ms per call at rows':42} " + " ".join(f"{r:8d}" for r in args.rows))
     for chunk in args.chunks:
-        lines.append(time_chunk(chunk, max(args.rows), args.vocab, gen))
-        print(lines[-1], flush=True)
+        for group in args.groups:
+            lines.append(time_knobs(chunk, group or None, args.rows, args.vocab, gen))
+            print(lines[-1], flush=True)
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA"
     kind = "N(0,9)" if args.flat else "Zipf-like"
     print(f"\nvocab {args.vocab}, float32 {kind} logits, torch {torch.__version__}, {name}")

@@ -193,8 +193,9 @@ def _sample_greedy(x, group, batch, generator) -> torch.Tensor:
 def _sample_topk(x, group, batch, generator, use_triton=False) -> torch.Tensor:
     """Rows with a top-k <= candidate_cap: draw among the group's max_top_k candidates.
 
-    On CUDA (max_top_k <= 256, triton present and checked): two triton kernels, a two-stage
-    top-k and the fused draw (topk_triton.py). Otherwise torch.topk + _draw_sorted. Both draw
+    On CUDA (max_top_k <= 256, triton present and checked): two triton kernels, group maxima
+    over the vocabulary, then the exact top-k from the winning groups fused with the draw
+    (topk_triton.py). Otherwise torch.topk + _draw_sorted. Both draw
     with the same float64 arithmetic; they can differ only where torch.topk breaks a tie at the
     k-th logit differently (the kernels keep the lower token id) or a top-p cumulative sum
     rounds differently at the boundary (summation order).

@@ -1,22 +1,36 @@
-"""Triton kernels of the top-k path: two-stage top-k over the vocabulary, then the whole draw.
+"""Triton kernels of the top-k path: exact top-k by group maxima, then the whole draw.
 
 Imported only on first CUDA use (sampler.py imports it lazily), never by
 `import deepinfer_sampling`; without triton the Sampler keeps its torch path.
 
-Stage 1, grid (rows, chunks): each program reads CHUNK logits of one row and keeps their K
-largest. Values and token ids travel together as one int64 sort key,
+Values and token ids travel together as one int64 sort key,
 
     key = (order-preserving int32 of the float32 logit) << 32 | (2**32 - 1 - token id)
 
 so that sorting keys descending sorts logits descending and, among equal logits, ids
-ascending. Keys are unique per row, hence the K largest keys of the row are exactly the K largest
-keys among the per-chunk K largest: the result does not depend on CHUNK.
+ascending. Keys are unique per row (padding past the vocabulary is int64 min, below -inf).
 
-Stage 2, grid (rows,): each program takes its row's chunk candidates, keeps the K largest
+The row's K largest keys are found without sorting the row. Cut the row into groups of GROUP
+consecutive tokens; the group maximum is the largest key of a group. Every one of the row's K
+largest keys lies in one of the K groups with the largest maxima: if its group were not among
+them, K other groups would hold K distinct keys larger than it. So
+
+Stage 1, grid (rows, chunks): each program reads CHUNK logits of one row (the only full read
+of the logits) and writes the largest min(K, CHUNK / GROUP) of its CHUNK / GROUP group maxima
+(any chunk could hold all K winning groups, none needs more).
+
+Stage 2, grid (rows,): each program keeps the K largest maxima of its row (the K winning
+groups), gathers those K * GROUP logits (<= 4096, a few KB), keeps their K largest keys
 (sorted), and runs `sampler._draw_sorted` on them with the same float64 arithmetic as the torch
 path (libdevice exp/log, IEEE division, no multiply-add pairs that could fuse): top-k, min-p,
-top-p masks and the Gumbel-max draw with counter uniforms of (keys, token id). One kernel instead
-of ~12 small torch kernels, which is what bounds a call at small batch sizes.
+top-p masks and the Gumbel-max draw with counter uniforms of (keys, token id).
+
+The K keys are exactly those a full sort would give (ties: lower token id first), whatever
+CHUNK and GROUP are. Stage 1 replaced a bitonic top-k of every 4096-logit chunk (about 1 ms
+for 256 rows x 129280): a max over groups plus a bitonic top-k of 128 maxima per chunk is far
+cheaper, and the sorting left in stage 2 is two sorts of <= 4096 keys per row. (An 8-bit radix
+select was the other candidate: tl.histogram costs ~75 instructions per element and 8-bit
+digit, so four passes over every logit are compute-bound at ~0.3 ms for 256 rows.)
 """
 
 from __future__ import annotations
@@ -30,13 +44,15 @@ from triton.language.extra import libdevice
 
 from .rng import _COLUMN_STEP, _MASK32, _MUL_A, _MUL_B, _TWO_POW_MINUS_52
 
-__all__ = ["MAX_K", "topk_draw"]
+__all__ = ["MAX_K", "topk_draw", "topk_keys"]
 
-# Largest max_top_k this path serves (larger ones use torch.topk): stage 2 holds
-# chunks * K int64 keys per program.
+# Largest max_top_k this path serves (larger ones use torch.topk).
 MAX_K = 256
-# Most keys stage 2 holds per row (chunks * padded k).
+# Most keys one stage-2 sort holds (chunks * kept maxima; K * GROUP): bitonic networks beyond
+# this take minutes to compile (32768 keys did not compile in a minute).
 MAX_STAGE2_KEYS = 4096
+# Widest group: small groups make more maxima, wide ones a larger stage-2 gather.
+MAX_GROUP = 32
 
 _STEP: tl.constexpr = tl.constexpr(_COLUMN_STEP)
 _M32: tl.constexpr = tl.constexpr(_MASK32)
@@ -46,12 +62,8 @@ _U_SCALE: tl.constexpr = tl.constexpr(_TWO_POW_MINUS_52)
 
 
 @triton.jit
-def _chunk_topk_kernel(x_ptr, cand_ptr, vocab, CHUNK: tl.constexpr, K: tl.constexpr):
-    """x float32 [R, vocab] contiguous -> cand int64 [R, NCH * K]: each chunk's K largest keys."""
-    row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
-    num_chunks = tl.num_programs(1)
-    cols = chunk * CHUNK + tl.arange(0, CHUNK)
+def _packed_keys(x_ptr, row, cols, vocab):
+    """int64 keys (shape of cols) of logits x[row, cols]; int64 min where cols >= vocab."""
     inside = cols < vocab
     x = tl.load(x_ptr + row * vocab + cols, mask=inside, other=0.0)
     bits = x.to(tl.int32, bitcast=True)
@@ -60,9 +72,31 @@ def _chunk_topk_kernel(x_ptr, cand_ptr, vocab, CHUNK: tl.constexpr, K: tl.conste
     # Padding sorts below every real key, -inf included (int32 min is a NaN pattern).
     key = tl.where(inside, key, -2147483648)
     low = tl.where(inside, 4294967295 - cols.to(tl.int64), 0)
-    packed = (key.to(tl.int64) << 32) | low
-    top = tl.topk(packed, K)
-    tl.store(cand_ptr + (row * num_chunks + chunk) * K + tl.arange(0, K), top)
+    return (key.to(tl.int64) << 32) | low
+
+
+@triton.jit
+def _group_max_kernel(
+    x_ptr,
+    cand_ptr,
+    vocab,
+    CHUNK: tl.constexpr,
+    GROUP: tl.constexpr,
+    KEPT: tl.constexpr,
+):
+    """x float32 [R, vocab] -> cand int64 [R, chunks * KEPT]: each chunk's KEPT largest maxima.
+
+    A chunk has CHUNK // GROUP groups; KEPT = min(K, CHUNK // GROUP).
+    """
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    num_chunks = tl.num_programs(1)
+    cols = chunk.to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
+    packed = _packed_keys(x_ptr, row, cols, vocab)
+    maxima = tl.max(tl.reshape(packed, (CHUNK // GROUP, GROUP)), axis=1)
+    if KEPT < CHUNK // GROUP:
+        maxima = tl.topk(maxima, KEPT)
+    tl.store(cand_ptr + (row * num_chunks + chunk) * KEPT + tl.arange(0, KEPT), maxima)
 
 
 if os.environ.get("TRITON_INTERPRET") == "1":  # CPU tests: the interpreter has no libdevice
@@ -97,7 +131,9 @@ def _mix32(x):
 
 
 @triton.jit
-def _draw_kernel(
+def _select_draw_kernel(
+    x_ptr,
+    vocab,
     cand_ptr,
     keys_ptr,
     key_stride,
@@ -108,13 +144,29 @@ def _draw_kernel(
     out_ptr,
     NC: tl.constexpr,
     K: tl.constexpr,
+    GROUP: tl.constexpr,
     USE_MIN_P: tl.constexpr,
     USE_TOP_P: tl.constexpr,
+    KEYS_ONLY: tl.constexpr,
 ):
-    """cand int64 [R, NC] -> out int64 [R]: the draw of sampler._draw_sorted on the top K."""
+    """cand int64 [R, NC] group maxima, x float32 [R, vocab] -> out int64 [R].
+
+    The row's K largest keys (from the K groups with the largest maxima), then the draw of
+    sampler._draw_sorted on them. KEYS_ONLY: store the K keys to out int64 [R, K] instead.
+    """
     row = tl.program_id(0).to(tl.int64)
-    packed = tl.load(cand_ptr + row * NC + tl.arange(0, NC))
-    top = tl.topk(packed, K)  # [K], descending
+    maxima = tl.load(cand_ptr + row * NC + tl.arange(0, NC))
+    if NC > K:
+        maxima = tl.topk(maxima, K)  # the K winning groups
+    # A maximum's token id names its group (groups start at multiples of GROUP). Padding
+    # maxima name no group (id 2**32 - 1): their columns are past the vocabulary.
+    group = (4294967295 - (maxima & 4294967295)) // GROUP
+    cols = group[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    packed = _packed_keys(x_ptr, row, cols, vocab)
+    top = tl.topk(tl.reshape(packed, (packed.shape[0] * GROUP,)), K)  # [K], descending
+    if KEYS_ONLY:
+        tl.store(out_ptr + row * K + tl.arange(0, K), top)
+        return
     key = (top >> 32).to(tl.int32)
     value = (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
     ids = 4294967295 - (top & 4294967295)
@@ -159,6 +211,34 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def _stage_shapes(k: int, vocab: int, chunk: int | None, group: int | None):
+    """(chunk, group, kept, chunks) of the two stages for padded k; see topk_draw's knobs."""
+    chunk = chunk or 4096
+    if chunk < k or chunk & (chunk - 1):
+        raise ValueError(f"chunk must be a power of 2 >= {k}, got {chunk}")
+    group = group or min(MAX_GROUP, MAX_STAGE2_KEYS // k)
+    if group < 1 or group & (group - 1) or group > chunk or k * group > MAX_STAGE2_KEYS:
+        raise ValueError(
+            f"group must be a power of 2 <= chunk={chunk} and <= {MAX_STAGE2_KEYS // k} "
+            f"(k={k}), got {group}"
+        )
+    kept = min(k, chunk // group)
+    chunks = _next_pow2(triton.cdiv(vocab, chunk))
+    # Stage 2 sorts chunks * kept maxima in one program: widen the chunks until that is at most
+    # MAX_STAGE2_KEYS (one chunk keeps <= k <= MAX_K maxima, so this ends).
+    while chunks * kept > MAX_STAGE2_KEYS:
+        chunk *= 2
+        kept = min(k, chunk // group)
+        chunks = _next_pow2(triton.cdiv(vocab, chunk))
+    return chunk, group, kept, chunks
+
+
+def _padded_k(max_top_k: int) -> int:
+    if not 1 <= max_top_k <= MAX_K:
+        raise ValueError(f"max_top_k must be in [1, {MAX_K}], got {max_top_k}")
+    return max(16, _next_pow2(max_top_k))
+
+
 def topk_draw(
     x: torch.Tensor,
     keys: torch.Tensor,
@@ -171,62 +251,72 @@ def topk_draw(
     use_min_p: bool,
     use_top_p: bool,
     chunk: int | None = None,
+    group: int | None = None,
 ) -> torch.Tensor:
     """Sample among each row's top-k candidates, as sampler._sample_topk does with torch ops.
 
     x: float32 [r, V] processed logits (CUDA, or CPU under TRITON_INTERPRET=1).
     keys: int64 [4, r] counter-RNG keys. temperature, top_p, log_min_p: float64 [r, 1];
-    top_k: int64 [r, 1] (each <= max_top_k <= MAX_K). chunk: stage-1 width (power of 2 >= the
-    padded k; default max(4096, 32 * k), widened until stage 2 holds <= MAX_STAGE2_KEYS keys;
-    tests lower it to exercise several chunks). Any CUDA device (launched on x's device).
-    Returns int64 [r] token ids.
+    top_k: int64 [r, 1] (each <= max_top_k <= MAX_K). Tuning knobs (the tokens do not depend
+    on them; tests lower them to exercise several chunks and groups): chunk, the stage-1 width
+    in tokens (power of 2 >= the padded k; default 4096, widened until stage 2 sorts
+    <= MAX_STAGE2_KEYS maxima); group, tokens per group (power of 2 <= chunk with
+    padded k * group <= MAX_STAGE2_KEYS; default min(MAX_GROUP, MAX_STAGE2_KEYS // padded k)).
+    Any CUDA device (launched on x's device). Returns int64 [r] token ids.
     """
-    if not 1 <= max_top_k <= MAX_K:
-        raise ValueError(f"max_top_k must be in [1, {MAX_K}], got {max_top_k}")
+    k = _padded_k(max_top_k)
+    out = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
+    params = (temperature, top_k, top_p, log_min_p)
+    _launch(x, out, keys, params, k, use_min_p, use_top_p, False, chunk, group)
+    return out
+
+
+def topk_keys(
+    x: torch.Tensor, max_top_k: int, *, chunk: int | None = None, group: int | None = None
+) -> torch.Tensor:
+    """The K = max(16, next power of 2 >= max_top_k) largest sort keys of each row, descending.
+
+    x: float32 [r, V]. Returns int64 [r, K], key = (order-preserving int32 of the logit) << 32 |
+    (2**32 - 1 - token id); int64 min past the vocabulary. The candidates topk_draw draws from
+    (for tests and tools; chunk and group as in topk_draw).
+    """
+    k = _padded_k(max_top_k)
+    out = torch.empty(x.shape[0], k, dtype=torch.int64, device=x.device)
+    _launch(x, out, None, None, k, False, False, True, chunk, group)
+    return out
+
+
+def _launch(x, out, keys, params, k, use_min_p, use_top_p, keys_only, chunk, group) -> None:
+    """Both stages on x's device; params: (temperature, top_k, top_p, log_min_p) or None."""
     if x.is_cuda and x.device.index != torch.cuda.current_device():
         # triton launches on the current device, not the tensors' one.
         with torch.cuda.device(x.device):
-            return topk_draw(
-                x,
-                keys,
-                temperature,
-                top_k,
-                top_p,
-                log_min_p,
-                max_top_k=max_top_k,
-                use_min_p=use_min_p,
-                use_top_p=use_top_p,
-                chunk=chunk,
-            )
+            return _launch(x, out, keys, params, k, use_min_p, use_top_p, keys_only, chunk, group)
+    if x.dim() != 2 or x.dtype != torch.float32:
+        raise ValueError(f"x must be float32 [rows, vocab], got {x.dtype} {tuple(x.shape)}")
     rows, vocab = x.shape
     x = x.contiguous()
-    k = max(16, _next_pow2(max_top_k))
-    chunk = chunk or max(4096, 32 * k)
-    if chunk < k or chunk & (chunk - 1):
-        raise ValueError(f"chunk must be a power of 2 >= {k}, got {chunk}")
-    chunks = _next_pow2(triton.cdiv(vocab, chunk))
-    # Stage 2 sorts chunks * k keys in one program; beyond MAX_STAGE2_KEYS its bitonic network
-    # takes minutes to compile (32768 keys did not compile in a minute), so widen the chunks.
-    while chunks * k > MAX_STAGE2_KEYS:
-        chunk *= 2
-        chunks = _next_pow2(triton.cdiv(vocab, chunk))
-    cand = torch.empty(rows, chunks * k, dtype=torch.int64, device=x.device)
-    out = torch.empty(rows, dtype=torch.int64, device=x.device)
+    chunk, group, kept, chunks = _stage_shapes(k, vocab, chunk, group)
+    cand = torch.empty(rows, chunks * kept, dtype=torch.int64, device=x.device)
+    _group_max_kernel[(rows, chunks)](
+        x, cand, vocab, CHUNK=chunk, GROUP=group, KEPT=kept, num_warps=8
+    )
+    if keys_only:  # the draw's inputs are never read: pass any pointers
+        keys, params = cand, (cand,) * 4
     keys = keys.contiguous()
-    _chunk_topk_kernel[(rows, chunks)](x, cand, vocab, CHUNK=chunk, K=k, num_warps=8)
-    _draw_kernel[(rows,)](
+    _select_draw_kernel[(rows,)](
+        x,
+        vocab,
         cand,
         keys,
         keys.stride(0),
-        temperature.contiguous(),
-        top_k.contiguous(),
-        top_p.contiguous(),
-        log_min_p.contiguous(),
+        *(p.contiguous() for p in params),
         out,
-        NC=chunks * k,
+        NC=chunks * kept,
         K=k,
+        GROUP=group,
         USE_MIN_P=use_min_p,
         USE_TOP_P=use_top_p,
+        KEYS_ONLY=keys_only,
         num_warps=4,
     )
-    return out
