@@ -16,6 +16,7 @@ Usage (on the GPU machine): python tools/bench_kernels.py [--quick] [--json PATH
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -301,19 +302,17 @@ def decode_rows(quick):
         )
 
     D = gemv.DecodeConfig
-    sweep = {
-        "fold k128": D(),
-        "fold k128 A16": D(),  # activations pre-expanded to bf16 (what fp8_linear feeds)
-        "swap16 k128 s1": D(block_m=16, block_n=64, fold=False, split_k=1),
-        "swap16 k128 s2": D(block_m=16, block_n=64, fold=False, split_k=2),
-        "swap16 k128 s4": D(block_m=16, block_n=64, fold=False, split_k=4),
-        "swap16 k128 s8": D(block_m=16, block_n=64, fold=False, split_k=8),
-        "swap16 k256 s4": D(
-            block_m=16, block_n=64, block_k=256, num_stages=3, fold=False, split_k=4
+    sweep = {  # candidates for M=1/16 (block_m 16) and M=64 (block_m 64); split fixed per row
+        "swap k128 s16": D(split_k=16),
+        "swap k128 st3 s8": D(num_stages=3, split_k=8),
+        "fp8 n64 st6 s8": D(block_k=32, num_stages=6, split_k=8, mma_fp8=True),
+        "fp8 n128 st6 s4": D(block_n=128, block_k=32, num_stages=6, split_k=4, mma_fp8=True),
+        "fp8 n128 st6 s8": D(block_n=128, block_k=32, num_stages=6, split_k=8, mma_fp8=True),
+        "fp8 n128 st8 s16": D(block_n=128, block_k=32, num_stages=8, split_k=16, mma_fp8=True),
+        "fp8 n256 w8 st4 s8": D(
+            block_n=256, block_k=32, num_warps=8, num_stages=4, split_k=8, mma_fp8=True
         ),
-        "swap16 k128 st6 s4": D(block_m=16, block_n=64, num_stages=6, fold=False, split_k=4),
-        "swap w8 n128 s4": D(block_m=16, block_n=128, num_warps=8, fold=False, split_k=4),
-        "swap64 k128 s4": D(block_m=64, block_n=64, fold=False, split_k=4),
+        "fold A16 s8": D(block_n=32, split_k=8, fold=True),
     }
     shapes = [
         (1, 5120, 8192),
@@ -323,6 +322,8 @@ def decode_rows(quick):
         (256, 5120, 8192),
         (1, 2112, 7168),
         (64, 32768, 1280),
+        (2048, 5120, 8192),
+        (8192, 5120, 8192),
     ]
     for m, n, k in shapes:
         sets = []
@@ -346,17 +347,21 @@ def decode_rows(quick):
 
             try:
                 ms_eager = _bench(Rotating(fn, sets))
-                ms_graph = _bench_graphs(fn, sets)
+                ms_graph = _bench_graphs(fn, sets) if m <= 256 else float("nan")
             except Exception as exc:  # reported, the other rows still run
                 print(f"decode: fp8_gemm {name} {shape} failed: {type(exc).__name__}: {exc}")
                 continue
             row(f"fp8_gemm[{name}]", shape, ms_eager, flops, nbytes, t_torch)
-            row(f"fp8_gemm[graph {name}]", shape, ms_graph, flops, nbytes, t_torch)
+            if m <= 256:
+                row(f"fp8_gemm[graph {name}]", shape, ms_graph, flops, nbytes, t_torch)
         if quick or m not in (1, 16, 64) or n != 5120:
             continue
         for name, cfg in sweep.items():
-            if cfg.block_m < min(m, 64) and not cfg.fold:
-                continue  # swap tiles of fewer activation rows than M: more M tiles, skip
+            cfg = dataclasses.replace(cfg, block_m=16 if m <= 16 else 64)
+            if m > 16 and name in ("swap k128 s16", "fp8 n128 st8 s16", "fp8 n256 w8 st4 s8"):
+                continue
+            if cfg.fold:
+                cfg = dataclasses.replace(cfg, block_m=64)
             a16 = "A16" in name
             try:
                 ms = _bench_graphs(
@@ -391,11 +396,10 @@ def decode_rows(quick):
     M = tmoe.MoeConfig
     moe_cands = {
         "auto": None,
-        "mma k256": M(16, 64, 64, 4, 4, 4, False, 256),
-        "mma k128 m2": M(16, 64, 64, 4, 4, 4, False, 128, fp4_mode=2),
-        "mma k256 m2": M(16, 64, 64, 4, 4, 4, False, 256, fp4_mode=2),
-        "wgmma k128 m2": M(16, 64, 64, 4, 4, 4, True, 128, fp4_mode=2),
-        "wgmma k256 m2": M(16, 64, 64, 4, 4, 4, True, 256, fp4_mode=2),
+        "mma k128 m0": M(16, 64, 64, 4, 4, 4, False, 128),
+        "mma k128 m2 n32": M(16, 32, 32, 4, 4, 4, False, 128, fp4_mode=2),
+        "mma k128 m2 n32/64": M(16, 32, 64, 4, 4, 4, False, 128, fp4_mode=2),
+        "mma k128 m2 st3": M(16, 64, 64, 4, 4, 3, False, 128, fp4_mode=2),
     }
     for t in (1, 16, 64, 256):
         sets = []
@@ -406,6 +410,8 @@ def decode_rows(quick):
         active = sum(int(torch.unique(st[2]).numel()) for st in sets) / len(sets)
         nbytes = active * per_expert
         shape = f"T={t} E=384 k=6 D=5120 I=2304"
+        ms = _bench_graphs(lambda x, tw, ids: tmoe.build_routing(tw, ids, e, 16), sets)
+        row("moe_routing[graph]", f"T={t} E=384 k=6", ms, 0.0, t * k * 12)
         for name, cfg in moe_cands.items():
             for inv in (False, True) if cfg is None else (False,):
                 try:

@@ -7,6 +7,8 @@ written here with plain Python loops."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from deepinfer_kernels import quant
 from deepinfer_kernels.triton import gemv
@@ -49,9 +51,10 @@ def inputs(m, n, k, seed):
 
 CONFIGS = [
     gemv.DecodeConfig(),
-    gemv.DecodeConfig(block_m=16, block_k=64, split_k=2),
-    gemv.DecodeConfig(block_m=16, block_n=64, fold=False),
-    gemv.DecodeConfig(block_m=32, block_n=64, block_k=32, fold=False, split_k=3),
+    gemv.DecodeConfig(block_m=64, block_n=32, fold=True),
+    gemv.DecodeConfig(block_m=16, block_n=32, block_k=64, split_k=2, fold=True),
+    gemv.DecodeConfig(block_m=32, block_n=64, block_k=32, split_k=3),
+    gemv.DecodeConfig(block_k=32, split_k=2, mma_fp8=True),
 ]
 
 
@@ -67,14 +70,15 @@ def check_decode_gemm_against_float64(m, n, kb, ci, seed):
     k = 32 * kb
     cfg = CONFIGS[ci]
     if cfg.split_k and kb % cfg.split_k:
-        cfg = gemv.DecodeConfig(block_m=cfg.block_m, block_n=cfg.block_n, fold=cfg.fold)
+        cfg = dataclasses.replace(cfg, split_k=1)
     xq, xs, w, ws = inputs(m, n, k, seed)
     want = gemm_f64(xq, xs, w, ws)
     got = gemv.decode_gemm(xq, xs, w, ws, torch.float32, cfg)
     assert got.shape == (m, n) and got.dtype == torch.float32
     assert rel(got, want) < 1e-5, (m, n, k, cfg)
-    xa = quant.act_dequant_fp8(xq, xs, torch.bfloat16)  # exact bf16 activations
-    assert torch.equal(gemv.decode_gemm(xa, xa, w, ws, torch.float32, cfg), got)
+    if not cfg.mma_fp8:  # the same products from bf16 activations: the same bits
+        xa = quant.act_dequant_fp8(xq, xs, torch.bfloat16)
+        assert torch.equal(gemv.decode_gemm(xa, xa, w, ws, torch.float32, cfg), got)
     got_f32_scale = gemv.decode_gemm(xq, xs, w, ws.float(), torch.bfloat16, cfg)
     assert got_f32_scale.dtype == torch.bfloat16 and rel(got_f32_scale, want) < 1e-2
 
@@ -85,9 +89,11 @@ def check_splits_and_paths():
         xq, xs, w, ws = inputs(m, n, k, seed=m + n + k)
         want = gemm_f64(xq, xs, w, ws)
         got = gemv.decode_gemm(xq, xs, w, ws, torch.float32, gemv.DecodeConfig(split_k=split))
+        fp8 = gemv.DecodeConfig(block_k=32, split_k=split, mma_fp8=True)
+        got_fp8 = gemv.decode_gemm(xq, xs, w, ws, torch.float32, fp8)
         assert got.shape == (m, n)
         if m:
-            assert rel(got, want) < 1e-5
+            assert rel(got, want) < 1e-5 and rel(got_fp8, want) < 1e-5
         big = tl_linear.GemmConfig(64, 64, split, 4, 3, True, block_k=64)
         got_big = tl_linear.fp8_gemm(xq, xs, w, ws, torch.float32, batch_invariant=True, config=big)
         if m:
@@ -96,15 +102,21 @@ def check_splits_and_paths():
     p = torch.randn(3, 4, 5)
     assert torch.equal(gemv.sum_splits(p, torch.float32), (p[0] + p[1]) + p[2])
     # the split policy depends on N and K only and cuts K on scale groups
-    assert gemv.decode_split(5120, 8192) == 1
+    assert gemv.decode_split(5120, 8192) == 4
+    assert gemv.decode_split(5120, 8192, batch_invariant=False) == 8
     assert gemv.decode_split(512, 7168) == 4
-    assert gemv.decode_split(2112, 7168) == 2
+    assert gemv.decode_split(32768, 1280) == 1
     for n in (32, 100, 4096):
         for k in (32, 96, 1280, 7168, 8192):
-            s = gemv.decode_split(n, k)
-            assert (k // 32) % s == 0 and (s == 1 or k // s >= 1024)
+            for inv in (True, False):
+                s = gemv.decode_split(n, k, inv)
+                assert (k // 32) % s == 0 and (s == 1 or k // s >= 1024)
     # bad configurations name the field
-    for bad, field in (({"block_n": 64}, "block_n"), ({"block_k": 48}, "block_k")):
+    for bad, field in (
+        ({"block_n": 64, "fold": True}, "block_n"),
+        ({"block_k": 48}, "block_k"),
+        ({"mma_fp8": True}, "mma_fp8"),
+    ):
         try:
             gemv.DecodeConfig(**bad)
         except ValueError as exc:

@@ -37,17 +37,20 @@ split (and therefore every row's bits) is a function of (N, K) alone."""
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """One decode-kernel configuration. `split_k` of 0 means `decode_split(N, K)`."""
+    """One decode-kernel configuration. `split_k` of 0 means `decode_split(N, K)` (invariant)."""
 
-    block_m: int = 64
-    block_n: int = 32
+    block_m: int = 16
+    block_n: int = 64
     block_k: int = 128
     split_k: int = 0
     num_warps: int = 4
     num_stages: int = 4
-    fold: bool = True
+    fold: bool = False
+    mma_fp8: bool = False  # FP8 tensor-core dots per 32-K group, promoted with both scales
 
     def __post_init__(self) -> None:
+        if self.mma_fp8 and (self.fold or self.block_k != 32):
+            raise ValueError("DecodeConfig.mma_fp8 needs fold=False and block_k=32")
         if self.fold and self.block_n != 32:
             raise ValueError(f"DecodeConfig.block_n must be 32 with fold=True, got {self.block_n}")
         if not self.fold and self.block_n % 32:
@@ -56,15 +59,18 @@ class DecodeConfig:
             raise ValueError(f"DecodeConfig.block_k must be a multiple of 32, got {self.block_k}")
 
 
-def decode_split(n: int, k: int) -> int:
-    """Split count of K for an [N, K] weight: a function of N and K only (never of M).
+def decode_split(n: int, k: int, batch_invariant: bool = True) -> int:
+    """Split count of K for an [N, K] weight: a function of N and K (and the mode), never of M.
 
-    Doubles from 1 while there are fewer 32-row weight tiles x splits than `NUM_SMS`, a split
-    keeps >= 1024 columns of K, and K/32 stays divisible by the count (so splits start on scale
-    groups and every kernel cuts K at the same places: K/split each)."""
-    tiles = triton.cdiv(n, 32)
+    Doubles from 1 while there are fewer 64-row weight tiles x splits than 2 (invariant mode) or
+    4 (auto) programs per SM of `NUM_SMS`, a split keeps >= 1024 columns of K, and K/32 stays
+    divisible by the count (so splits start on scale groups and every kernel cuts K at the same
+    places: K/split each). Invariant mode aims lower because prefill GEMMs split K the same way
+    in that mode, and each split there costs an fp32 partial of the whole output."""
+    tiles = triton.cdiv(n, 64)
+    target = (2 if batch_invariant else 4) * NUM_SMS
     s = 1
-    while tiles * s < NUM_SMS and (k // 32) % (2 * s) == 0 and k // (2 * s) >= 1024:
+    while tiles * s < target and (k // 32) % (2 * s) == 0 and k // (2 * s) >= 1024:
         s *= 2
     return s
 
@@ -96,6 +102,7 @@ def _decode_gemm_kernel(
     A_BF16: tl.constexpr,
     WS_E8M0: tl.constexpr,
     FOLD: tl.constexpr,
+    MMA_FP8: tl.constexpr,
     F32_MATH: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -138,31 +145,42 @@ def _decode_gemm_kernel(
         sw = tl.load(ws_ptrs)
         if WS_E8M0:
             sw = e8m0_to_fp32(sw)
-        # x_hat = x_fp8 * 2**e, exact in bf16 (the same expansion as the prefill kernel)
-        if A_BF16:
-            a16 = a
-        else:
+        if MMA_FP8:
+            # one K=32 scale group: an FP8 tensor-core dot (exact products, fp32 sum), promoted
+            # into the fp32 accumulator with the weight row's and the activation row's scales
             sa = tl.load(as_ptrs)
-            if KG == 1:
-                a16 = (a.to(tl.float32) * sa).to(tl.bfloat16)
+            if F32_MATH:
+                part = tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)), input_precision="ieee")
             else:
-                a3 = scale_bf16(
-                    tl.reshape(a.to(tl.bfloat16), (BLOCK_M, KG, 32)), sa[:, :, None], F32_MATH
-                )
-                a16 = tl.reshape(a3, (BLOCK_M, BLOCK_K))
-        if FOLD:
-            # x_hat * 2**e_w is exact in bf16; the weight is a plain e4m3 -> bf16 conversion
-            a16 = scale_bf16(a16, sw[None, :], F32_MATH)
-            acc = dot_exact(a16, tl.trans(w.to(tl.bfloat16)), acc, F32_MATH)
+                part = tl.dot(w, tl.trans(a))
+            scale = tl.reshape(sw, (BLOCK_N,))[:, None] * tl.reshape(sa, (BLOCK_M,))[None, :]
+            acc += part * scale
         else:
-            if KG == 1:
-                w16 = (w.to(tl.float32) * sw).to(tl.bfloat16)
+            # x_hat = x_fp8 * 2**e, exact in bf16 (the same expansion as the prefill kernel)
+            if A_BF16:
+                a16 = a
             else:
-                w3 = scale_bf16(
-                    tl.reshape(w.to(tl.bfloat16), (BLOCK_N, KG, 32)), sw[:, :, None], F32_MATH
-                )
-                w16 = tl.reshape(w3, (BLOCK_N, BLOCK_K))
-            acc = dot_exact(w16, tl.trans(a16), acc, F32_MATH)
+                sa = tl.load(as_ptrs)
+                if KG == 1:
+                    a16 = (a.to(tl.float32) * sa).to(tl.bfloat16)
+                else:
+                    a3 = scale_bf16(
+                        tl.reshape(a.to(tl.bfloat16), (BLOCK_M, KG, 32)), sa[:, :, None], F32_MATH
+                    )
+                    a16 = tl.reshape(a3, (BLOCK_M, BLOCK_K))
+            if FOLD:
+                # x_hat * 2**e_w is exact in bf16; the weight is a plain e4m3 -> bf16 conversion
+                a16 = scale_bf16(a16, sw[None, :], F32_MATH)
+                acc = dot_exact(a16, tl.trans(w.to(tl.bfloat16)), acc, F32_MATH)
+            else:
+                if KG == 1:
+                    w16 = (w.to(tl.float32) * sw).to(tl.bfloat16)
+                else:
+                    w3 = scale_bf16(
+                        tl.reshape(w.to(tl.bfloat16), (BLOCK_N, KG, 32)), sw[:, :, None], F32_MATH
+                    )
+                    w16 = tl.reshape(w3, (BLOCK_N, BLOCK_K))
+                acc = dot_exact(w16, tl.trans(a16), acc, F32_MATH)
         a_ptrs += BLOCK_K
         as_ptrs += KG
         w_ptrs += BLOCK_K
@@ -223,6 +241,8 @@ def decode_gemm(
     chunk = k // split
     bk = pick_block_k(chunk, cfg.block_k)
     a_bf16 = x.dtype == torch.bfloat16
+    if cfg.mma_fp8 and a_bf16:
+        raise ValueError("decode_gemm: DecodeConfig.mma_fp8 needs x_fp8 e4m3 activations, got bf16")
     x, w = x.contiguous(), w.contiguous()
     xs = x if a_bf16 else x_scale.contiguous()
     e8m0 = w_scale.dtype == torch.float8_e8m0fnu
@@ -252,6 +272,7 @@ def decode_gemm(
         A_BF16=a_bf16,
         WS_E8M0=e8m0,
         FOLD=cfg.fold,
+        MMA_FP8=cfg.mma_fp8,
         F32_MATH=x.device.type == "cpu",
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,

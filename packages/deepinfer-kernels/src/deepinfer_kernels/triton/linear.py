@@ -172,14 +172,16 @@ def pick_config(
     across the decode/prefill boundary either.
     """
     if m <= DECODE_MAX_M:
-        return DecodeConfig()
+        # swap-AB bf16 tiles, activation rows padded to 16/32/64 (wgmma N), 128 K a step
+        bm = 16 if m <= 16 else (32 if m <= 32 else 64)
+        return DecodeConfig(block_m=bm, split_k=decode_split(n, k, batch_invariant))
     bk = 32
     if m <= 256:
         bm, bn, warps, stages = 64, 128, 4, 5
     else:  # with bf16 activations a 64-deep step pays (417 vs 395 TFLOP/s measured at 8192^2)
         bm, bn, warps, stages, bk = 128, 128, 8, 4, (64 if a_bf16 else 32)
     if batch_invariant:
-        return GemmConfig(bm, bn, decode_split(n, k), warps, stages, True, block_k=bk)
+        return GemmConfig(bm, bn, decode_split(n, k, True), warps, stages, True, block_k=bk)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     split = 1
     while m <= 256 and tiles * split < 4 * num_sms and k // (split * 2) >= 512:
@@ -267,8 +269,14 @@ def fp8_linear(
     same bf16 operand the GEMM would build from x_fp8 and its scales per tile), so each tile only
     expands the weight; results are bitwise those of `fp8_gemm` on (x_fp8, x_scale).
     """
-    from .quant import act_fake_quant_bf16
+    from .quant import act_fake_quant_bf16, act_quant_fp8
 
-    xa = act_fake_quant_bf16(x.reshape(-1, x.shape[-1]))
-    y = fp8_gemm(xa, xa, w, w_scale, x.dtype, batch_invariant=batch_invariant)
+    x2 = x.reshape(-1, x.shape[-1])
+    cfg = pick_config(x2.shape[0], w.shape[0], x2.shape[1], batch_invariant, a_bf16=True)
+    if isinstance(cfg, DecodeConfig) and cfg.mma_fp8:  # FP8 dots take the FP8 activations
+        xq, xs = act_quant_fp8(x2)
+        y = fp8_gemm(xq, xs, w, w_scale, x.dtype, batch_invariant=batch_invariant, config=cfg)
+    else:
+        xa = act_fake_quant_bf16(x2)
+        y = fp8_gemm(xa, xa, w, w_scale, x.dtype, batch_invariant=batch_invariant, config=cfg)
     return y.reshape(*x.shape[:-1], w.shape[0])
