@@ -280,6 +280,7 @@ def decode_rows(quick):
     T <= 256, each timed eagerly and as CUDA-graph replays (how the engine runs decode), in auto
     and batch-invariant mode, plus a few candidate configurations of the decode kernels."""
     from deepinfer_kernels import quant
+    from deepinfer_kernels.ref import linear as ref_linear
     from deepinfer_kernels.triton import gemv
     from deepinfer_kernels.triton import linear as tl_linear
     from deepinfer_kernels.triton import moe as tmoe
@@ -363,6 +364,24 @@ def decode_rows(quick):
             if cfg.fold:
                 cfg = dataclasses.replace(cfg, block_m=64)
             a16 = "A16" in name
+            # every candidate is checked against the fp32 reference before it is timed
+            _, xq0, xs0, w0, ws0 = sets[0]
+            want = ref_linear.fp8_gemm(xq0, xs0, w0, ws0, torch.float32)
+            try:
+                got = gemv.decode_gemm(
+                    quant.act_dequant_fp8(xq0, xs0, torch.bfloat16) if a16 else xq0,
+                    xs0,
+                    w0,
+                    ws0,
+                    torch.float32,
+                    cfg,
+                )
+                err = ((got.double() - want.double()).norm() / want.double().norm()).item()
+            except Exception as exc:
+                print(f"sweep: {name} failed: {type(exc).__name__}: {str(exc)[:300]}")
+                continue
+            name = f"{name} {'ok' if err < 1e-3 else 'BAD'}"
+            print(f"sweep: {name} {shape} rel err {err:.2e}")
             try:
                 ms = _bench_graphs(
                     lambda x, xq, xs, w, ws, cfg=cfg, a16=a16: gemv.decode_gemm(
@@ -412,7 +431,13 @@ def decode_rows(quick):
         shape = f"T={t} E=384 k=6 D=5120 I=2304"
         ms = _bench_graphs(lambda x, tw, ids: tmoe.build_routing(tw, ids, e, 16), sets)
         row("moe_routing[graph]", f"T={t} E=384 k=6", ms, 0.0, t * k * 12)
+        base = tmoe.moe_experts(*sets[0], w1, s1, w3, s3, w2, s2, limit)
         for name, cfg in moe_cands.items():
+            if cfg is not None:  # candidates are checked against the default before timing
+                got = tmoe.moe_experts(*sets[0], w1, s1, w3, s3, w2, s2, limit, config=cfg)
+                err = ((got.double() - base.double()).norm() / base.double().norm()).item()
+                print(f"sweep: moe {name} T={t} rel diff to auto {err:.2e}")
+                name = f"{name} {'ok' if err < 1e-2 else 'BAD'}"
             for inv in (False, True) if cfg is None else (False,):
                 try:
                     ms = _bench_graphs(
