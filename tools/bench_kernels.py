@@ -304,6 +304,7 @@ def decode_rows(quick):
 
     D = gemv.DecodeConfig
     sweep = {  # candidates for M=1/16 (block_m 16) and M=64 (block_m 64); split fixed per row
+        "swap k128 s8": D(split_k=8),  # the default tiles at M > 64 (M tiles of 64 rows)
         "swap k128 s16": D(split_k=16),
         "swap k128 st3 s8": D(num_stages=3, split_k=8),
         "fp8 n64 st6 s8": D(block_k=32, num_stages=6, split_k=8, mma_fp8=True),
@@ -355,11 +356,15 @@ def decode_rows(quick):
             row(f"fp8_gemm[{name}]", shape, ms_eager, flops, nbytes, t_torch)
             if m <= 256:
                 row(f"fp8_gemm[graph {name}]", shape, ms_graph, flops, nbytes, t_torch)
-        if quick or m not in (1, 16, 64) or n != 5120:
+        if quick or m > 256 or n != 5120:
             continue
         for name, cfg in sweep.items():
             cfg = dataclasses.replace(cfg, block_m=16 if m <= 16 else 64)
+            if m <= 64 and name == "swap k128 s8":
+                continue  # the fp8_gemm[graph auto] row
             if m > 16 and name in ("swap k128 s16", "fp8 n128 st8 s16", "fp8 n256 w8 st4 s8"):
+                continue
+            if m > 64 and name not in ("swap k128 st3 s8", "fp8 n128 st6 s8", "swap k128 s8"):
                 continue
             if cfg.fold:
                 cfg = dataclasses.replace(cfg, block_m=64)
