@@ -10,13 +10,23 @@ from .linear import fp8_gemm, fp8_linear
 from .mhc import hc_mixes, hc_post, hc_pre, hc_split_sinkhorn
 from .moe import moe_experts, moe_gate
 from .norm import rms_norm
-from .quant import act_quant_fp8, rms_norm_act_quant_fp8, swiglu_act_quant_fp8
+from .quant import (
+    act_quant_fp8,
+    fake_quant_fp4_e4m3_scale,
+    fake_quant_fp4_ue8m0,
+    fake_quant_fp8_ue8m0,
+    rms_norm_act_quant_fp8,
+    swiglu_act_quant_fp8,
+)
 from .rope import rope
 
 __all__ = [
     "act_quant_fp8",
     "candidate_blocks",
     "engram_gate",
+    "fake_quant_fp4_e4m3_scale",
+    "fake_quant_fp4_ue8m0",
+    "fake_quant_fp8_ue8m0",
     "fp8_gemm",
     "fp8_linear",
     "hc_mixes",
