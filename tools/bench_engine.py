@@ -28,9 +28,12 @@ decode step under CUDA sync-debug mode, then --prof-steps decode steps under tor
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
+import io
 import json
 import os
+import pstats
 import statistics
 import tempfile
 import time
@@ -183,14 +186,27 @@ def run_one(llm: LLM, probe: Probe, batch: int, args, async_on: bool, graphs) ->
     for _ in range(args.warm):
         eng.step()
     step_s, host_s = [], []
+    prof = cProfile.Profile() if args.cprofile else None
     tok0, t_start = eng.stats.tokens_generated, time.perf_counter()
     for _ in range(args.steps):
         w0, t0 = probe.wait_s, time.perf_counter()
+        if prof is not None:
+            prof.enable()
         eng.step()
+        if prof is not None:
+            prof.disable()
         dt = time.perf_counter() - t0
         step_s.append(dt)
         host_s.append(dt - (probe.wait_s - w0))
     wall = time.perf_counter() - t_start
+    if prof is not None:
+        for key in ("tottime", "cumulative"):
+            out = io.StringIO()
+            pstats.Stats(prof, stream=out).sort_stats(key).print_stats(args.cprofile)
+            lines = out.getvalue().splitlines()
+            head = next(i for i, line in enumerate(lines) if "ncalls" in line)
+            print(f"# host profile, {args.steps} timed steps, by {key}:", flush=True)
+            print("\n".join(lines[head : head + 1 + args.cprofile]), flush=True)
     tokens = eng.stats.tokens_generated - tok0
     probe.check_sync, probe.syncs = True, []
     eng.step()
@@ -243,6 +259,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8, help="timed decode steps")
     ap.add_argument("--prof-steps", type=int, default=6, help="profiled decode steps")
     ap.add_argument("--slice-experts", type=int, default=16)
+    ap.add_argument(
+        "--cprofile", type=int, default=0, help="print the N top host functions of timed steps"
+    )
     args = ap.parse_args()
     accel = "nvidia" if args.device == "cuda" else "cpu"
     rows = []
@@ -263,7 +282,9 @@ def main() -> None:
         print(f"# {name}: built in {time.perf_counter() - t:.1f}s on {args.device}", flush=True)
         probe = Probe(llm)
         # Warm-up (lazy CUDA init, kernel compilation, pinned buffers), not reported.
-        warm = argparse.Namespace(**{**vars(args), "warm": 1, "steps": 1, "prof_steps": 1})
+        warm = argparse.Namespace(
+            **{**vars(args), "warm": 1, "steps": 1, "prof_steps": 1, "cprofile": 0}
+        )
         graphs = llm.engine.runner.graphs
         # (async, graphs) per batch size; the order alternates between batch sizes
         modes = [(True, graphs), (False, graphs)] + ([(True, None)] if graphs else [])
@@ -272,7 +293,10 @@ def main() -> None:
                 run_one(llm, probe, b, warm, a, g)  # also captures the bucket's graphs
         for i, b in enumerate(args.batches):
             for async_on, g in modes if i % 2 == 0 else modes[::-1]:
-                r = run_one(llm, probe, b, args, async_on, g)
+                # profile the host in the first mode only (cProfile slows every call)
+                first = (async_on, g) == modes[0]
+                run_args = args if first else argparse.Namespace(**{**vars(args), "cprofile": 0})
+                r = run_one(llm, probe, b, run_args, async_on, g)
                 label = ("on" if async_on else "off", "graph" if g else "eager")
                 rows.append((name, b, *label, r))
                 print(f"#   {name} B={b} async={label[0]} {label[1]}: {r}", flush=True)

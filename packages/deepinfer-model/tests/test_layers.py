@@ -55,7 +55,7 @@ def test_ratio2_compressor_pools_with_softmax_over_pairs(steps):
     cache, ctxs = _ctx(cfg, steps)
     lat, ent, s = [], [], 0
     for c in ctxs:
-        latent, _, entry = comp(x[s : s + c.num_tokens], c, cache)
+        latent, _, entry = comp(*comp.project(x[s : s + c.num_tokens]), c, cache)
         lat.append(latent)
         ent += entry.tolist()
         s += c.num_tokens

@@ -207,7 +207,7 @@ class DecodeGraphs:
         for i, layer in enumerate(m.layers):
             self._run(bk, i)
             s = bk.states[i]
-            o = layer.attn.attend(s.x[:n], s.q[:n], s.qr[:n], s.kv[:n], ctx, cache)
+            o = layer.attn.attend(s.x[:n], s.proj.rows(n), ctx, cache)
             bk.o[i][:n].copy_(o)
         self._run(bk, self.num_layers)
         return ForwardOutput(logits=bk.logits[:n].index_select(0, batch.logits_indices))

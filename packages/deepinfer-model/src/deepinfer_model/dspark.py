@@ -28,7 +28,7 @@ from torch import nn
 from .cache import KVCache
 from .config import ModelConfig
 from .forward_batch import ForwardBatch, StepContext
-from .layers.attention import Attention, write_ring
+from .layers.attention import Attention, Projections, write_ring
 from .layers.block import Block
 from .layers.linear import Embedding, FP8Linear, Linear, RMSNorm, dense
 from .layers.mhc import identity_pre
@@ -54,16 +54,12 @@ class DSparkAttention(Attention):
         write_ring(cache.swa[self.layer_id], ctx, self.project_kv(main_x, ctx.positions))
 
     def attend(
-        self,
-        x: torch.Tensor,
-        q: torch.Tensor,
-        qr: torch.Tensor,
-        kv: torch.Tensor,
-        dctx: DraftContext,
-        cache: KVCache,
+        self, x: torch.Tensor, p: Projections, dctx: DraftContext, cache: KVCache
     ) -> torch.Tensor:
-        """The draft block's core: q [B*block, H, head_dim], kv [B*block, head_dim] over the
-        stage's ring plus the block -> o [B*block, H, head_dim] (`forward` adds the rest)."""
+        """The draft block's core: its projections `p` (q [B*block, H, head_dim], kv
+        [B*block, head_dim]) over the stage's ring plus the block -> o [B*block, H, head_dim]
+        (`forward` adds the rest)."""
+        q, kv = p.q, p.kv
         ring = cache.swa[self.layer_id]
         r_len, n_seq, w = ring.shape[1], dctx.slots.shape[0], self.window
         dev = x.device

@@ -14,6 +14,9 @@ kv sources run their `Compressor` and write compressed KV (RoPE at j*r, FP4 with
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+
 import torch
 from deepinfer_kernels import ops, quant
 from torch import nn
@@ -33,10 +36,34 @@ def write_ring(ring: torch.Tensor, ctx: StepContext, kv: torch.Tensor) -> None:
     ring.index_put_((slot, ring_row), kv.index_select(0, rows).to(ring.dtype))
 
 
+@dataclass
+class Projections:
+    """What an attention layer computes per token before touching the cache
+    (`Attention.project`), all [T, ...]: q [T, H, head_dim] roped, qr [T, q_lora_rank], kv
+    [T, head_dim] the window entry (normed, roped, fake-quantised); on index sources index_q
+    [T, IH, Id] and index_w [T, IH] fp32 (`Indexer.queries`); on kv sources comp_a, comp_z
+    (`Compressor.project`: values and gate scores [T, head_dim] fp32, or for ratio 1 the latent
+    [T, head_dim] and None)."""
+
+    q: torch.Tensor
+    qr: torch.Tensor
+    kv: torch.Tensor
+    index_q: torch.Tensor | None = None
+    index_w: torch.Tensor | None = None
+    comp_a: torch.Tensor | None = None
+    comp_z: torch.Tensor | None = None
+
+    def rows(self, n: int) -> Projections:
+        """The first n rows of every tensor (views)."""
+        values = (getattr(self, f.name) for f in dataclasses.fields(self))
+        return Projections(*(None if t is None else t[:n] for t in values))
+
+
 class Attention(nn.Module):
     """One layer's attention. Parameters (HF names): `wq_a`, `q_norm`, `wq_b`, `wkv`, `kv_norm`,
     `wo_a`, `wo_b` (FP8 + `.scale`), `attn_sink [H]` fp32; `compressor.*` on kv sources,
-    `indexer.*` on index sources. x: [T, D] -> [T, D]."""
+    `indexer.*` on index sources. x: [T, D] -> [T, D] in three parts (`Block` calls them one
+    by one): `project` (per token), `attend` (reads and writes the cache), `output` (per token)."""
 
     def __init__(
         self,
@@ -107,12 +134,24 @@ class Attention(nn.Module):
         o = torch.stack([dense(o[:, g], wo_a[g]) for g in range(self.n_groups)], dim=1)
         return self.wo_b(o.flatten(1))
 
+    def project(self, x: torch.Tensor, positions: torch.Tensor) -> Projections:
+        """x [T, D] at `positions` [T] -> every per-token projection `attend` needs."""
+        q, qr = self.project_q(x, positions)
+        p = Projections(q, qr, self.project_kv(x, positions))
+        if self.is_index_source:
+            p.index_q, p.index_w = self.indexer.queries(
+                x, qr, positions, self.inv_freq, self.fake_quant_kv
+            )
+        if self.is_kv_source:
+            p.comp_a, p.comp_z = self.compressor.project(x)
+        return p
+
     # -- compressed branch ----------------------------------------------------------------------
-    def _publish(self, x: torch.Tensor, ctx: StepContext, cache: KVCache) -> None:
+    def _publish(self, x: torch.Tensor, p: Projections, ctx: StepContext, cache: KVCache) -> None:
         """kv source: compress, write index keys and compressed KV to pages, read back every
         sequence's entries (gathers with index tensors built on the host: no sync)."""
         r, bs = self.ratio, cache.block_size
-        latent, _, entry = self.compressor(x, ctx, cache)
+        latent, _, entry = self.compressor(p.comp_a, p.comp_z, ctx, cache)
         done = ctx.completed_entries(r, bs)
         if done["count"]:
             keys = self.indexer.index_keys(latent, entry, self.inv_freq, self.fake_quant_kv)
@@ -133,12 +172,12 @@ class Attention(nn.Module):
     # sequences with at most this many new tokens (decode, verify) score their entries batched
     BATCHED_SELECT_MAX_TOKENS = 8
 
-    def _select(self, x: torch.Tensor, qr: torch.Tensor, ctx: StepContext) -> None:
+    def _select(self, p: Projections, ctx: StepContext) -> None:
         """index source: top-k compressed entries per token -> ctx.topk[layer_id].
 
         Sequences with the same small number of new tokens are scored together against their
         own entries, padded ([g, n, max_entries]); longer ones (prefill) alone."""
-        q, w = self.indexer.queries(x, qr, ctx.positions, self.inv_freq, self.fake_quant_kv)
+        q, w = p.index_q, p.index_w
         comp = ctx.compressed[self.kv_source]
         # without candidates a layer that needs them fails in `Indexer.select` (RuntimeError)
         use_cand = ctx.candidates is not None and self.indexer.uses_candidates
@@ -219,31 +258,25 @@ class Attention(nn.Module):
         return self.indexer.select_batched(qg, wg, keys, pg, cand)
 
     def forward(self, x: torch.Tensor, ctx: StepContext, cache: KVCache) -> torch.Tensor:
+        """The whole layer, x [T, D] -> [T, D]: `project`, `attend`, `output` (`ctx` may be a
+        DSpark draft context: anything with `positions`)."""
         pos = ctx.positions
-        q, qr = self.project_q(x, pos)
-        kv = self.project_kv(x, pos)
-        return self.output(self.attend(x, q, qr, kv, ctx, cache), pos)
+        return self.output(self.attend(x, self.project(x, pos), ctx, cache), pos)
 
     def attend(
-        self,
-        x: torch.Tensor,
-        q: torch.Tensor,
-        qr: torch.Tensor,
-        kv: torch.Tensor,
-        ctx: StepContext,
-        cache: KVCache,
+        self, x: torch.Tensor, p: Projections, ctx: StepContext, cache: KVCache
     ) -> torch.Tensor:
-        """The part that reads and writes the cache: x [T, D], q [T, H, head_dim], qr
-        [T, q_lora_rank], kv [T, head_dim] (from `project_q`/`project_kv`) -> o [T, H, head_dim]
-        before `output`. Everything else of the layer is per token (CUDA-graph pieces)."""
+        """The part that reads and writes the cache: x [T, D] and its projections `p` ->
+        o [T, H, head_dim] before `output`. Everything else of the layer is per token (the
+        CUDA-graph pieces of a decode step)."""
         ring = cache.swa[self.layer_id]
-        pool = [ring[ctx.token["slots"]].flatten(0, 1).to(x.dtype), kv]
+        pool = [ring[ctx.token["slots"]].flatten(0, 1).to(x.dtype), p.kv]
         idx = [ctx.window(self.window, ring.shape[1])]
         if self.ratio > 0:
             if self.is_kv_source:
-                self._publish(x, ctx, cache)
+                self._publish(x, p, ctx, cache)
             if self.is_index_source:
-                self._select(x, qr, ctx)
+                self._select(p, ctx)
             top = ctx.topk[self.index_source]  # [T, K] entry ids of the own sequence, -1 = none
             comp = ctx.compressed[self.kv_source]
             base = ring.shape[1] * ctx.num_seqs + x.shape[0]
@@ -251,7 +284,7 @@ class Attention(nn.Module):
             idx.append(torch.where(top >= 0, top + base + offs.unsqueeze(1), -1))
             pool.append(comp.kv)
         o = ops.sparse_sink_attention(
-            q, torch.cat(pool), torch.cat(idx, dim=1), self.attn_sink, self.head_dim**-0.5
+            p.q, torch.cat(pool), torch.cat(idx, dim=1), self.attn_sink, self.head_dim**-0.5
         )
-        write_ring(ring, ctx, kv)
+        write_ring(ring, ctx, p.kv)
         return o

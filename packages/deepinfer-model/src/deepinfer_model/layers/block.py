@@ -11,7 +11,7 @@ from torch import nn
 from ..cache import KVCache
 from ..config import ModelConfig
 from ..forward_batch import StepContext
-from .attention import Attention
+from .attention import Attention, Projections
 from .engram import Engram
 from .linear import RMSNorm
 from .mhc import HCSite, hc_params
@@ -23,17 +23,14 @@ class AttentionInputs:
     """A layer's state at its attention core (`Block.enter`), all per token [T, ...]:
     h [T, hc, D] the residual streams; attn_pre [T, hc] this site's `pre` (collapses the streams
     for the FFN); post [T, hc], comb [T, hc, hc] (fp32) expand the attention output back; x
-    [T, D] the normed attention input; q [T, H, head_dim], qr [T, q_lora_rank], kv
-    [T, head_dim] its projections."""
+    [T, D] the normed attention input; proj its projections (`Attention.project`)."""
 
     h: torch.Tensor
     attn_pre: torch.Tensor
     post: torch.Tensor
     comb: torch.Tensor
     x: torch.Tensor
-    q: torch.Tensor
-    qr: torch.Tensor
-    kv: torch.Tensor
+    proj: Projections
 
 
 class Block(nn.Module):
@@ -76,19 +73,16 @@ class Block(nn.Module):
         """h [T, hc, D], pre [T, hc] -> (h', this FFN site's pre). `ctx` is the step's context
         (a DSpark stage passes its draft context, which has `positions` too)."""
         s = self.enter(h, pre, ctx.positions)
-        o = self.attn.attend(s.x, s.q, s.qr, s.kv, ctx, cache)
-        return self.leave(o, s, ctx.positions)
+        return self.leave(self.attn.attend(s.x, s.proj, ctx, cache), s, ctx.positions)
 
     def enter(self, h: torch.Tensor, pre: torch.Tensor, positions: torch.Tensor) -> AttentionInputs:
         """Everything per token before the attention core: the site's mHC coefficients, the
-        stream collapse with `pre` [T, hc], the norm and the q/kv projections at `positions` [T]."""
+        stream collapse with `pre` [T, hc], the norm and the projections at `positions` [T]."""
         attn_pre, post, comb = self.hc.coefficients(
             h, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base
         )
         x = self.attn_norm(ops.hc_pre(h, pre))
-        q, qr = self.attn.project_q(x, positions)
-        kv = self.attn.project_kv(x, positions)
-        return AttentionInputs(h, attn_pre, post, comb, x, q, qr, kv)
+        return AttentionInputs(h, attn_pre, post, comb, x, self.attn.project(x, positions))
 
     def leave(
         self, o: torch.Tensor, s: AttentionInputs, positions: torch.Tensor

@@ -30,27 +30,34 @@ class Compressor(nn.Module):
             self.wgate = Linear(d, hd, torch.float32, device)
         self.norm = RMSNorm(hd, config.rms_norm_eps, dtype, device)
 
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The per-token part, x [T, D] (normalised attention input) ->
+        ratio > 1: (a = wkv(x), z = wgate(x)), both [T, head_dim] fp32;
+        ratio 1: (the latent norm(wkv(x)) [T, head_dim] x.dtype, None): every token closes an
+        entry."""
+        if self.ratio == 1:
+            return self.norm(self.wkv(x)), None
+        xf = x.float()
+        return self.wkv(xf, torch.float32), self.wgate(xf, torch.float32)
+
     def forward(
-        self, x: torch.Tensor, ctx: StepContext, cache: KVCache
+        self, a: torch.Tensor, z: torch.Tensor | None, ctx: StepContext, cache: KVCache
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x: [T, D] (normalised attention input). Returns the entries completed in this step:
-        (latent [M, head_dim] x.dtype, seq index [M] int64, entry id [M] int64), and updates the
-        slot's partial-group state.
+        """a, z: `project`'s output for this step's T tokens. Returns the entries completed in
+        this step: (latent [M, head_dim], seq index [M] int64, entry id [M] int64), and updates
+        the slot's partial-group state.
         """
         r = self.ratio
         pos = ctx.positions
         done = ctx.completed_entries(r, cache.block_size)  # host-built: no sync
         rows, seq, entry = done["rows"], done["seq"], done["entry"]
         if r == 1:
-            return self.norm(self.wkv(x.index_select(0, rows))), seq, entry
-        xf = x.float()
-        a = self.wkv(xf, torch.float32)  # [T, hd]
-        z = self.wgate(xf, torch.float32)
+            return a.index_select(0, rows), seq, entry
         state_kv, state_z = cache.comp_kv[self.layer_id], cache.comp_score[self.layer_id]
         s_len = state_kv.shape[1]
         if done["count"]:
             # group positions of each completed entry: [M, r]
-            gpos = pos[rows].unsqueeze(1) - (r - 1) + torch.arange(r, device=x.device)
+            gpos = pos[rows].unsqueeze(1) - (r - 1) + torch.arange(r, device=a.device)
             ctx_m = ctx.token["ctx"][rows].unsqueeze(1)
             in_chunk = gpos >= ctx_m
             flat_row = (ctx.token["start"][rows].unsqueeze(1) + gpos - ctx_m).clamp_min(0)
@@ -59,9 +66,9 @@ class Compressor(nn.Module):
             ga = torch.where(in_chunk.unsqueeze(-1), a[flat_row], state_kv[st_slot, st_row])
             gz = torch.where(in_chunk.unsqueeze(-1), z[flat_row], state_z[st_slot, st_row])
             pooled = (ga * torch.softmax(gz, dim=1)).sum(1)  # [M, hd]
-            latent = self.norm(pooled.to(x.dtype))
+            latent = self.norm(pooled.to(self.norm.weight.dtype))
         else:
-            latent = x.new_zeros(0, self.norm.weight.shape[0])
+            latent = a.new_zeros(0, self.norm.weight.shape[0]).to(self.norm.weight.dtype)
         # keep the newest positions of each sequence for groups that close in a later step
         keep, slot, ring_row = ctx.ring_write(s_len)
         state_kv.index_put_((slot, ring_row), a.index_select(0, keep))
