@@ -141,7 +141,7 @@ def test_bad_knobs_raise_value_error_naming_them():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
-@pytest.mark.parametrize("max_top_k", [1, 50, 256])
+@pytest.mark.parametrize("max_top_k", [1, 256])  # few: each k compiles both kernels
 def test_cuda_topk_keys_are_the_exact_topk(max_top_k):
     from deepinfer_sampling.topk_triton import topk_keys
 

@@ -13,7 +13,7 @@ ascending. Keys are unique per row (padding past the vocabulary is int64 min, be
 The row's K largest keys are found without sorting the row. Cut the row into groups of GROUP
 consecutive tokens; the group maximum is the largest key of a group. Every one of the row's K
 largest keys lies in one of the K groups with the largest maxima: if its group were not among
-them, K other groups would hold K distinct keys larger than it. So
+them, K other groups would hold K distinct keys larger than it. Hence two stages:
 
 Stage 1, grid (rows, chunks): each program reads CHUNK logits of one row (the only full read
 of the logits) and writes the largest min(K, CHUNK / GROUP) of its CHUNK / GROUP group maxima
@@ -26,11 +26,12 @@ path (libdevice exp/log, IEEE division, no multiply-add pairs that could fuse): 
 top-p masks and the Gumbel-max draw with counter uniforms of (keys, token id).
 
 The K keys are exactly those a full sort would give (ties: lower token id first), whatever
-CHUNK and GROUP are. Stage 1 replaced a bitonic top-k of every 4096-logit chunk (about 1 ms
-for 256 rows x 129280): a max over groups plus a bitonic top-k of 128 maxima per chunk is far
-cheaper, and the sorting left in stage 2 is two sorts of <= 4096 keys per row. (An 8-bit radix
-select was the other candidate: tl.histogram costs ~75 instructions per element and 8-bit
-digit, so four passes over every logit are compute-bound at ~0.3 ms for 256 rows.)
+CHUNK and GROUP are. This replaced a bitonic top-k of every 4096-logit chunk (about 1 ms for
+256 rows x 129280 on the H200): stage 1 is now one read and a max per group (with the default
+knobs it keeps all of its chunk's maxima and sorts nothing for k <= 128), and the sorting left
+is two sorts of <= 4096 keys per row in stage 2: 0.13 ms for 256 rows at top-k 50. (An 8-bit
+radix select was the other candidate: by our count of its lowering, tl.histogram costs ~75
+instructions per element and 8-bit digit: four passes are compute-bound at ~0.3 ms here.)
 """
 
 from __future__ import annotations
@@ -213,10 +214,13 @@ def _next_pow2(n: int) -> int:
 
 def _stage_shapes(k: int, vocab: int, chunk: int | None, group: int | None):
     """(chunk, group, kept, chunks) of the two stages for padded k; see topk_draw's knobs."""
-    chunk = chunk or 4096
+    group = group or min(MAX_GROUP, MAX_STAGE2_KEYS // k)
+    # Default: k groups per chunk, so stage 1 keeps every maximum and sorts nothing (H200,
+    # 256 rows x 129280, k 64: 0.13 ms per call at chunk 2048 against 0.19 ms at 4096, whose
+    # chunks sort 128 maxima); at least 2048 wide, so small k do not make tiny programs.
+    chunk = chunk or max(2048, k * group)
     if chunk < k or chunk & (chunk - 1):
         raise ValueError(f"chunk must be a power of 2 >= {k}, got {chunk}")
-    group = group or min(MAX_GROUP, MAX_STAGE2_KEYS // k)
     if group < 1 or group & (group - 1) or group > chunk or k * group > MAX_STAGE2_KEYS:
         raise ValueError(
             f"group must be a power of 2 <= chunk={chunk} and <= {MAX_STAGE2_KEYS // k} "
@@ -258,10 +262,11 @@ def topk_draw(
     x: float32 [r, V] processed logits (CUDA, or CPU under TRITON_INTERPRET=1).
     keys: int64 [4, r] counter-RNG keys. temperature, top_p, log_min_p: float64 [r, 1];
     top_k: int64 [r, 1] (each <= max_top_k <= MAX_K). Tuning knobs (the tokens do not depend
-    on them; tests lower them to exercise several chunks and groups): chunk, the stage-1 width
-    in tokens (power of 2 >= the padded k; default 4096, widened until stage 2 sorts
-    <= MAX_STAGE2_KEYS maxima); group, tokens per group (power of 2 <= chunk with
-    padded k * group <= MAX_STAGE2_KEYS; default min(MAX_GROUP, MAX_STAGE2_KEYS // padded k)).
+    on them; tests lower them to exercise several chunks and groups): group, tokens per group
+    (power of 2 <= chunk with padded k * group <= MAX_STAGE2_KEYS; default
+    min(MAX_GROUP, MAX_STAGE2_KEYS // padded k)); chunk, the stage-1 width in tokens (power of
+    2 >= the padded k; default max(2048, padded k * group)), widened until stage 2 sorts
+    <= MAX_STAGE2_KEYS maxima.
     Any CUDA device (launched on x's device). Returns int64 [r] token ids.
     """
     k = _padded_k(max_top_k)
