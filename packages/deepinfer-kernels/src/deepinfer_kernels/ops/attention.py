@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..registry import REGISTRY, Implementation
+from ._checks import FLOAT_DTYPES, need, need_dtype
 
 REGISTRY.declare(
     "sparse_sink_attention",
@@ -15,6 +16,50 @@ REGISTRY.register(
         "sparse_sink_attention", "ref", "deepinfer_kernels.ref.attention:sparse_sink_attention"
     )
 )
+REGISTRY.register(
+    Implementation(
+        "sparse_sink_attention",
+        "triton",
+        "deepinfer_kernels.triton.attention:sparse_sink_attention",
+        devices=("cuda",),
+        min_capability=(9, 0),
+        requires=("triton",),
+        supports="deepinfer_kernels.ops.attention:triton_attention_reason",
+    )
+)
+
+_TRITON_MAX_HEAD_DIM = 1024  # one [heads, d] fp32 accumulator per program must fit on chip
+
+
+def triton_attention_reason(
+    q: torch.Tensor, kv: torch.Tensor, *args: object, **kwargs: object
+) -> str | None:
+    """Why the triton tier cannot run this call (not on CUDA, head_dim too large), or None."""
+    if q.device.type != "cuda":
+        return f"input on {q.device.type}"
+    if q.shape[-1] > _TRITON_MAX_HEAD_DIM:
+        return f"head_dim {q.shape[-1]} > {_TRITON_MAX_HEAD_DIM}"
+    return None
+
+
+def _check(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sink: torch.Tensor) -> None:
+    need(q.dim() == 3, f"sparse_sink_attention: q must be [T, H, d], got {list(q.shape)}")
+    t, h, d = q.shape
+    need_dtype(q, "q", *FLOAT_DTYPES)
+    need_dtype(kv, "kv", *FLOAT_DTYPES)
+    need(
+        kv.dim() == 2 and kv.shape[1] == d,
+        f"sparse_sink_attention: kv must be [N, {d}], got {list(kv.shape)}",
+    )
+    need(
+        indices.dim() == 2 and indices.shape[0] == t,
+        f"sparse_sink_attention: indices must be [{t}, K], got {list(indices.shape)}",
+    )
+    need_dtype(indices, "indices", torch.int32, torch.int64)
+    need(
+        tuple(sink.shape) == (h,),
+        f"sparse_sink_attention: sink must be [{h}], got {list(sink.shape)}",
+    )
 
 
 def sparse_sink_attention(
@@ -24,8 +69,11 @@ def sparse_sink_attention(
 
     The per-head `sink` logit enters only the denominator:
     ``p_i = exp(l_i) / (sum_j exp(l_j) + exp(sink_h))``, ``l_i = scale * q . kv_i``.
-    q: [T, H, d]; kv: [N, d]; indices: [T, K] int, -1 = empty slot; returns [T, H, d].
+    q: [T, H, d]; kv: [N, d]; indices: [T, K] int32/int64, -1 = empty slot; returns [T, H, d]
+    q.dtype (fp32 math). A row with no valid index returns zeros. The triton tier (CUDA) skips an
+    index >= N like -1; the ref tier fails on it.
     """
+    _check(q, kv, indices, sink)
     return REGISTRY.call(
         "sparse_sink_attention",
         q,
