@@ -3,21 +3,27 @@
 At M <= 64 the op reads 32x32-block FP8 weights [N, K] once and does little arithmetic per byte,
 so the kernel is built to stream the weight: each program owns `block_n` output features and a
 fixed slice of K, loads the weight in full `block_k`-wide rows (no masks along K, so the loads stay
-16-byte vectors), and keeps the few activation rows of the tile in registers.
+cp.async vectors), and keeps the few activation rows of the tile in registers.
 
-Two ways to apply the weight's per-32x32 UE8M0 scale, both exact (every factor is a power of two):
-- `fold` (default): a program's 32 weight rows are exactly one scale block row, so the scale of a
-  (block row, K group) pair multiplies the *activation* tile instead (x_hat[m, k] * 2**e, exact in
-  bf16); the weight is converted e4m3 -> bf16 with no multiply. Activations fill the MMA's M
-  (padded to `block_m`), the weight rows its N.
-- swap: 64 weight rows fill the MMA's M and are expanded ``e4m3 * 2**e`` per element (the
-  prefill kernel's expansion); activations are the MMA's N (16/32/64).
+Three ways to form the products (measured on the H200, 5120x8192, CUDA-graph replay: NOTES.md):
+- swap (default): 64 weight rows fill the wgmma's M and are expanded ``e4m3 * 2**e`` exactly to
+  bf16 (the prefill kernel's expansion); the activation rows are the MMA's N (16/32/64).
+  32.5 us at M=1 (30% of HBM).
+- `fold`: a program's 32 weight rows are exactly one scale block row, so the scale of a (block
+  row, K group) pair multiplies the *activation* tile instead (x_hat[m, k] * 2**e, exact in bf16);
+  the weight is converted e4m3 -> bf16 with no multiply. Activations fill the MMA's M (padded to
+  64): wasteful at M=1 (86 us) but the fastest at M=64 with bf16 activations (47 vs 53 us).
+- `mma_fp8`: FP8 tensor-core dots per 32-K scale group, promoted into fp32 with both scales
+  (no conversion at all). As fast as swap (31.7 us at M=1), so conversion ALU is not what bounds
+  the kernel; but its products are summed in the MMA's reduced-precision FP8 accumulation
+  (4.5e-5 relative error against fp32, 1e-7 for the bf16 paths) and its rows differ from the
+  prefill kernel's: not used by default, never in batch-invariant mode.
 
-Either way the products are the exact products the prefill kernel (`linear._fp8_gemm_kernel`)
-forms and both run on wgmma, whose rows do not depend on the tile (measured, see linear.py):
-with the same split of K the two kernels give a row the same bits. The split count comes from N
-and K only (`decode_split`), never from M, and the partial sums are added by `sum_splits` in a
-fixed order: batch-invariant by construction, in either mode.
+The bf16 paths form exactly the products the prefill kernel (`linear._fp8_gemm_kernel`) forms and
+run on wgmma, whose rows do not depend on the tile (measured, see linear.py): with the same split
+of K the two kernels give a row the same bits (GPU tests check it across M=1/64/301). The split
+count comes from N and K only (`decode_split`), never from M, and the partial sums are added by
+`sum_splits` in a fixed order: batch-invariant by construction.
 """
 
 from __future__ import annotations

@@ -152,7 +152,8 @@ def _fp8_gemm_kernel(
 
 
 DECODE_MAX_M = 64
-"""Calls with at most this many rows take the weight-streaming decode kernel (`gemv.py`)."""
+"""Calls with at most this many rows take the weight-streaming decode kernel (`gemv.py`). Above,
+the tiled kernel is faster (M=128: 77 us graph-replayed against 89 us, 5120x8192, H200)."""
 
 
 def pick_config(
