@@ -18,7 +18,7 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
-from deepinfer_kernels import ops, quant
+from deepinfer_kernels import ops
 from torch import nn
 
 from ..cache import KVCache
@@ -124,7 +124,7 @@ class Attention(nn.Module):
     def project_kv(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [T, D] -> window kv [T, head_dim] (normed, roped, FP8 fake-quantised)."""
         kv = rope_tail(self.kv_norm(self.wkv(x)), positions, self.inv_freq, self.rope_dim)
-        return quant.fake_quant_fp8_ue8m0(kv, 32) if self.fake_quant_kv else kv
+        return ops.fake_quant_fp8_ue8m0(kv, 32) if self.fake_quant_kv else kv
 
     def output(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """o [T, H, head_dim] -> [T, D]: inverse RoPE, grouped wo_a, wo_b."""
@@ -157,7 +157,7 @@ class Attention(nn.Module):
             keys = self.indexer.index_keys(latent, entry, self.inv_freq, self.fake_quant_kv)
             kv = rope_tail(latent, entry * r, self.inv_freq, self.rope_dim)
             if self.fake_quant_kv:
-                kv = quant.fake_quant_fp4_e4m3_scale(kv, 16)
+                kv = ops.fake_quant_fp4_e4m3_scale(kv, 16)
             where = (done["page"], done["page_row"])
             cache.compressed_kv[self.layer_id].index_put_(where, kv.to(cache.dtype))
             cache.index_k[self.layer_id].index_put_(where, keys.to(cache.dtype))

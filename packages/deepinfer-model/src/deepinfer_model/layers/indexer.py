@@ -24,7 +24,7 @@ than top-k exist; with the released config that never happens).
 from __future__ import annotations
 
 import torch
-from deepinfer_kernels import ops, quant
+from deepinfer_kernels import ops
 from torch import nn
 
 from ..config import ModelConfig
@@ -59,7 +59,7 @@ class Indexer(nn.Module):
         """latent [M, head_dim] (pre-RoPE), entry ids [M] -> index keys [M, Id]."""
         k = self.k_norm(self.wk(latent))
         k = rope_tail(k, entry * self.ratio, inv_freq, self.rope_dim)
-        return quant.fake_quant_fp4_ue8m0(k, 32) if fake_quant else k
+        return ops.fake_quant_fp4_ue8m0(k, 32) if fake_quant else k
 
     def queries(
         self,
@@ -73,7 +73,7 @@ class Indexer(nn.Module):
         q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)
         q = rope_tail(q, positions, inv_freq, self.rope_dim)
         if fake_quant:
-            q = quant.fake_quant_fp4_ue8m0(q, 32)
+            q = ops.fake_quant_fp4_ue8m0(q, 32)
         w = self.weights_proj(x, torch.float32) * (self.head_dim**-0.5 * self.n_heads**-0.5)
         return q, w
 
