@@ -10,7 +10,11 @@ here), and the speed-up over a torch baseline timed in the same run:
   bf16 matmuls with the same clamped SwiGLU.
 Decode shapes rotate among several weight sets / routings so the L2 cache does not serve them.
 
-Usage (on the GPU machine): python tools/bench_kernels.py [--quick] [--json PATH]
+Usage (on the GPU machine): python tools/bench_kernels.py [--quick] [--json PATH] [--only PARTS]
+`--only decode` measures just the decode rows (dense FP8 GEMM at M <= 256 and the MoE layer at
+T <= 256, eager and CUDA-graph replays, auto and batch-invariant, plus decode-kernel candidates,
+each checked against the reference before it is timed); `--only sweep` / `--only probe` the
+first pass's tile sweep and batch-invariance probe.
 """
 
 from __future__ import annotations
