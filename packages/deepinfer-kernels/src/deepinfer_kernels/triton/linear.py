@@ -173,8 +173,9 @@ def pick_config(
     across the decode/prefill boundary either.
     """
     if m <= DECODE_MAX_M:
-        # swap-AB bf16 tiles, activation rows padded to 16/32/64 (wgmma N), 128 K a step
-        bm = 16 if m <= 16 else (32 if m <= 32 else 64)
+        # swap-AB bf16 tiles, activation rows padded to 16 or 64 (the wgmma's N; the two
+        # measured and GPU-tested tiles), 128 K a step
+        bm = 16 if m <= 16 else 64
         return DecodeConfig(block_m=bm, split_k=decode_split(n, k, batch_invariant))
     bk = 32
     if m <= 256:
