@@ -7,7 +7,8 @@ cp.async vectors), and keeps the few activation rows of the tile in registers.
 
 Three ways to form the products (measured on the H200, 5120x8192, CUDA-graph replay: NOTES.md):
 - swap (default): 64 weight rows fill the wgmma's M and are expanded ``e4m3 * 2**e`` exactly to
-  bf16 (the prefill kernel's expansion); the activation rows are the MMA's N (16/32/64).
+  bf16 (the prefill kernel's expansion); the activation rows are the MMA's N (`block_m`; 16 or 64 as
+  `linear.pick_config` chooses).
   32.5 us at M=1 (30% of HBM).
 - `fold`: a program's 32 weight rows are exactly one scale block row, so the scale of a (block
   row, K group) pair multiplies the *activation* tile instead (x_hat[m, k] * 2**e, exact in bf16);
