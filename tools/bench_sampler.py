@@ -5,7 +5,8 @@ Usage: python tools/bench_sampler.py [--vocab 129280] [--rows 1 64 256] [--devic
 Configs (per row, every row seeded):
   all     penalties (presence, frequency, repetition over 64 generated tokens), logit bias,
           min_tokens (half the rows), temperature 0.8, top-k 50, top-p 0.9, min-p 0.05
-  top_p   temperature 0.8, top-p 0.9 only (whole-vocabulary path: sorts every row)
+  top_p   temperature 0.8, top-p 0.9 only (top-p path: the 1024 most likely tokens, a full
+          sort only for rows whose kept set reaches past them)
 Logits: float32, Zipf-like like a language model's (p ~ rank^-1.2 over a random permutation of
 the vocabulary, plus small noise); --flat uses N(0, 3^2) logits instead, whose top-p set is tens
 of thousands of tokens wide (worst case for the top-p path: it falls back to sorting).
@@ -13,17 +14,22 @@ Baseline: logits / T -> softmax -> sort -> cumsum top-p mask -> torch.multinomia
 process on the same logits. Time per call is the mean over repeated calls (device synchronised
 before and after); batch building (SamplingBatch.build) is timed separately. 'no-triton' is
 Sampler(use_triton=False) (torch.topk + torch ops for the top-k rows) on CUDA; ratio = ours /
-baseline. --chunks also times the triton top-k draw alone at those stage-1 chunk widths.
+baseline. --chunks (and --groups) also time the triton top-k draw alone at those stage-1 chunk
+(and group) widths, at every --rows.
 
-Last measured (H200, torch 2.11, vocab 129280, Zipf-like, commit c056390, i.e. BEFORE the triton
-top-k path; the table with it is still to be measured):
-    config  rows  ours ms  baseline ms  ratio
-    all        1    0.842        0.519   1.62
-    all       64    0.788        1.302   0.61
-    all      256    0.775        4.106   0.19
-    top_p      1    0.569        0.385   1.48
-    top_p     64    0.615        1.298   0.47
-    top_p    256    1.437        4.106   0.35
+Last measured (H200, torch 2.11, triton 3.6, vocab 129280, Zipf-like; exact top-k by group
+maxima, `--devices cuda --chunks 2048`):
+    config  rows  ours ms  no-triton  baseline ms  ratio
+    all        1    0.144      0.321        0.295   0.49
+    all       64    0.190      0.374        1.285   0.15
+    all      256    0.225      0.637        4.063   0.06
+    top_p      1    0.546      0.535        0.359   1.52
+    top_p     64    0.603      0.602        1.285   0.47
+    top_p    256    1.431      1.430        4.062   0.35
+    topk_draw alone, chunk 2048 (default), rows 1 / 64 / 256: 0.082 / 0.086 / 0.134 ms
+Stage-1 knobs, an earlier run of the same code (noisier host), topk_draw alone at 1 / 64 / 256
+rows: chunk 2048 group 32: 0.121 / 0.076 / 0.134; chunk 2048 group 64: 0.083 / 0.102 / 0.139;
+chunk 4096 group 32: 0.103 / 0.090 / 0.194; chunk 4096 group 64: 0.099 / 0.112 / 0.138 ms.
 """
 
 from __future__ import annotations
