@@ -50,8 +50,10 @@ _INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.floa
 
 
 def _assert_bitwise(name: str, x: torch.Tensor, block: int) -> None:
+    """The triton kernel on DEV against quant.py on the CPU, bit for bit."""
+    x = x.cpu()
     want = getattr(quant, name)(x, block)
-    got = getattr(fq, name)(x, block)
+    got = getattr(fq, name)(x.to(DEV), block).cpu()
     assert got.dtype == x.dtype and got.shape == x.shape
     iv = _INT_VIEW[x.dtype]
     diff = want.view(iv) != got.view(iv)
@@ -91,6 +93,7 @@ def _e4m3_grid() -> list[float]:
 
 
 E2M1_GRID = list(quant.FP4_VALUES)
+_TORCH_E4M3_SATURATES = torch.tensor([1e4]).to(torch.float8_e4m3fn).float().item() == 448.0
 
 
 def test_fp8_ue8m0_every_e4m3_value_tie_and_neighbour():
@@ -129,7 +132,9 @@ def test_e4m3_scale_ties_subnormals_and_saturation():
     # and above 448 (the scale saturates at 448, as torch's conversion does)
     grid = _e4m3_grid()
     probe = _grid_probe(grid)
-    r = torch.cat([probe[probe > 0], torch.tensor([2.0**-12, 2.0**-10, 449.0, 480.0, 1e4])])
+    r = torch.cat([probe[probe > 0], torch.tensor([2.0**-12, 2.0**-10])])
+    if _TORCH_E4M3_SATURATES:  # the kernel saturates; older torch may give NaN instead
+        r = torch.cat([r, torch.tensor([449.0, 480.0, 1e4])])
     amax = r * 6.0
     gen = torch.Generator().manual_seed(3)
     body = torch.rand(r.numel(), 15, generator=gen) * 2 - 1
@@ -180,7 +185,7 @@ def _inputs(draw):
 @given(_inputs())
 def test_random_inputs_bitwise(case):
     name, block, x = case
-    _assert_bitwise(name, x.to(DEV), block)
+    _assert_bitwise(name, x, block)
 
 
 def test_non_contiguous_input():
