@@ -95,12 +95,13 @@ def test_attention_matches_float64_and_ref(t, k):
     assert torch.equal(got[15::16], torch.zeros_like(got[15::16]))
 
 
-def test_attention_int32_indices_and_fp32_inputs():
+def test_attention_int32_indices_and_fp32_falls_back_to_ref():
     q, kv, idx, sink = _inputs(5, 640, seed=1)
     a = ops.sparse_sink_attention(q, kv, idx, sink, SCALE)
     b = ops.sparse_sink_attention(q, kv, idx.int(), sink, SCALE)
     assert torch.equal(a, b)
     qf, kvf = q.float(), kv.float()
+    assert REGISTRY.resolve("sparse_sink_attention", qf, kvf, idx, sink, SCALE).tier == "ref"
     got = ops.sparse_sink_attention(qf, kvf, idx, sink, SCALE)
     want = f64_attention(qf, kvf, idx, sink, SCALE)
     assert _rel(got, want) < 1e-5

@@ -202,5 +202,9 @@ def test_op_validation_and_dispatch():
 
     assert triton_attention_reason(q.cpu(), kv.cpu()) == "input on cpu"
     if DEV == "cuda":
-        assert triton_attention_reason(q, kv) is None
-        assert "head_dim" in triton_attention_reason(torch.zeros(1, 1, 2048, device=DEV), kv)
+        assert "bfloat16" in triton_attention_reason(q, kv)  # fp32 stays on ref
+        qb, kvb = q.bfloat16(), kv.bfloat16()
+        assert triton_attention_reason(qb, kvb) is None
+        assert "bfloat16" in triton_attention_reason(qb, kv)
+        big = torch.zeros(1, 1, 2048, device=DEV, dtype=torch.bfloat16)
+        assert "head_dim" in triton_attention_reason(big, kvb)

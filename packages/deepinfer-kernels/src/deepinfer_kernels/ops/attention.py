@@ -34,9 +34,13 @@ _TRITON_MAX_HEAD_DIM = 1024  # one [heads, d] fp32 accumulator per program must 
 def triton_attention_reason(
     q: torch.Tensor, kv: torch.Tensor, *args: object, **kwargs: object
 ) -> str | None:
-    """Why the triton tier cannot run this call (not on CUDA, head_dim too large), or None."""
+    """Why the triton tier cannot run this call (not on CUDA, not bf16/fp16 q and kv of one
+    dtype, head_dim too large), or None. fp32 stays on ref: the kernel's fp32 IEEE dots at
+    d = 512 spill registers heavily (ptxas, sm_90)."""
     if q.device.type != "cuda":
         return f"input on {q.device.type}"
+    if q.dtype != kv.dtype or q.dtype not in (torch.bfloat16, torch.float16):
+        return f"q {q.dtype} and kv {kv.dtype}: needs both bfloat16 or both float16"
     if q.shape[-1] > _TRITON_MAX_HEAD_DIM:
         return f"head_dim {q.shape[-1]} > {_TRITON_MAX_HEAD_DIM}"
     return None
