@@ -174,7 +174,9 @@ def run_one(llm: LLM, probe: Probe, batch: int, args, async_on: bool, graphs) ->
         torch.randint(3, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(batch)
     ]
     new = args.warm + args.steps + 1 + args.prof_steps + 4
-    sp = SamplingParams(temperature=0.8, top_p=0.95, seed=1, max_tokens=new, ignore_eos=True)
+    sp = SamplingParams(
+        temperature=0.8, top_p=0.95, top_k=args.top_k, seed=1, max_tokens=new, ignore_eos=True
+    )
     reqs = [eng.add_request(r) for r in _validated(llm, prompts, sp)]
     seqs = [s for r in reqs for s in r.seqs]
 
@@ -260,6 +262,9 @@ def main() -> None:
     ap.add_argument("--prof-steps", type=int, default=6, help="profiled decode steps")
     ap.add_argument("--slice-experts", type=int, default=16)
     ap.add_argument(
+        "--top-k", type=int, default=0, help="top-k with the top-p 0.95 (0 = top-p alone)"
+    )
+    ap.add_argument(
         "--cprofile", type=int, default=0, help="print the N top host functions of timed steps"
     )
     args = ap.parse_args()
@@ -308,7 +313,7 @@ def main() -> None:
     print(
         f"\nengine benchmark on {dev}: prompt {args.prompt_len} tokens, decode steps: "
         f"{args.warm} warm, {args.steps} timed, {args.prof_steps} profiled; "
-        "temperature 0.8 top-p 0.95 seeded"
+        f"temperature 0.8 top-p 0.95 top-k {args.top_k or 'off'} seeded"
     )
     print(
         f"{'model':6} {'batch':>5} {'async':>5} {'mode':>5} {'tok/s':>9} {'host ms/step':>13} "
