@@ -11,35 +11,15 @@ that bound is tight enough to catch a kernel that rounds the probabilities to bf
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
+from deepinfer_kernels import ops
+from deepinfer_kernels.ref import attention as ref_attention
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from triton_tier import DEV, triton_module
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-if DEV == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"
-triton = pytest.importorskip("triton", reason="the triton tier needs triton installed")
-
-from deepinfer_kernels import ops  # noqa: E402
-from deepinfer_kernels.ref import attention as ref_attention  # noqa: E402
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-
-def _triton_module(name: str):
-    """deepinfer_kernels.triton.<name>, (re)imported so its kernels honour TRITON_INTERPRET."""
-    mod = importlib.import_module(f"deepinfer_kernels.triton.{name}")
-    interpreted = any(
-        type(v).__name__ == "InterpretedFunction" for v in vars(mod).values() if callable(v)
-    )
-    if DEV == "cpu" and not interpreted:
-        mod = importlib.reload(mod)
-    return mod
-
-
-ta = _triton_module("attention")
+ta = triton_module("attention")
 
 
 def f64_attention(q, kv, indices, sink, scale) -> torch.Tensor:

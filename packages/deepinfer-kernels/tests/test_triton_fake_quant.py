@@ -11,34 +11,14 @@ truncation does not matter here.
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
+from deepinfer_kernels import ops, quant
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from triton_tier import DEV, triton_module
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-if DEV == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"
-triton = pytest.importorskip("triton", reason="the triton tier needs triton installed")
-
-from deepinfer_kernels import ops, quant  # noqa: E402
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-
-def _triton_module(name: str):
-    """deepinfer_kernels.triton.<name>, (re)imported so its kernels honour TRITON_INTERPRET."""
-    mod = importlib.import_module(f"deepinfer_kernels.triton.{name}")
-    interpreted = any(
-        type(v).__name__ == "InterpretedFunction" for v in vars(mod).values() if callable(v)
-    )
-    if DEV == "cpu" and not interpreted:
-        mod = importlib.reload(mod)
-    return mod
-
-
-fq = _triton_module("fake_quant")
+fq = triton_module("fake_quant")
 
 OPS = {  # op name -> default block
     "fake_quant_fp8_ue8m0": 32,

@@ -8,39 +8,20 @@ nearest), so bf16 outputs are held to a bf16 tolerance here and fp32 paths to fp
 
 from __future__ import annotations
 
-import importlib
 import math
-import os
 
 import pytest
 import torch
+from deepinfer_kernels.ref import mhc as ref_mhc
+from deepinfer_kernels.ref import norm as ref_norm
+from deepinfer_kernels.ref import rope as ref_rope
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from triton_tier import DEV, triton_module
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-if DEV == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"
-triton = pytest.importorskip("triton", reason="the triton tier needs triton installed")
-
-from deepinfer_kernels.ref import mhc as ref_mhc  # noqa: E402
-from deepinfer_kernels.ref import norm as ref_norm  # noqa: E402
-from deepinfer_kernels.ref import rope as ref_rope  # noqa: E402
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-
-def _triton_module(name: str):
-    """deepinfer_kernels.triton.<name>, (re)imported so its kernels honour TRITON_INTERPRET."""
-    mod = importlib.import_module(f"deepinfer_kernels.triton.{name}")
-    interpreted = any(
-        type(v).__name__ == "InterpretedFunction" for v in vars(mod).values() if callable(v)
-    )
-    if DEV == "cpu" and not interpreted:
-        mod = importlib.reload(mod)
-    return mod
-
-
-tm = _triton_module("mhc")
-tn = _triton_module("norm")
-tr = _triton_module("rope")
+tm = triton_module("mhc")
+tn = triton_module("norm")
+tr = triton_module("rope")
 
 SETTINGS = settings(max_examples=6, deadline=None)
 TOKENS = st.sampled_from([1, 2, 3, 5, 8, 17])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 
 @triton.jit
@@ -94,6 +95,29 @@ def scale_bf16(v, s, F32_MATH: tl.constexpr):
     if F32_MATH:
         return (v.to(tl.float32) * s.to(tl.float32)).to(tl.bfloat16)
     return v * s.to(tl.bfloat16)
+
+
+@triton.jit
+def fp8_to_bf16_scaled(
+    v, s, ROWS: tl.constexpr, WIDTH: tl.constexpr, KG: tl.constexpr, F32_MATH: tl.constexpr
+):
+    """v [ROWS, WIDTH] e4m3 with power-of-two scales s (fp32; [ROWS, KG], one per 32 columns, or
+    broadcastable when KG == 1) -> bf16 v * s, exact (an e4m3 value times a power of two fits
+    bf16). KG > 1 scales in bf16, which halves the registers of the expansion."""
+    if KG == 1:
+        return (v.to(tl.float32) * s).to(tl.bfloat16)
+    v3 = scale_bf16(tl.reshape(v.to(tl.bfloat16), (ROWS, KG, 32)), s[:, :, None], F32_MATH)
+    return tl.reshape(v3, (ROWS, WIDTH))
+
+
+@triton.jit
+def rsqrt(v, ACCURATE: tl.constexpr):
+    """1/sqrt(v): ACCURATE uses libdevice's rsqrtf (what torch's CUDA rsqrt calls); the Triton
+    interpreter has no libdevice."""
+    if ACCURATE:
+        return libdevice.rsqrt(v)
+    else:
+        return tl.math.rsqrt(v)
 
 
 # 8 e2m1 nibbles (one int32 word, value k in bits 4k..4k+3) -> 8 bf16 bit patterns, each the

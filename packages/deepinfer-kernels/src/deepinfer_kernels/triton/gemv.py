@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import dot_exact, e8m0_to_fp32, scale_bf16
+from ._common import dot_exact, e8m0_to_fp32, fp8_to_bf16_scaled, scale_bf16
 
 NUM_SMS = 132
 """H200 multiprocessors: the split policy's target. A constant, not read from the device, so the
@@ -168,25 +168,13 @@ def _decode_gemm_kernel(
                 a16 = a
             else:
                 sa = tl.load(as_ptrs)
-                if KG == 1:
-                    a16 = (a.to(tl.float32) * sa).to(tl.bfloat16)
-                else:
-                    a3 = scale_bf16(
-                        tl.reshape(a.to(tl.bfloat16), (BLOCK_M, KG, 32)), sa[:, :, None], F32_MATH
-                    )
-                    a16 = tl.reshape(a3, (BLOCK_M, BLOCK_K))
+                a16 = fp8_to_bf16_scaled(a, sa, BLOCK_M, BLOCK_K, KG, F32_MATH)
             if FOLD:
                 # x_hat * 2**e_w is exact in bf16; the weight is a plain e4m3 -> bf16 conversion
                 a16 = scale_bf16(a16, sw[None, :], F32_MATH)
                 acc = dot_exact(a16, tl.trans(w.to(tl.bfloat16)), acc, F32_MATH)
             else:
-                if KG == 1:
-                    w16 = (w.to(tl.float32) * sw).to(tl.bfloat16)
-                else:
-                    w3 = scale_bf16(
-                        tl.reshape(w.to(tl.bfloat16), (BLOCK_N, KG, 32)), sw[:, :, None], F32_MATH
-                    )
-                    w16 = tl.reshape(w3, (BLOCK_N, BLOCK_K))
+                w16 = fp8_to_bf16_scaled(w, sw, BLOCK_N, BLOCK_K, KG, F32_MATH)
                 acc = dot_exact(w16, tl.trans(a16), acc, F32_MATH)
         a_ptrs += BLOCK_K
         as_ptrs += KG

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import dot_exact, e8m0_to_fp32, scale_bf16
+from ._common import dot_exact, e8m0_to_fp32, fp8_to_bf16_scaled
 from .gemv import DecodeConfig, decode_gemm, decode_split, sum_splits
 
 
@@ -114,20 +114,8 @@ def _fp8_gemm_kernel(
                 a16 = a
             else:
                 sa = tl.load(as_ptrs, mask=((k0 + offs_g * 32) < k_end)[None, :], other=0.0)
-                if KG == 1:
-                    a16 = (a.to(tl.float32) * sa).to(tl.bfloat16)
-                else:
-                    a3 = scale_bf16(
-                        tl.reshape(a.to(tl.bfloat16), (BLOCK_M, KG, 32)), sa[:, :, None], F32_MATH
-                    )
-                    a16 = tl.reshape(a3, (BLOCK_M, BLOCK_K))
-            if KG == 1:
-                b16 = (b.to(tl.float32) * sb).to(tl.bfloat16)
-            else:  # bf16 x power of two is exact; bf16 halves the registers of the expansion
-                b3 = scale_bf16(
-                    tl.reshape(b.to(tl.bfloat16), (BLOCK_N, KG, 32)), sb[:, :, None], F32_MATH
-                )
-                b16 = tl.reshape(b3, (BLOCK_N, BLOCK_K))
+                a16 = fp8_to_bf16_scaled(a, sa, BLOCK_M, BLOCK_K, KG, F32_MATH)
+            b16 = fp8_to_bf16_scaled(b, sb, BLOCK_N, BLOCK_K, KG, F32_MATH)
             if SWAP_AB:
                 acc = dot_exact(b16, tl.trans(a16), acc, F32_MATH)
             else:

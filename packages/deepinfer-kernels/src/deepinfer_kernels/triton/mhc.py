@@ -16,6 +16,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from ._common import rsqrt
+
 _SINKHORN_BLOCK_T = 32  # tokens per program in hc_split_sinkhorn
 _BLOCK_D = 512  # hidden columns per program in hc_pre / hc_post
 _MIX_BLOCK_T = 16  # tokens per program in hc_mixes (the smallest tl.dot M)
@@ -33,14 +35,6 @@ def _exp(v, ACCURATE: tl.constexpr):
         return libdevice.exp(v)
     else:
         return tl.exp(v)
-
-
-@triton.jit
-def _rsqrt(v, ACCURATE: tl.constexpr):
-    if ACCURATE:
-        return libdevice.rsqrt(v)
-    else:
-        return tl.math.rsqrt(v)
 
 
 @triton.jit
@@ -345,7 +339,7 @@ def _hc_mixes_finish_kernel(
         base = s * T + t64
         acc += tl.load(part_ptr + base[:, None] * MIX_P + n[None, :], mask=tmask[:, None])
         sq += tl.load(sq_ptr + base, mask=tmask)
-    rstd = _rsqrt(sq / K + norm_eps, ACCURATE)
+    rstd = rsqrt(sq / K + norm_eps, ACCURATE)
     tl.store(
         out_ptr + t64[:, None] * mix + n[None, :],
         acc * rstd[:, None],

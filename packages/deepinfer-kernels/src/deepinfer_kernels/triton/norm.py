@@ -10,18 +10,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
+
+from ._common import rsqrt
 
 _MAX_BLOCK = 8192  # widest row held in registers at once; wider rows take two passes over chunks
-
-
-@triton.jit
-def _rsqrt(v, ACCURATE: tl.constexpr):
-    # libdevice's rsqrtf is what torch's CUDA rsqrt calls; the interpreter has no libdevice
-    if ACCURATE:
-        return libdevice.rsqrt(v)
-    else:
-        return tl.math.rsqrt(v)
 
 
 @triton.jit
@@ -44,7 +36,7 @@ def _rms_norm_kernel(
         mask = col < d
         x = tl.load(x_row + col, mask=mask, other=0.0)
         xf = x.to(tl.float32)
-        r = _rsqrt(tl.sum(xf * xf, axis=0) / d + eps, ACCURATE)
+        r = rsqrt(tl.sum(xf * xf, axis=0) / d + eps, ACCURATE)
         w = tl.load(w_ptr + col, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_row + col, (w * (xf * r)).to(x.dtype), mask=mask)
     else:
@@ -53,7 +45,7 @@ def _rms_norm_kernel(
             c = start + col
             xf = tl.load(x_row + c, mask=c < d, other=0.0).to(tl.float32)
             acc += xf * xf
-        r = _rsqrt(tl.sum(acc, axis=0) / d + eps, ACCURATE)
+        r = rsqrt(tl.sum(acc, axis=0) / d + eps, ACCURATE)
         for start in range(0, d, BLOCK):
             c = start + col
             mask = c < d
