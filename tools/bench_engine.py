@@ -1,6 +1,6 @@
 """Benchmark the offline engine: throughput, host time per step, GPU idleness per decode step.
 
-Usage: python tools/bench_engine.py [--models tiny slice] [--batches 1 64 256] [--device cuda]
+Usage: python tools/bench_engine.py [--models tiny slice stub] [--batches 1 64 256] [--device cuda]
 
 Models:
   tiny   the built-in tiny V4.1 checkpoint (loaded through the loader).
@@ -8,6 +8,9 @@ Models:
          (ratios 0,0,2,1: every attention kind), random weights in the checkpoint formats;
          fewer routed experts (--slice-experts, default 16) and no Engram tables (94 GiB each) so
          it builds in seconds. Prompts and outputs are token ids (a synthetic detokenizer).
+  stub   no model: the forward returns zero logits [rows, 129280] on the device at once, so the
+         table shows the engine's own host cost per step (scheduling, batch building, sampling,
+         detokenisation); its KV cache has the tiny model's layout.
 For each model and batch size B, B prompts of --prompt-len tokens generate tokens (ignore_eos),
 with async scheduling on and off in the same process (the order alternates between batch
 sizes). Each run: prefill, --warm decode steps (not measured), --steps timed decode steps, one
@@ -91,6 +94,39 @@ def slice_bundle(device: str, experts: int) -> ModelBundle:
         make_cache=lambda spec, nb, ns, dev, dt: KVCache(cfg, spec, nb, ns, device=dev, dtype=dt),
         name="v41-slice",
         decode_graphs=lambda max_batch: DecodeGraphs(model, max_batch),
+    )
+
+
+class ZeroLogits(torch.nn.Module):
+    """A stand-in model whose forward returns zero logits [rows, vocab] fp32 on its device."""
+
+    def __init__(self, vocab: int, device: str) -> None:
+        super().__init__()
+        self.vocab, self.device = vocab, torch.device(device)
+
+    def forward(self, batch, cache):
+        from deepinfer_model.forward_batch import ForwardOutput
+
+        rows = batch.logits_indices.shape[0]
+        return ForwardOutput(torch.zeros(rows, self.vocab, device=self.device))
+
+
+def stub_bundle(device: str) -> ModelBundle:
+    from deepinfer_model.cache import CacheSpec, KVCache
+    from deepinfer_model.config import ModelConfig
+
+    cfg = ModelConfig.tiny()
+    vocab = 129280  # V4.1's, so the sampler works at its real width
+    return ModelBundle(
+        model=ZeroLogits(vocab, device),
+        tokenizer=IdTokenizer(),
+        vocab_size=vocab,
+        eos_token_id=cfg.eos_token_id,
+        max_position_embeddings=cfg.max_position_embeddings,
+        sliding_window=cfg.sliding_window,
+        cache_spec=lambda bs, dt: CacheSpec.from_config(cfg, block_size=bs, dtype=dt),
+        make_cache=lambda spec, nb, ns, dev, dt: KVCache(cfg, spec, nb, ns, device=dev, dtype=dt),
+        name="stub",
     )
 
 
@@ -253,7 +289,9 @@ def _validated(llm: LLM, prompts, sp):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--models", nargs="+", default=["tiny", "slice"], choices=["tiny", "slice"])
+    ap.add_argument(
+        "--models", nargs="+", default=["tiny", "slice"], choices=["tiny", "slice", "stub"]
+    )
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 64, 256])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--prompt-len", type=int, default=32)
@@ -277,8 +315,9 @@ def main() -> None:
                 None, accelerator=accel, max_num_seqs=max(args.batches), gpu_memory_utilization=0.5
             )
         else:
+            build = slice_bundle if name == "slice" else lambda dev, _: stub_bundle(dev)
             llm = LLM.from_bundle(
-                slice_bundle(args.device, args.slice_experts),
+                build(args.device, args.slice_experts),
                 accelerator=accel,
                 max_num_seqs=max(args.batches),
                 max_model_len=4096,
