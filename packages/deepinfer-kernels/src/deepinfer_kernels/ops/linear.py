@@ -32,6 +32,20 @@ for _op in ("fp8_gemm", "fp8_linear"):
         )
     )
 
+# TileLang FP8-wgmma GEMM with per-32 promotion (prefill target). Opt-in until it is verified on
+# hardware: its `supports` declines every call unless DEEPINFER_KERNELS=fp8_gemm=tilelang.
+REGISTRY.register(
+    Implementation(
+        "fp8_gemm",
+        "tilelang",
+        "deepinfer_kernels.tilelang.fp8_gemm:fp8_gemm",
+        devices=("cuda",),
+        min_capability=(9, 0),
+        requires=("tilelang",),
+        supports="deepinfer_kernels.tilelang.fp8_gemm:supports",
+    )
+)
+
 
 def _check_weight(w: torch.Tensor, w_scale: torch.Tensor, k: int) -> None:
     need_dtype(w, "w", torch.float8_e4m3fn)

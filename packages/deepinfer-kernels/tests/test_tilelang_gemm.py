@@ -1,0 +1,242 @@
+"""The tilelang fp8_gemm tier on CPU: host-side logic (tile config limits, the padded weight-scale
+layout, the per-tile promotion arithmetic) against float64 math written here, the opt-in gate in
+the registry, and, when tilelang is importable, the lowered CUDA source for sm_90a (wgmma per K
+tile, the promotion, the pipeline's barriers). Running the kernel needs the H200
+(test_gpu_tilelang.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+
+import pytest
+import torch
+from deepinfer_kernels import REGISTRY, KernelSettings, ops, quant
+from deepinfer_kernels.tilelang import fp8_gemm as tg
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+HAVE_TILELANG = importlib.util.find_spec("tilelang") is not None
+needs_tilelang = pytest.mark.skipif(
+    not HAVE_TILELANG,
+    reason="tilelang is not importable here (run with PYTHONPATH=<site with tilelang 0.1.15>)",
+)
+
+
+def _f64_gemm(xq, xs, w, ws_f64) -> torch.Tensor:
+    """sum_k xq[m,k] sa[m,k//32] w[n,k] sb[n//32,k//32] with explicit float64 loops over K."""
+    m, k = xq.shape
+    n = w.shape[0]
+    a = xq.double()
+    b = w.double()
+    out = torch.zeros(m, n, dtype=torch.float64)
+    for kk in range(k):
+        sa = xs[:, kk // 32].double()  # [m]
+        sb = torch.tensor([ws_f64[j // 32][kk // 32] for j in range(n)], dtype=torch.float64)
+        out += (a[:, kk] * sa)[:, None] * (b[:, kk] * sb)[None, :]
+    return out
+
+
+def _e8m0_f64(scale: torch.Tensor) -> list[list[float]]:
+    """UE8M0 bytes decoded from the bit layout: 2 ** (byte - 127)."""
+    return [[2.0 ** (c - 127) for c in row] for row in scale.view(torch.uint8).tolist()]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300)).item()
+
+
+def _inputs(m: int, n: int, k: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    # rows with very different magnitudes, so the per-row, per-32 activation scales differ
+    x = torch.randn(m, k, generator=g) * torch.exp(
+        2 * torch.randn(m, k // 32, generator=g)
+    ).repeat_interleave(32, 1)
+    w = torch.randn(n, k, generator=g) * torch.exp(torch.randn(n, 1, generator=g))
+    xq, xs = quant.act_quant_fp8(x)
+    wq, ws = quant.quantize_fp8_blocks(w)
+    return xq, xs, wq, ws
+
+
+# -- tile configuration limits -------------------------------------------------------------------
+
+
+def test_default_config_fits_hopper():
+    cfg = tg.DEFAULT_CONFIG
+    assert cfg.threads == 256  # two consumer warpgroups (TileLang adds the producer)
+    assert cfg.fragment_registers == 3 * 64  # acc + two partials, 64 fp32 each
+    # 4 stages x ((128 + 128) x 128 B operands + scales) = 139520 B <= 227 KB
+    assert cfg.shared_bytes == 4 * (256 * 128 + (128 + 4) * 4 * 4) <= tg.MAX_SHARED_BYTES
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"block_m": 96}, "block_m"),
+        ({"block_n": 48}, "block_n"),
+        ({"block_n": 288}, "block_n"),
+        ({"num_stages": 0}, "num_stages"),
+        ({"block_n": 192, "overlap": True}, "registers"),
+        ({"block_n": 256, "overlap": False}, "registers"),
+        ({"block_n": 192, "overlap": False, "num_stages": 8}, "shared memory"),
+        ({"swizzle_panel": -1}, "swizzle_panel"),
+    ],
+)
+def test_bad_config_is_value_error(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        tg.TileConfig(**kwargs)
+
+
+# -- host-side layout and arithmetic ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("n", "block_n"), [(40, 128), (128, 128), (160, 64), (5120, 128), (33, 32)]
+)
+def test_padded_weight_scale_layout(n, block_n):
+    k = 256
+    _, ws = quant.quantize_fp8_blocks(torch.randn(n, k) * torch.rand(n, 1) * 100)
+    sb = tg.padded_weight_scale(ws, n, block_n)
+    rows = -(-n // 32)
+    tiles = -(-n // block_n)
+    assert sb.dtype == torch.float32 and list(sb.shape) == [tiles * block_n // 32, k // 32]
+    want = _e8m0_f64(ws)
+    assert sb[:rows].double().tolist() == want  # exact powers of two
+    assert bool((sb[rows:] == 1.0).all())
+
+
+def test_padded_weight_scale_rejects_wrong_rows():
+    _, ws = quant.quantize_fp8_blocks(torch.randn(64, 128))
+    with pytest.raises(ValueError, match="w_scale"):
+        tg.padded_weight_scale(ws, 100, 128)
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    m=st.integers(1, 6),
+    n=st.integers(1, 100),
+    k_tiles=st.integers(1, 2),
+    block_n=st.sampled_from([32, 64, 128]),
+    seed=st.integers(0, 2**31),
+)
+def test_promote_reference_against_float64(m, n, k_tiles, block_n, seed):
+    k = 128 * k_tiles
+    xq, xs, wq, ws = _inputs(m, n, k, seed)
+    cfg = tg.TileConfig(block_n=block_n)
+    got = tg.promote_reference(xq, xs, wq, tg.padded_weight_scale(ws, n, block_n), cfg)
+    want = _f64_gemm(xq, xs, wq, _e8m0_f64(ws))
+    assert got.dtype == torch.float32 and list(got.shape) == [m, n]
+    assert _rel(got, want) < 1e-6
+
+
+def test_shape_reason():
+    xq, xs, wq, ws = _inputs(3, 40, 128, 0)
+    assert tg.shape_reason(xq, xs, wq, ws) is None
+    assert tg.shape_reason(xq, xs, wq, ws.float()) is None
+    xq96, xs96, wq96, ws96 = _inputs(3, 40, 96, 1)
+    assert "multiple of 128" in tg.shape_reason(xq96, xs96, wq96, ws96)
+    assert "float32" in tg.shape_reason(xq, xs.double(), wq, ws)
+    assert "e4m3" in tg.shape_reason(xq.float(), xs, wq, ws)
+
+
+def test_tma_ready_copies_only_when_needed():
+    t = torch.randn(8, 32)
+    assert tg.tma_ready(t) is t
+    view = t[:, 1:]  # not contiguous
+    r = tg.tma_ready(view)
+    assert r.is_contiguous() and torch.equal(r, view)
+    flat = torch.randn(65)[1:]  # contiguous, 4 bytes off a 16-byte boundary
+    r = tg.tma_ready(flat)
+    assert r.data_ptr() % 16 == 0 and torch.equal(r, flat)
+
+
+# -- registry: opt-in gate ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def select_tilelang():
+    before = REGISTRY.settings
+    REGISTRY.configure(
+        KernelSettings(overrides={"fp8_gemm": "tilelang"}, batch_invariant=before.batch_invariant)
+    )
+    yield
+    REGISTRY.configure(before)
+
+
+def test_tier_is_registered_and_gated_by_default():
+    impl = next(i for i in REGISTRY.implementations("fp8_gemm") if i.tier == "tilelang")
+    assert impl.devices == ("cuda",) and impl.requires == ("tilelang",)
+    assert impl.supports == "deepinfer_kernels.tilelang.fp8_gemm:supports"
+    xq, xs, wq, ws = _inputs(2, 64, 128, 3)
+    if REGISTRY.settings.overrides.get("fp8_gemm") is None:
+        assert tg.supports(xq, xs, wq, ws, torch.bfloat16) == tg.GATE_REASON
+        assert "DEEPINFER_KERNELS=fp8_gemm=tilelang" in tg.GATE_REASON
+        assert REGISTRY.resolve("fp8_gemm", xq, xs, wq, ws, torch.bfloat16).tier == "ref"
+
+
+def test_selected_tier_checks_device_and_shape(select_tilelang):
+    xq, xs, wq, ws = _inputs(2, 64, 128, 4)
+    assert tg.supports(xq, xs, wq, ws, torch.bfloat16) == "input on cpu"
+    with pytest.raises(NotImplementedError, match="tilelang"):
+        ops.fp8_gemm(xq, xs, wq, ws)
+
+
+def test_wrapper_rejects_bad_shapes_before_launch():
+    xq, xs, wq, ws = _inputs(2, 64, 96, 5)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        tg.fp8_gemm(xq, xs, wq, ws)
+    xq, xs, wq, ws = _inputs(2, 64, 128, 5)
+    with pytest.raises(ValueError, match="out_dtype"):
+        tg.fp8_gemm(xq, xs, wq, ws, torch.int32)
+    empty = tg.fp8_gemm(xq[:0], xs[:0], wq, ws)  # M = 0: nothing to launch
+    assert list(empty.shape) == [0, 64] and empty.dtype == torch.bfloat16
+
+
+# -- lowering (no GPU, no nvcc) -------------------------------------------------------------
+
+
+def _consumer_loop(src: str) -> str:
+    """The consumer warpgroups' K loop (after setmaxnreg raises their registers)."""
+    body = src.split("warpgroup_reg_alloc<", 1)[1]
+    return body.split("__sync_thread_partial", 1)[0]
+
+
+@needs_tilelang
+@pytest.mark.parametrize("overlap", [True, False])
+def test_lowered_source_structure(overlap):
+    cfg = tg.TileConfig(overlap=overlap)
+    src = tg.lower_source(5120, 8192, "bfloat16", cfg)
+    loop = _consumer_loop(src)
+    # one m64n128k32 FP8 wgmma per 32-slice: 4 per K tile of 128, from shared memory
+    wgmma = re.findall(r"wgmma_ss<tl::DataType::kFloat8_e4m3, tl::DataType::kFloat8_e4m3, "
+                       r"tl::DataType::kFloat32, 64, 128, 32", loop)  # fmt: skip
+    assert len(wgmma) == 4
+    # producer warpgroup + 2 consumers; TMA loads of A, B and both scale tiles
+    assert "__launch_bounds__(384, 1)" in src
+    assert "warpgroup_reg_dealloc" in src and "warpgroup_reg_alloc<240>" in src
+    for desc in ("A_desc", "B_desc", "SA_desc", "SB_desc"):
+        assert f"tma_load({desc}" in src
+    # promotion: 4 unrolled loops over the thread's 64 accumulator values, each reading sa/sb
+    assert loop.count("sa_tile)[") >= 4 and loop.count("sb_tile)[") >= 4
+    # register fragments only: acc + partial(s) of 64 fp32 each, nothing else declared
+    arrays = re.findall(r"^\s*float (\w+)\[(\d+)\];", src, flags=re.M)
+    assert sorted(int(size) for _, size in arrays) == [64] * (3 if overlap else 2)
+    if overlap:
+        assert loop.count("wait_wgmma<1>") == 2  # slices 1, 2 promoted under the next wgmma
+    # no wgmma may still read a stage when it is handed back to the producer: the stage's
+    # release (mbarrier arrive) comes after a wait for all wgmma groups, with no issue between
+    first_arrive = loop.index(".arrive();")
+    last_wait_all = loop.rindex("warpgroup_wait<0>", 0, first_arrive)
+    assert "wgmma_ss<" not in loop[last_wait_all:first_arrive]
+    # every shared buffer lies inside the shared memory the config accounts for
+    offsets = [int(o) for o in re.findall(r"buf_dyn_shmem \+ (\d+)\)", src)]
+    assert max(offsets) < cfg.shared_bytes <= tg.MAX_SHARED_BYTES
+
+
+@needs_tilelang
+def test_lowered_source_prefill_shapes_and_tails():
+    for n, k, out in ((32768, 1280, "bfloat16"), (40, 256, "float32")):
+        src = tg.lower_source(n, k, out, tg.DEFAULT_CONFIG)
+        assert f"kt_1 < {k // 128}" in src  # K tiles of 128
+        assert "int m)" in src  # M is a run-time argument: one kernel per weight shape
+        assert "tma_store(C_desc" in src
