@@ -14,7 +14,8 @@ Usage (on the GPU machine): python tools/bench_kernels.py [--quick] [--json PATH
 `--only decode` measures just the decode rows (dense FP8 GEMM at M <= 256 and the MoE layer at
 T <= 256, eager and CUDA-graph replays, auto and batch-invariant, plus decode-kernel candidates,
 each checked against the reference before it is timed); `--only sweep` / `--only probe` the
-first pass's tile sweep and batch-invariance probe.
+first pass's tile sweep and batch-invariance probe; `--only tilelang` the TileLang FP8 GEMM
+(`fp8_gemm[tilelang]` and tile variants, a trailing `!` marks a variant that failed its check).
 """
 
 from __future__ import annotations
@@ -158,6 +159,85 @@ def gemm_rows(shapes, quick):
                 )
             )
         del sets
+    return rows
+
+
+TILELANG_VARIANTS = [
+    # (row name, TileConfig kwargs): the default (2 consumer warpgroups, 128x128, 4 stages, the
+    # promotion of slice s under the wgmma of s+1), then one change each
+    ("tilelang", {}),
+    ("tl serial", {"overlap": False}),
+    ("tl 6stg", {"num_stages": 6}),
+    ("tl n192 serial", {"block_n": 192, "overlap": False}),
+]
+
+
+def tilelang_rows(quick):
+    """fp8_gemm[tilelang] (deepinfer_kernels.tilelang.fp8_gemm, FP8 wgmma with per-32 promotion)
+    at prefill shapes, beside the Triton default (`fp8_gemm[auto]`) and the torch baselines of the
+    same run. Each variant is checked against ref (printed) before it is timed."""
+    from deepinfer_kernels import quant
+    from deepinfer_kernels.ref import linear as ref_linear
+    from deepinfer_kernels.tilelang import fp8_gemm as tg
+    from deepinfer_kernels.triton import linear as tl_linear
+
+    shapes = [(2048, 5120, 8192), (8192, 5120, 8192), (8192, 32768, 1280), (16384, 5120, 8192)]
+    variants = TILELANG_VARIANTS[:2] if quick else TILELANG_VARIANTS
+    rows = []
+    for m, n, k in shapes:
+        copies = max(1, min(4, (256 << 20) // (n * k)))  # > 256 MiB of weights in rotation
+        sets = []
+        for _ in range(copies):
+            w, ws = quant.quantize_fp8_blocks(torch.randn(n, k, device="cuda") * 0.02)
+            x = torch.randn(m, k, device="cuda").bfloat16()
+            xq, xs = quant.act_quant_fp8(x)
+            sets.append((x, xq, xs, w, ws))
+        flops = 2.0 * m * n * k
+        nbytes = n * k + (n // 32 + 1) * (k // 32) + m * k + m * k // 8 + 2 * m * n
+        shape = f"{m}x{n}x{k}"
+
+        def torch_base(x, xq, xs, w, ws):
+            return x @ quant.dequantize_fp8_blocks(w, ws, torch.bfloat16).t()
+
+        w_bf16 = [quant.dequantize_fp8_blocks(s[3], s[4], torch.bfloat16) for s in sets]
+        t_torch = _bench(Rotating(torch_base, sets))
+        t_mm = _bench(
+            Rotating(
+                lambda x, wd: x @ wd.t(), [(s[0], wd) for s, wd in zip(sets, w_bf16, strict=True)]
+            )
+        )
+        del w_bf16
+        base = dict(shape=shape, flops=flops, bytes=nbytes, torch_ms=t_torch, mm_only_ms=t_mm)
+        ms = _bench(
+            Rotating(
+                lambda x, xq, xs, w, ws: tl_linear.fp8_gemm(xq, xs, w, ws, torch.bfloat16), sets
+            )
+        )
+        rows.append(dict(op="fp8_gemm[auto]", ms=ms, **base))
+        want = ref_linear.fp8_gemm(*sets[0][1:], torch.float32)
+        for name, kwargs in variants:
+            cfg = tg.TileConfig(**kwargs)
+            try:
+                got = tg.fp8_gemm(*sets[0][1:], torch.bfloat16, config=cfg)
+            except Exception as e:  # a failing variant must not hide the others' numbers
+                print(f"fp8_gemm[{name}] {shape}: FAILED {type(e).__name__}: {e}", flush=True)
+                continue
+            diff = got.double() - want.double()
+            rel = (diff.norm() / want.double().norm()).item()
+            ok = bool(torch.isfinite(got).all()) and rel < 1e-2
+            ms = _bench(
+                Rotating(
+                    lambda x, xq, xs, w, ws, cfg=cfg: tg.fp8_gemm(
+                        xq, xs, w, ws, torch.bfloat16, config=cfg
+                    ),
+                    sets,
+                )
+            )
+            tflops = flops / ms / 1e9
+            print(f"fp8_gemm[{name}] {shape}: rel {rel:.2e} {'ok' if ok else 'WRONG'} "
+                  f"{ms:.4f} ms {tflops:.0f} TFLOP/s", flush=True)  # fmt: skip
+            rows.append(dict(op=f"fp8_gemm[{name}]" + ("" if ok else "!"), ms=ms, rel=rel, **base))
+        del sets, want
     return rows
 
 
@@ -690,7 +770,7 @@ def main() -> None:
         "--only",
         default="gemm,moe,quant",
         help="comma list of gemm, moe, quant, decode (decode GEMM/MoE rows + candidates), sweep, "
-        "probe",
+        "probe, tilelang (the TileLang FP8 GEMM at prefill shapes)",
     )
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -722,6 +802,8 @@ def main() -> None:
         rows += moe_rows([1, 16, 64, 256, 8192], args.quick)
     if "decode" in parts:
         rows += decode_rows(args.quick)
+    if "tilelang" in parts:
+        rows += tilelang_rows(args.quick)
     if "sweep" in parts:
         rows += sweep_rows()
     if "probe" in parts:
