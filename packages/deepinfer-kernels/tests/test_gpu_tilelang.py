@@ -5,7 +5,8 @@ prefill K and N of V4.1, batch invariance bitwise, CUDA-graph capture, and dispa
 registry when DEEPINFER_KERNELS selects it.
 
 Skipped without a Hopper GPU or without tilelang. One kernel is compiled per (N, K, out dtype,
-config), so the shapes below reuse a few weight shapes."""
+config), about 10-30 s each with nvcc, so the shapes below reuse a few weight shapes (9 kernels).
+"""
 
 from __future__ import annotations
 
@@ -66,8 +67,8 @@ SHAPES = [
     (333, 32768, 1280),
     (4096, 8192, 5120),
     (65, 8192, 5120),
-    (300, 200, 256),  # N tail inside a tile, 2 K tiles
-    (130, 1056, 1280),  # N = 8.25 tiles
+    (300, 200, 256),  # N tail inside a tile (N = 1.56 tiles), 2 K tiles
+    (1, 200, 256),
 ]
 
 
@@ -99,7 +100,6 @@ def test_fp8_gemm_fp32_output(m, n, k):
         {"overlap": False},
         {"num_stages": 6},
         {"block_n": 192, "overlap": False},
-        {"block_m": 64},
     ],
 )
 def test_fp8_gemm_configs(cfg_kwargs):

@@ -15,7 +15,10 @@ loaded once per K tile. TileLang warp-specialises the loop: one producer warpgro
 TMA loads, one consumer warpgroup per 64 rows of the tile runs the wgmma and the promotion. With
 `overlap=True` each consumer keeps two partial accumulators and issues the wgmma of slice s+1
 before it promotes slice s (``wgmma.wait_group 1``), so the FFMA of the promotion runs under the
-next wgmma; the two consumer warpgroups interleave as well.
+next wgmma. That holds for slices 0 and 1 of each K tile; the last slice's wgmma is waited for in
+full (``wait_group 0``) because TileLang hands the stage back to the producer right after the
+last statement that reads it, so slices 2 and 3 are promoted after it. The two consumer
+warpgroups run unsynchronised, so one's promotion also overlaps the other's wgmma.
 
 Why the promotion is the limit: per output element and 32-slice, the tensor core does 32 FMA and
 the promotion one FFMA; an SM does 4096 FP8 FMA/clk on the tensor cores and 128 FFMA/clk on CUDA
