@@ -15,10 +15,10 @@ loaded once per K tile. TileLang warp-specialises the loop: one producer warpgro
 TMA loads, one consumer warpgroup per 64 rows of the tile runs the wgmma and the promotion. With
 `overlap=True` each consumer keeps two partial accumulators and issues the wgmma of slice s+1
 before it promotes slice s (``wgmma.wait_group 1``), so the FFMA of the promotion runs under the
-next wgmma. That holds for slices 0 and 1 of each K tile; the last slice's wgmma is waited for in
-full (``wait_group 0``) because TileLang hands the stage back to the producer right after the
-last statement that reads it, so slices 2 and 3 are promoted after it. The two consumer
-warpgroups run unsynchronised, so one's promotion also overlaps the other's wgmma.
+next wgmma; slices 0-2 of each K tile overlap so, slice 3 is promoted after a full wait
+(``wait_group 0``), after which the stage goes back to the producer (the wait must come first:
+an issued wgmma still reads the stage). The two consumer warpgroups run unsynchronised, so one's
+promotion also overlaps the other's wgmma.
 
 Why the promotion is the limit: per output element and 32-slice, the tensor core does 32 FMA and
 the promotion one FFMA; an SM does 4096 FP8 FMA/clk on the tensor cores and 128 FFMA/clk on CUDA
@@ -297,15 +297,20 @@ def build_kernel(n: int, k: int, out_dtype: str = "bfloat16", cfg: TileConfig = 
                         T.wait_wgmma(1)
                         T.warpgroup_fence_operand(parts[(s - 1) % 2], num_regs=frag_regs)
                         promote(acc, parts[(s - 1) % 2], sa_tile, sb_tile, s - 1)
-                    # The last slice is synchronous (wgmma.wait_group 0): TileLang releases the
-                    # stage's shared memory to the producer right after the last statement that
-                    # reads it, so no wgmma may still be reading the stage at that point.
-                    T.gemm(
+                    T.wgmma_gemm(
                         k_slice(a_tile, last), k_slice(b_tile, last), parts[last % 2],
                         transpose_B=True, clear_accum=True, policy=policy,
                     )  # fmt: skip
+                    T.wait_wgmma(1)
                     T.warpgroup_fence_operand(parts[(last - 1) % 2], num_regs=frag_regs)
                     promote(acc, parts[(last - 1) % 2], sa_tile, sb_tile, last - 1)
+                    T.wait_wgmma(0)
+                    # TileLang hands a stage back to the producer right after the last statement
+                    # that touches its buffers, and an issued wgmma still reads them: these two
+                    # (empty) uses put the hand-back after the wait for every wgmma of the tile.
+                    T.evaluate(T.address_of(a_tile[0, 0]))
+                    T.evaluate(T.address_of(b_tile[0, 0]))
+                    T.warpgroup_fence_operand(parts[last % 2], num_regs=frag_regs)
                     promote(acc, parts[last % 2], sa_tile, sb_tile, last)
                 else:
                     for s in slice_ids:
