@@ -1,8 +1,9 @@
 """The tilelang fp8_gemm tier on CPU: host-side logic (tile config limits, the padded weight-scale
 layout, the per-tile promotion arithmetic) against float64 math written here, the opt-in gate in
 the registry, and, when tilelang is importable, the lowered CUDA source for sm_90a (wgmma per K
-tile, the promotion, the pipeline's barriers). Running the kernel needs the H200
-(test_gpu_tilelang.py)."""
+tile, the promotion, the pipeline's barriers) and, when nvcc is here too, its SASS (QGMMA and
+FFMA counts, no spills). Running the kernel needs the H200 (test_gpu_tilelang.py).
+Locally: PYTHONPATH=/tmp/devsite_local (tilelang 0.1.15) runs the lowering and SASS tests."""
 
 from __future__ import annotations
 
@@ -242,3 +243,51 @@ def test_lowered_source_prefill_shapes_and_tails():
         assert f"kt_1 < {k // 128}" in src  # K tiles of 128
         assert "int m)" in src  # M is a run-time argument: one kernel per weight shape
         assert "tma_store(C_desc" in src
+
+
+def _cuda_tools() -> tuple[str, str] | None:
+    """(nvcc, cuobjdump) if both are on this machine (cuobjdump ships with triton), else None."""
+    import os
+    import shutil
+
+    nvcc = shutil.which("nvcc")
+    spec = importlib.util.find_spec("triton")
+    if nvcc is None or spec is None or spec.origin is None:
+        return None
+    cuobjdump = os.path.join(os.path.dirname(spec.origin), "backends", "nvidia", "bin", "cuobjdump")
+    return (nvcc, cuobjdump) if os.path.exists(cuobjdump) else None
+
+
+@needs_tilelang
+@pytest.mark.skipif(_cuda_tools() is None, reason="needs nvcc and triton's cuobjdump")
+@pytest.mark.parametrize(
+    "cfg", [tg.DEFAULT_CONFIG, tg.TileConfig(block_n=192, overlap=False)], ids=str
+)
+def test_compiled_sass(cfg, tmp_path):
+    """Compile the lowered source as TileLang does (nvcc, sm_90a) and read ptxas' report and the
+    SASS: FP8 wgmma (QGMMA) per slice, one FFMA per accumulator value per slice, no local memory."""
+    import subprocess
+
+    import tilelang.env as tl_env
+
+    nvcc, cuobjdump = _cuda_tools()
+    cu = tmp_path / "k.cu"
+    cu.write_text(tg.lower_source(5120, 8192, "bfloat16", cfg))
+    cubin = tmp_path / "k.cubin"
+    flags = ["-std=c++20", "-O3", "-gencode", "arch=compute_90a,code=sm_90a", "--cubin", "-w"]
+    flags += [f"-I{tl_env.TILELANG_TEMPLATE_PATH}", f"-I{tl_env.CUTLASS_INCLUDE_DIR}"]
+    flags += ["-DENABLE_BF16", "--ptxas-options=--verbose", "-o", str(cubin), str(cu)]
+    built = subprocess.run([nvcc, *flags], capture_output=True, text=True, check=False)
+    assert built.returncode == 0, built.stderr[-2000:]
+    log = built.stdout + built.stderr
+    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in log, log
+    assert "C7510" not in log  # ptxas did not serialise the wgmma pipeline
+    sass = subprocess.run(
+        [cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True
+    ).stdout
+    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\d\s+)?([A-Z][A-Za-z0-9_.]*)", sass)
+    qgmma = [op for op in ops if op.startswith("QGMMA")]
+    assert qgmma == [f"QGMMA.64x{cfg.block_n}x32.F32.E4M3.E4M3"] * tg.SLICES
+    per_fragment = cfg.fragment_registers // (3 if cfg.overlap else 2)
+    assert sum(op == "FFMA" for op in ops) == tg.SLICES * per_fragment
+    assert not any(op.startswith(("LDL", "STL")) for op in ops)
