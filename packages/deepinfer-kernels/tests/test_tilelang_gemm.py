@@ -1,4 +1,4 @@
-"""The tilelang fp8_gemm tier on CPU: host-side logic (tile config limits, the padded weight-scale
+"""The tilelang fp8_gemm tier on CPU: host-side logic (tile config limits, the weight-scale
 layout, the per-tile promotion arithmetic) against float64 math written here, the opt-in gate in
 the registry, and, when tilelang is importable, the lowered CUDA source for sm_90a (wgmma per K
 tile, the promotion, the pipeline's barriers) and, when nvcc is here too, its SASS (QGMMA and
@@ -91,25 +91,20 @@ def test_bad_config_is_value_error(kwargs, field):
 # -- host-side layout and arithmetic ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("n", "block_n"), [(40, 128), (128, 128), (160, 64), (5120, 128), (33, 32)]
-)
-def test_padded_weight_scale_layout(n, block_n):
+@pytest.mark.parametrize("n", [40, 128, 160, 5120, 33])
+def test_weight_scale_fp32_values(n):
     k = 256
     _, ws = quant.quantize_fp8_blocks(torch.randn(n, k) * torch.rand(n, 1) * 100)
-    sb = tg.padded_weight_scale(ws, n, block_n)
-    rows = -(-n // 32)
-    tiles = -(-n // block_n)
-    assert sb.dtype == torch.float32 and list(sb.shape) == [tiles * block_n // 32, k // 32]
-    want = _e8m0_f64(ws)
-    assert sb[:rows].double().tolist() == want  # exact powers of two
-    assert bool((sb[rows:] == 1.0).all())
+    sb = tg.weight_scale_fp32(ws, n)
+    assert sb.dtype == torch.float32 and list(sb.shape) == [-(-n // 32), k // 32]
+    assert sb.double().tolist() == _e8m0_f64(ws)  # exact powers of two
+    assert tg.weight_scale_fp32(sb, n) is sb  # fp32 scales pass through without a copy
 
 
-def test_padded_weight_scale_rejects_wrong_rows():
+def test_weight_scale_rejects_wrong_rows():
     _, ws = quant.quantize_fp8_blocks(torch.randn(64, 128))
     with pytest.raises(ValueError, match="w_scale"):
-        tg.padded_weight_scale(ws, 100, 128)
+        tg.weight_scale_fp32(ws, 100)
 
 
 @settings(max_examples=10, deadline=None)
@@ -124,7 +119,7 @@ def test_promote_reference_against_float64(m, n, k_tiles, block_n, seed):
     k = 128 * k_tiles
     xq, xs, wq, ws = _inputs(m, n, k, seed)
     cfg = tg.TileConfig(block_n=block_n)
-    got = tg.promote_reference(xq, xs, wq, tg.padded_weight_scale(ws, n, block_n), cfg)
+    got = tg.promote_reference(xq, xs, wq, tg.weight_scale_fp32(ws, n), cfg)
     want = _f64_gemm(xq, xs, wq, _e8m0_f64(ws))
     assert got.dtype == torch.float32 and list(got.shape) == [m, n]
     assert _rel(got, want) < 1e-6

@@ -135,19 +135,17 @@ def shape_reason(
     return None
 
 
-def padded_weight_scale(w_scale: torch.Tensor, n: int, block_n: int) -> torch.Tensor:
-    """w_scale [ceil(N/32), K/32] e8m0 or fp32 -> [ceil(N/block_n) * block_n/32, K/32] fp32.
+def weight_scale_fp32(w_scale: torch.Tensor, n: int) -> torch.Tensor:
+    """w_scale [ceil(N/32), K/32] e8m0 (or fp32) -> the same values as fp32 (exact: powers of two).
 
-    The kernel reads the scales of a whole N tile; rows past ceil(N/32) belong to B rows that TMA
-    fills with zeros, so their value only has to be finite (1.0).
+    The kernel loads a whole N tile of scales by TMA; rows past ceil(N/32) come back as zeros
+    (TMA's out-of-bounds fill) and scale only B rows that are zero-filled too, in output columns
+    the store clips, so no padding is needed.
     """
     rows = -(-n // SCALE_BLOCK)
     if w_scale.dim() != 2 or w_scale.shape[0] != rows:
         raise ValueError(f"w_scale must be [{rows}, K/32] for N={n}, got {list(w_scale.shape)}")
-    want = -(-n // block_n) * (block_n // SCALE_BLOCK)
-    out = torch.ones(want, w_scale.shape[1], dtype=torch.float32, device=w_scale.device)
-    out[:rows] = w_scale.to(torch.float32)
-    return out
+    return w_scale.to(torch.float32)
 
 
 def tma_ready(t: torch.Tensor) -> torch.Tensor:
@@ -162,14 +160,14 @@ def promote_reference(
     x_fp8: torch.Tensor,
     x_scale: torch.Tensor,
     w: torch.Tensor,
-    sb_padded: torch.Tensor,
+    sb: torch.Tensor,
     cfg: TileConfig = DEFAULT_CONFIG,
 ) -> torch.Tensor:
     """The kernel's arithmetic in torch (fp32), tile by tile: for every N tile and 32-slice, the
     unscaled partial a[:, slice] @ b[tile, slice]^T, then acc += partial * sa[:, kb] * sb[row, kb]
-    with sb's row = tile * block_n/32 + j // 32, read from the padded layout the kernel gets.
+    with sb's row = tile * block_n/32 + j // 32, rows past the end read as 0 (TMA's fill).
 
-    Shapes as `fp8_gemm`, sb_padded from `padded_weight_scale`; returns [M, N] fp32. Used to check
+    Shapes as `fp8_gemm`, sb from `weight_scale_fp32`; returns [M, N] fp32. Used to check
     the host-side layout logic on CPU; the GPU test compares the kernel with `ref`.
     """
     m, k = x_fp8.shape
@@ -181,12 +179,14 @@ def promote_reference(
     for tile in range(-(-n // cfg.block_n)):
         cols = slice(tile * cfg.block_n, min(n, (tile + 1) * cfg.block_n))
         width = cols.stop - cols.start
-        sb_rows = sb_padded[tile * blocks_per_tile : (tile + 1) * blocks_per_tile]  # [bn/32, K/32]
+        sb_tile = torch.zeros(blocks_per_tile, sb.shape[1], dtype=sb.dtype, device=sb.device)
+        tile_rows = sb[tile * blocks_per_tile : (tile + 1) * blocks_per_tile]
+        sb_tile[: tile_rows.shape[0]] = tile_rows  # [bn/32, K/32], zero-filled past the end
         col_block = torch.arange(width, device=x_fp8.device) // SCALE_BLOCK
         for kb in range(k // SCALE_BLOCK):
             ks = slice(kb * SCALE_BLOCK, (kb + 1) * SCALE_BLOCK)
             partial = a[:, ks] @ b[cols, ks].t()
-            scale = x_scale[:, kb : kb + 1] * sb_rows[col_block, kb][None, :]
+            scale = x_scale[:, kb : kb + 1] * sb_tile[col_block, kb][None, :]
             out[:, cols] += partial * scale
     return out
 
@@ -224,7 +224,7 @@ def build_kernel(n: int, k: int, out_dtype: str = "bfloat16", cfg: TileConfig = 
     """The TileLang prim_func for weight [n, k] (M dynamic).
 
     Arguments of the kernel: A [M, K] e4m3, SA [M, K/32] fp32, B [N, K] e4m3,
-    SB [ceil(N/block_n) * block_n/32, K/32] fp32 (`padded_weight_scale`), C [M, N] out_dtype.
+    SB [ceil(N/32), K/32] fp32 (`weight_scale_fp32`), C [M, N] out_dtype.
     """
     import tilelang.language as T
 
@@ -235,7 +235,7 @@ def build_kernel(n: int, k: int, out_dtype: str = "bfloat16", cfg: TileConfig = 
     bm, bn, bk = cfg.block_m, cfg.block_n, BLOCK_K
     bn_blocks = bn // SCALE_BLOCK
     kb_total = k // SCALE_BLOCK
-    sb_rows = -(-n // bn) * bn_blocks
+    sb_rows = -(-n // SCALE_BLOCK)
     m = T.dynamic("m")
     fp8 = "float8_e4m3fn"
     slice_ids = tuple(range(SLICES))  # a Python tuple: the builder unrolls the loop over it
@@ -385,7 +385,7 @@ def fp8_gemm(
     out = torch.empty(m, n, dtype=out_dtype, device=x_fp8.device)
     if m == 0 or n == 0:
         return out
-    sb = padded_weight_scale(w_scale, n, cfg.block_n)
+    sb = tma_ready(weight_scale_fp32(w_scale, n))
     kernel = compiled_kernel(n, k, OUT_DTYPES[out_dtype], cfg)
     kernel(tma_ready(x_fp8), tma_ready(x_scale), tma_ready(w), sb, out)
     return out
