@@ -133,6 +133,8 @@ def test_shape_reason():
     assert "multiple of 128" in tg.shape_reason(xq96, xs96, wq96, ws96)
     assert "float32" in tg.shape_reason(xq, xs.double(), wq, ws)
     assert "e4m3" in tg.shape_reason(xq.float(), xs, wq, ws)
+    assert "share K" in tg.shape_reason(xq, xs, wq[:, :96], ws)
+    assert "x_scale must be" in tg.shape_reason(xq, xs[:, :2], wq, ws)
 
 
 def test_tma_ready_copies_only_when_needed():

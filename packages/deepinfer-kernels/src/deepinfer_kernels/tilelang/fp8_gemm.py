@@ -23,7 +23,10 @@ promotion also overlaps the other's wgmma.
 Why the promotion is the limit: per output element and 32-slice, the tensor core does 32 FMA and
 the promotion one FFMA; an SM does 4096 FP8 FMA/clk on the tensor cores and 128 FFMA/clk on CUDA
 cores, the same ratio of 32. So the tensor and FP32 pipes are both fully busy at peak, and the
-kernel reaches a high fraction of FP8 peak only if the two overlap well.
+kernel reaches a high fraction of FP8 peak only if the two overlap well. Shared memory is the other
+bound (estimate, 128 B/clk per SM): at tensor peak, m64n128k32 wgmma reads 96 B/clk and the TMA
+writes of 128x128 tiles 64 B/clk, which caps a 128x128 tile near 80% of peak; block_n=192 (without
+`overlap`: registers) needs ~138 B/clk.
 
 The kernel's arithmetic for one row does not depend on M or on the other rows (fixed tiles, no
 split-K), so it is batch-invariant by construction (checked bitwise by the GPU tests).
@@ -129,9 +132,13 @@ def shape_reason(
         return f"x_scale must be float32, got {x_scale.dtype}"
     if w_scale.dtype not in (torch.float8_e8m0fnu, torch.float32):
         return f"w_scale must be float8_e8m0fnu or float32, got {w_scale.dtype}"
-    k = x_fp8.shape[1]
+    if x_fp8.dim() != 2 or w.dim() != 2 or w.shape[1] != x_fp8.shape[1]:
+        return f"x_fp8 [M, K] and w [N, K] must share K, got {list(x_fp8.shape)}, {list(w.shape)}"
+    m, k = x_fp8.shape
     if k % BLOCK_K:
         return f"K must be a multiple of {BLOCK_K}, got {k}"
+    if list(x_scale.shape) != [m, k // SCALE_BLOCK]:
+        return f"x_scale must be [{m}, {k // SCALE_BLOCK}], got {list(x_scale.shape)}"
     return None
 
 
