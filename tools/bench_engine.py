@@ -4,10 +4,12 @@ Usage: python tools/bench_engine.py [--models tiny slice stub] [--batches 1 64 2
 
 Models:
   tiny   the built-in tiny V4.1 checkpoint (loaded through the loader).
-  slice  a full-width V4.1-Flash slice: real hidden/attention/indexer/MoE widths, 4 layers
-         (ratios 0,0,2,1: every attention kind), random weights in the checkpoint formats;
-         fewer routed experts (--slice-experts, default 16) and no Engram tables (94 GiB each) so
-         it builds in seconds. Prompts and outputs are token ids (a synthetic detokenizer).
+  slice  a full-width V4.1-Flash slice: real hidden/attention/indexer/MoE widths, all 384
+         routed experts on CUDA (29 GB; 16 on CPU; --slice-experts to change), 4 layers
+         (ratios 0,0,2,1: every attention kind), random weights in the checkpoint formats (the
+         experts as random FP4 codes drawn on the device, `init_random_(expert_codes=True)`, so
+         it builds in seconds); no Engram tables (94 GiB each). Prompts and outputs are token
+         ids (a synthetic detokenizer).
   stub   no model: the forward returns zero logits [rows, 129280] on the device at once, so the
          table shows the engine's own host cost per step (scheduling, batch building, sampling,
          detokenisation); its KV cache has the tiny model's layout.
@@ -81,7 +83,7 @@ def slice_bundle(device: str, experts: int) -> ModelBundle:
     cfg.validate()
     with torch.device(device):
         model = Model(cfg, dtype=torch.bfloat16)
-    init_random_(model, seed=0)
+    init_random_(model, seed=0, expert_codes=True)
     model.eval()
     return ModelBundle(
         model=model,
@@ -298,7 +300,9 @@ def main() -> None:
     ap.add_argument("--warm", type=int, default=3, help="decode steps before measuring")
     ap.add_argument("--steps", type=int, default=8, help="timed decode steps")
     ap.add_argument("--prof-steps", type=int, default=6, help="profiled decode steps")
-    ap.add_argument("--slice-experts", type=int, default=16)
+    ap.add_argument(
+        "--slice-experts", type=int, default=None, help="default: 384 on CUDA, 16 on CPU (RAM)"
+    )
     ap.add_argument(
         "--top-k", type=int, default=0, help="top-k with the top-p 0.95 (0 = top-p alone)"
     )
@@ -306,6 +310,8 @@ def main() -> None:
         "--cprofile", type=int, default=0, help="print the N top host functions of timed steps"
     )
     args = ap.parse_args()
+    if args.slice_experts is None:
+        args.slice_experts = 384 if args.device == "cuda" else 16
     accel = "nvidia" if args.device == "cuda" else "cpu"
     rows = []
     for name in args.models:
