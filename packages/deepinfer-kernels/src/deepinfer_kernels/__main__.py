@@ -1,4 +1,7 @@
-"""`python -m deepinfer_kernels`: which implementation each op resolves to here, and why."""
+"""`python -m deepinfer_kernels`: which implementation each op resolves to here, and why.
+
+The device-level choice is shown; a tier with a per-call check (dtype, shape limits, an opt-in
+gate) says so, and a call it rejects goes to the next tier."""
 
 from __future__ import annotations
 
@@ -22,6 +25,9 @@ def report() -> str:
                 why = REGISTRY.static_reason(impl, dev, cap)
                 if why is None and chosen is None:
                     chosen = impl.tier
+                if why is None and impl.supports is not None:
+                    # argument-dependent: dtype/shape limits or an opt-in gate, decided per call
+                    why = f"ok if {impl.supports.rpartition(':')[2]}(args) passes"
                 notes.append(f"{impl.tier}: {why or 'ok'}")
             lines.append(f"  {op:<24} -> {chosen or 'none':<9} [{'; '.join(notes)}]")
     return "\n".join(lines)
