@@ -108,3 +108,17 @@ def test_non_finite_logits_end_only_that_request():
     assert "non-finite" in outs[1].outputs[0].error
     assert outs[0].outputs[0].token_ids == greedy_reference(PROMPTS[0], 5)
     assert outs[2].outputs[0].token_ids == greedy_reference(PROMPTS[2], 5)
+
+
+def test_batch_invariant_argument_reaches_the_kernel_registry():
+    """The registry is process-wide: an engine's batch_invariant (argument or env) becomes it."""
+    from deepinfer_kernels import REGISTRY
+
+    before = REGISTRY.settings
+    try:
+        make(batch_invariant=True)
+        assert REGISTRY.batch_invariant is True
+        make(batch_invariant=False)
+        assert REGISTRY.batch_invariant is False
+    finally:
+        REGISTRY.configure(before)

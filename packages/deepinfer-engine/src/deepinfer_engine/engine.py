@@ -15,10 +15,12 @@ n+1; that row is dropped.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 
 import torch
+from deepinfer_kernels import REGISTRY
 
 from deepinfer_engine.config import EngineConfig, resolve_device
 from deepinfer_engine.detokenizer import IncrementalDetokenizer
@@ -77,6 +79,13 @@ class Engine:
     def __init__(self, config: EngineConfig, bundle: ModelBundle) -> None:
         self.config = config
         self.bundle = bundle
+        if REGISTRY.batch_invariant != config.batch_invariant:
+            # The kernel registry is process-wide: the engine's setting (argument, else
+            # DEEPINFER_BATCH_INVARIANT) becomes every op's for this process.
+            REGISTRY.configure(
+                dataclasses.replace(REGISTRY.settings, batch_invariant=config.batch_invariant)
+            )
+            logger.info("kernel registry: batch_invariant=%s", config.batch_invariant)
         self.tokenizer = bundle.tokenizer
         self.device = torch.device(resolve_device(config.accelerator))
         self.dtype = config.torch_dtype(self.device.type)
