@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from .rng import _COLUMN_STEP, _MASK32, _TWO_POW_MINUS_52, _bits52_torch, _mix32_cuda_source
+from .rng import _TWO_POW_MINUS_52, BITS52_CUDA_STATEMENTS, _bits52_torch
 
 __all__ = ["gumbel_score", "kept_weight", "penalize", "top_p_mask"]
 
@@ -162,14 +162,8 @@ def _gumbel_score_probe(device: torch.device) -> tuple[torch.Tensor, ...]:
 
 gumbel_score = FusedElementwise(
     f"""
-template <typename T> T gumbel_score(T k0, T k1, T k2, T k3, T col, T values, T temperature) {{
-    unsigned long long spread = ((unsigned long long)col * {_COLUMN_STEP}ull) & {_MASK32}ull;
-    unsigned long long hi = spread ^ (unsigned long long)k0;
-    unsigned long long lo = spread ^ (unsigned long long)k2;
-    {_mix32_cuda_source("hi")} {_mix32_cuda_source("lo")}
-    hi ^= (unsigned long long)k1;
-    lo ^= (unsigned long long)k3;
-    {_mix32_cuda_source("hi")} {_mix32_cuda_source("lo")}
+template <typename T>
+T gumbel_score(T k0, T k1, T k2, T k3, T col, T values, T temperature) {{{BITS52_CUDA_STATEMENTS}
     T u = ((T)((hi << 20) | (lo >> 12)) + T(0.5)) * T({_TWO_POW_MINUS_52!r});
     return values / temperature - log(-log(u));
 }}

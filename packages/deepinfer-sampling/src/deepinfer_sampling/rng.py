@@ -168,9 +168,10 @@ def _mix32_cuda_source(var: str) -> str:
 
 
 # The same recipe as _bits52_torch, in unsigned 64-bit CUDA arithmetic (values stay < 2**63,
-# so signed and unsigned give the same bits).
-_BITS52_CUDA_SOURCE = f"""
-template <typename T> T counter_bits52(T k0, T k1, T k2, T k3, T col) {{
+# so signed and unsigned give the same bits): statements over the jiterator arguments k0..k3 and
+# col that leave the two mixed 32-bit words in `hi` and `lo`; the 52 bits are
+# (hi << 20) | (lo >> 12). Shared by counter_bits52 here and the fused Gumbel score.
+BITS52_CUDA_STATEMENTS = f"""
     unsigned long long spread = ((unsigned long long)col * {_COLUMN_STEP}ull) & {_MASK32}ull;
     unsigned long long hi = spread ^ (unsigned long long)k0;
     unsigned long long lo = spread ^ (unsigned long long)k2;
@@ -178,6 +179,9 @@ template <typename T> T counter_bits52(T k0, T k1, T k2, T k3, T col) {{
     hi ^= (unsigned long long)k1;
     lo ^= (unsigned long long)k3;
     {_mix32_cuda_source("hi")} {_mix32_cuda_source("lo")}
+"""
+_BITS52_CUDA_SOURCE = f"""
+template <typename T> T counter_bits52(T k0, T k1, T k2, T k3, T col) {{{BITS52_CUDA_STATEMENTS}
     return (T)((hi << 20) | (lo >> 12));
 }}
 """
