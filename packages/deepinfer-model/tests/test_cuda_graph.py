@@ -85,6 +85,12 @@ def test_unsupported_batches_say_why(tiny):
     assert "largest captured batch 2" in graphs.unsupported(big)
     bare = ForwardBatch.build([[1]], [4], [0], [[0]])
     assert "host mirror" in graphs.unsupported(bare)
+    below = _batch([[1]], [4], [0], [[0]], "cpu").with_yoco_floor([9])
+    below.host = HostBatchInfo.of(below)
+    assert "YOCO floor" in graphs.unsupported(below)
+    above = _batch([[1]], [40], [0], [[0, 1, 2]], "cpu").with_yoco_floor([9])
+    above.host = HostBatchInfo.of(above)
+    assert graphs.unsupported(above) is None
     cache = KVCache(cfg, spec, num_blocks=4, num_slots=3, dtype=torch.float32)
     with pytest.raises(ValueError, match="pure decode"):
         graphs.forward(prefill, cache)
