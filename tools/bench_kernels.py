@@ -241,12 +241,14 @@ def tilelang_rows(quick):
     return rows
 
 
-def moe_rows(tokens_list, quick):
-    from deepinfer_kernels import quant
-    from deepinfer_kernels.triton import moe as tmoe
+# One V4.1 MoE layer: hidden, expert intermediate, routed experts, top-k, SwiGLU limit.
+MOE_D, MOE_I, MOE_E, MOE_K, MOE_LIMIT = 5120, 2304, 384, 6, 10.0
 
-    d, i, e, k, limit = 5120, 2304, 384, 6, 10.0
-    g = torch.Generator(device="cuda").manual_seed(0)
+
+def moe_layer_weights(g: torch.Generator):
+    """Random FP4 experts of one MoE layer on CUDA: (w1, s1, w3, s3, w2, s2), and the bytes one
+    expert's three matrices occupy (packed values + UE8M0 scales)."""
+    d, i, e = MOE_D, MOE_I, MOE_E
 
     def fp4(n, kk):
         packed = torch.randint(
@@ -258,15 +260,29 @@ def moe_rows(tokens_list, quick):
         return packed, scale.view(torch.float8_e8m0fnu)
 
     (w1, s1), (w3, s3), (w2, s2) = fp4(i, d), fp4(i, d), fp4(d, i)
-    per_expert_bytes = 3 * (i * d // 2 + i * d // 32)
+    return (w1, s1, w3, s3, w2, s2), 3 * (i * d // 2 + i * d // 32)
+
+
+def moe_routed_inputs(t: int, n_sets: int, g: torch.Generator):
+    """n_sets random routed batches of t tokens: [(x [t, D] bf16, weights [t, k], ids [t, k])]."""
+    sets = []
+    for _ in range(n_sets):
+        x = torch.randn(t, MOE_D, device="cuda", generator=g).bfloat16()
+        ids = torch.rand(t, MOE_E, device="cuda", generator=g).topk(MOE_K, dim=-1).indices
+        sets.append((x, torch.rand(t, MOE_K, device="cuda", generator=g), ids))
+    return sets
+
+
+def moe_rows(tokens_list, quick):
+    from deepinfer_kernels import quant
+    from deepinfer_kernels.triton import moe as tmoe
+
+    d, i, e, k, limit = MOE_D, MOE_I, MOE_E, MOE_K, MOE_LIMIT
+    g = torch.Generator(device="cuda").manual_seed(0)
+    (w1, s1, w3, s3, w2, s2), per_expert_bytes = moe_layer_weights(g)
     rows = []
     for t in tokens_list:
-        sets = []
-        for _ in range(8 if t <= 256 else 1):
-            x = torch.randn(t, d, device="cuda", generator=g).bfloat16()
-            ids = torch.rand(t, e, device="cuda", generator=g).topk(k, dim=-1).indices
-            tw = torch.rand(t, k, device="cuda", generator=g)
-            sets.append((x, tw, ids))
+        sets = moe_routed_inputs(t, 8 if t <= 256 else 1, g)
         active = sum(int(torch.unique(s[2]).numel()) for s in sets) / len(sets)
         nbytes = active * per_expert_bytes + 2 * t * d * 2 + t * k * 12
         flops = 6.0 * t * k * d * i
@@ -487,20 +503,9 @@ def decode_rows(quick):
         del sets
 
     # MoE decode: graph replays of the whole layer's experts, a few tile configurations
-    d, i, e, k, limit = 5120, 2304, 384, 6, 10.0
+    d, i, e, k, limit = MOE_D, MOE_I, MOE_E, MOE_K, MOE_LIMIT
     g = torch.Generator(device="cuda").manual_seed(0)
-
-    def fp4(n_, k_):
-        packed = torch.randint(
-            -128, 128, (e, n_, k_ // 2), device="cuda", generator=g, dtype=torch.int8
-        )
-        scale = torch.randint(
-            118, 123, (e, n_, k_ // 32), device="cuda", generator=g, dtype=torch.uint8
-        )
-        return packed, scale.view(torch.float8_e8m0fnu)
-
-    (w1, s1), (w3, s3), (w2, s2) = fp4(i, d), fp4(i, d), fp4(d, i)
-    per_expert = 3 * (i * d // 2 + i * d // 32)
+    (w1, s1, w3, s3, w2, s2), per_expert = moe_layer_weights(g)
     M = tmoe.MoeConfig
     moe_cands = {
         "auto": None,
@@ -510,11 +515,7 @@ def decode_rows(quick):
         "mma k128 m2 st3": M(16, 64, 64, 4, 4, 3, False, 128, fp4_mode=2),
     }
     for t in (1, 16, 64, 256):
-        sets = []
-        for _ in range(8):
-            x = torch.randn(t, d, device="cuda", generator=g).bfloat16()
-            ids = torch.rand(t, e, device="cuda", generator=g).topk(k, dim=-1).indices
-            sets.append((x, torch.rand(t, k, device="cuda", generator=g), ids))
+        sets = moe_routed_inputs(t, 8, g)
         active = sum(int(torch.unique(st[2]).numel()) for st in sets) / len(sets)
         nbytes = active * per_expert
         shape = f"T={t} E=384 k=6 D=5120 I=2304"

@@ -372,6 +372,16 @@ def build_routing(
 
 
 @triton.jit
+def _tile_rows(tiles_ptr, BLOCK_M: tl.constexpr):
+    """This program's tile of sorted rows (tiles: [n, 3] int32 (expert, first row, end row)):
+    (first row, rows [BLOCK_M], mask of the rows before the end)."""
+    tile = tl.program_id(0)
+    row0 = tl.load(tiles_ptr + tile * 3 + 1)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    return row0, rows, rows < tl.load(tiles_ptr + tile * 3 + 2)
+
+
+@triton.jit
 def _w13_kernel(
     xa_ptr,
     w1_ptr,
@@ -401,14 +411,10 @@ def _w13_kernel(
     """Rows of one expert's tile: gate/up = x_hat W1^T, x_hat W3^T (x_hat: bf16-expanded FP8 x,
     gathered by token), then h = swiglu(gate, up) * weight, quantised per 32 to FP8 and written
     expanded to bf16 (exactly h_fp8 * scale): the W2 kernel's A operand."""
-    tile = tl.program_id(0)
-    expert = tl.load(tiles_ptr + tile * 3)
+    expert = tl.load(tiles_ptr + tl.program_id(0) * 3)
     if expert < 0:
         return
-    row0 = tl.load(tiles_ptr + tile * 3 + 1)
-    row_end = tl.load(tiles_ptr + tile * 3 + 2)
-    rows = row0 + tl.arange(0, BLOCK_M)
-    rmask = rows < row_end
+    _, rows, rmask = _tile_rows(tiles_ptr, BLOCK_M)
     tok = tl.load(tok_ptr + rows, mask=rmask, other=0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ncl = tl.where(offs_n < I, offs_n, 0).to(tl.int64)
@@ -482,14 +488,10 @@ def _w2_kernel(
     FP4_MODE: tl.constexpr,
 ):
     """y = h_hat W2^T for one expert's tile of sorted rows, rounded to y's dtype."""
-    tile = tl.program_id(0)
-    expert = tl.load(tiles_ptr + tile * 3)
+    expert = tl.load(tiles_ptr + tl.program_id(0) * 3)
     if expert < 0:
         return
-    row0 = tl.load(tiles_ptr + tile * 3 + 1)
-    row_end = tl.load(tiles_ptr + tile * 3 + 2)
-    rows = row0 + tl.arange(0, BLOCK_M)
-    rmask = rows < row_end
+    row0, rows, rmask = _tile_rows(tiles_ptr, BLOCK_M)
     r64 = tl.where(rmask, rows, row0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ncl = tl.where(offs_n < D, offs_n, 0).to(tl.int64)
