@@ -23,7 +23,7 @@ import argparse
 import time
 
 import torch
-from deepinfer_kernels import REGISTRY, KernelSettings, ops
+from deepinfer_kernels import REGISTRY, ops
 from deepinfer_kernels.ref import mhc as ref_mhc
 from deepinfer_kernels.ref import norm as ref_norm
 from deepinfer_kernels.ref import rope as ref_rope
@@ -109,9 +109,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="T = 1, 64 only, shorter timing")
     a = ap.parse_args()
     tokens = (1, 64) if a.quick else (1, 64, 4096)
-    REGISTRY.configure(
-        KernelSettings(overrides=dict(REGISTRY.settings.overrides), batch_invariant=True)
-    )
+    REGISTRY.set_batch_invariant(True)
     rep = 25 if a.quick else 50
     rows = []
     kern_ref: dict[str, int] = {}

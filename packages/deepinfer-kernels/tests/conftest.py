@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from deepinfer_kernels import REGISTRY, KernelSettings
+from deepinfer_kernels import REGISTRY
 
 
 @pytest.fixture
 def batch_invariant():
     """Run the test with DEEPINFER_BATCH_INVARIANT=1 semantics, restoring the settings after."""
-    before = REGISTRY.settings
-    REGISTRY.configure(KernelSettings(overrides=dict(before.overrides), batch_invariant=True))
-    yield
-    REGISTRY.configure(before)
+    with REGISTRY.batch_invariant_mode():
+        yield

@@ -217,3 +217,14 @@ def test_triton_supports_checks_name_the_reason():
     assert moe_ops.moe_experts_gpu_supports(x, *args) == "input on cpu"
     assert moe_ops.moe_gate_gpu_supports(x, torch.zeros(2048, 64)) == "2048 experts > 1024"
     assert moe_ops.moe_gate_gpu_supports(x, torch.zeros(384, 64)) == "input on cpu"
+
+
+def test_batch_invariant_mode_keeps_overrides_and_restores():
+    reg = _registry(_impl("ref"), _impl("triton"), overrides={"op": "ref"})
+    assert reg.batch_invariant is False
+    with reg.batch_invariant_mode():
+        assert reg.batch_invariant is True
+        assert reg.settings.overrides == {"op": "ref"}
+    assert reg.batch_invariant is False
+    reg.set_batch_invariant(True)
+    assert reg.batch_invariant is True and reg.settings.overrides == {"op": "ref"}

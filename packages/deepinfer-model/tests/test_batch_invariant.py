@@ -3,7 +3,7 @@ prefill/decode split, with the reference's KV fake-quantisation on."""
 
 import pytest
 import torch
-from deepinfer_kernels import REGISTRY, KernelSettings
+from deepinfer_kernels import REGISTRY
 from deepinfer_model.cache import CacheSpec, KVCache
 from deepinfer_model.config import ModelConfig
 from deepinfer_model.forward_batch import ForwardBatch
@@ -12,10 +12,8 @@ from deepinfer_model.model import Model, init_random_
 
 @pytest.fixture
 def batch_invariant():
-    before = REGISTRY.settings
-    REGISTRY.configure(KernelSettings(overrides=dict(before.overrides), batch_invariant=True))
-    yield
-    REGISTRY.configure(before)
+    with REGISTRY.batch_invariant_mode():
+        yield
 
 
 def test_bitwise_prefill_decode_chunks_and_batches(batch_invariant):

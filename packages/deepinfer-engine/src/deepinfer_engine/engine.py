@@ -15,7 +15,6 @@ n+1; that row is dropped.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass, field
 
@@ -82,9 +81,7 @@ class Engine:
         if REGISTRY.batch_invariant != config.batch_invariant:
             # The kernel registry is process-wide: the engine's setting (argument, else
             # DEEPINFER_BATCH_INVARIANT) becomes every op's for this process.
-            REGISTRY.configure(
-                dataclasses.replace(REGISTRY.settings, batch_invariant=config.batch_invariant)
-            )
+            REGISTRY.set_batch_invariant(config.batch_invariant)
             logger.info("kernel registry: batch_invariant=%s", config.batch_invariant)
         self.tokenizer = bundle.tokenizer
         self.device = torch.device(resolve_device(config.accelerator))

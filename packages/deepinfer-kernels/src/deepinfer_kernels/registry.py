@@ -6,9 +6,11 @@ chosen, so importing deepinfer_kernels never imports triton, tilelang or a vendo
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,6 +109,20 @@ class OpRegistry:
     @property
     def batch_invariant(self) -> bool:
         return self.settings.batch_invariant
+
+    def set_batch_invariant(self, on: bool) -> None:
+        """Switch batch-invariant mode (for the whole process), keeping the per-op overrides."""
+        self.configure(dataclasses.replace(self.settings, batch_invariant=on))
+
+    @contextmanager
+    def batch_invariant_mode(self, on: bool = True) -> Iterator[None]:
+        """`set_batch_invariant(on)` for the duration of a block, restoring the settings after."""
+        before = self.settings
+        self.set_batch_invariant(on)
+        try:
+            yield
+        finally:
+            self.configure(before)
 
     # -- choosing ------------------------------------------------------------------------------
     def ops(self) -> list[str]:
