@@ -163,12 +163,18 @@ def gemm_rows(shapes, quick):
 
 
 TILELANG_VARIANTS = [
-    # (row name, TileConfig kwargs): the default (2 consumer warpgroups, 128x128, 4 stages, the
-    # promotion of slice s under the wgmma of s+1), then one change each
+    # (row name, TileConfig kwargs): the default first, then one change each. The kernel is
+    # L2-bandwidth bound (Nsight Compute on the H200: L2 94% busy at 128x128), so the variants
+    # trade bytes per FLOP: a wider N tile (128x256, two wgmma column chunks per slice so the
+    # partial fits the registers) and column-major activation scales (fewer L2 sectors).
     ("tilelang", {}),
-    ("tl serial", {"overlap": False}),
-    ("tl 6stg", {"num_stages": 6}),
-    ("tl n192 serial", {"block_n": 192, "overlap": False}),
+    ("tl saT", {"sa_col_major": True}),
+    ("tl 128x256", {"block_n": 256, "n_split": 2, "overlap": False}),
+    ("tl 128x256 saT", {"block_n": 256, "n_split": 2, "overlap": False, "sa_col_major": True}),
+    (
+        "tl 128x256 saT 3stg",
+        {"block_n": 256, "n_split": 2, "overlap": False, "sa_col_major": True, "num_stages": 3},
+    ),
 ]
 
 
@@ -181,7 +187,8 @@ def tilelang_rows(quick):
     from deepinfer_kernels.tilelang import fp8_gemm as tg
     from deepinfer_kernels.triton import linear as tl_linear
 
-    shapes = [(2048, 5120, 8192), (8192, 5120, 8192), (8192, 32768, 1280), (16384, 5120, 8192)]
+    shapes = [(128, 5120, 8192), (512, 5120, 8192), (2048, 5120, 8192), (8192, 5120, 8192)]
+    shapes += [(8192, 32768, 1280), (16384, 5120, 8192)]
     variants = TILELANG_VARIANTS[:2] if quick else TILELANG_VARIANTS
     rows = []
     for m, n, k in shapes:

@@ -97,9 +97,10 @@ def test_fp8_gemm_fp32_output(m, n, k):
 @pytest.mark.parametrize(
     "cfg_kwargs",
     [
+        {"sa_col_major": False},
         {"overlap": False},
-        {"num_stages": 6},
-        {"block_n": 192, "overlap": False},
+        {"block_n": 256, "n_split": 2, "overlap": False},
+        {"block_n": 256, "n_split": 2, "overlap": False, "num_stages": 3},
     ],
 )
 def test_fp8_gemm_configs(cfg_kwargs):
@@ -147,18 +148,30 @@ def test_fp8_gemm_cuda_graph_replay():
     assert not torch.equal(out, eager)  # the replay read the new inputs
 
 
-def test_registry_gate_and_override():
-    tg = _tg()
-    xq, xs, wq, ws = _inputs(64, 5120, 8192, seed=10)
+def test_registry_routing_and_override():
+    """Prefill M goes to tilelang by default, decode M and batch-invariant mode stay on Triton;
+    the override sends every M there. fp8_linear likewise, through the act quantiser."""
+    xq, xs, wq, ws = _inputs(300, 5120, 8192, seed=10)
+    x = torch.randn(300, 8192, device=DEV).bfloat16()
     before = REGISTRY.settings
     try:
         REGISTRY.configure(KernelSettings(overrides={}, batch_invariant=False))
-        assert tg.supports(xq, xs, wq, ws, torch.bfloat16) == tg.GATE_REASON
-        assert REGISTRY.resolve("fp8_gemm", xq, xs, wq, ws, torch.bfloat16).tier != "tilelang"
-        REGISTRY.configure(KernelSettings(overrides={"fp8_gemm": "tilelang"}))
         assert REGISTRY.resolve("fp8_gemm", xq, xs, wq, ws, torch.bfloat16).tier == "tilelang"
-        got = ops.fp8_gemm(xq, xs, wq, ws)
-        want = ref_linear.fp8_gemm(xq, xs, wq, ws, torch.float32)
+        assert REGISTRY.resolve("fp8_linear", x, wq, ws).tier == "tilelang"
+        small = (xq[:64], xs[:64], wq, ws, torch.bfloat16)
+        assert REGISTRY.resolve("fp8_gemm", *small).tier == "triton"
+        assert REGISTRY.resolve("fp8_linear", x[:64], wq, ws).tier == "triton"
+        got = ops.fp8_linear(x, wq, ws)
+        xq2, xs2 = quant.act_quant_fp8(x)
+        want = ref_linear.fp8_gemm(xq2, xs2, wq, ws, torch.float32)
+        assert got.dtype == torch.bfloat16 and _rel(got, want) < 1e-2
+        REGISTRY.configure(KernelSettings(overrides={}, batch_invariant=True))
+        kw = {"batch_invariant": True}
+        assert REGISTRY.resolve("fp8_gemm", xq, xs, wq, ws, torch.bfloat16, **kw).tier == "triton"
+        REGISTRY.configure(KernelSettings(overrides={"fp8_gemm": "tilelang"}))
+        assert REGISTRY.resolve("fp8_gemm", *small).tier == "tilelang"
+        got = ops.fp8_gemm(*small[:4])
+        want = ref_linear.fp8_gemm(*small[:4], torch.float32)
         assert _rel(got, want) < 1e-2
     finally:
         REGISTRY.configure(before)

@@ -1,6 +1,6 @@
 """The tilelang fp8_gemm tier on CPU: host-side logic (tile config limits, the weight-scale
-layout, the per-tile promotion arithmetic) against float64 math written here, the opt-in gate in
-the registry, and, when tilelang is importable, the lowered CUDA source for sm_90a (wgmma per K
+layout, the per-tile promotion arithmetic) against float64 math written here, the routing in the
+registry, and, when tilelang is importable, the lowered CUDA source for sm_90a (wgmma per K
 tile, the promotion, the pipeline's barriers) and, when nvcc is here too, its SASS (QGMMA and
 FFMA counts, no spills). Running the kernel needs the H200 (test_gpu_tilelang.py).
 Locally: PYTHONPATH=/tmp/devsite_local (tilelang 0.1.15) runs the lowering and SASS tests."""
@@ -64,10 +64,26 @@ def _inputs(m: int, n: int, k: int, seed: int):
 
 def test_default_config_fits_hopper():
     cfg = tg.DEFAULT_CONFIG
+    assert cfg.sa_col_major and cfg.n_split == 1
     assert cfg.threads == 256  # two consumer warpgroups (TileLang adds the producer)
     assert cfg.fragment_registers == 3 * 64  # acc + two partials, 64 fp32 each
-    # 4 stages x ((128 + 128) x 128 B operands + scales) = 139520 B <= 227 KB
-    assert cfg.shared_bytes == 4 * (256 * 128 + (128 + 4) * 4 * 4) <= tg.MAX_SHARED_BYTES
+    # 4 stages x ((128 + 128) x 128 B operands + scales: 128 rows of sa, 4 of sb padded to 8)
+    assert cfg.sb_tile_rows == 8
+    assert cfg.shared_bytes == 4 * (256 * 128 + (128 + 8) * 4 * 4) <= tg.MAX_SHARED_BYTES
+
+
+def test_wide_tile_fits_with_split_chunks():
+    cfg = tg.TileConfig(block_n=256, n_split=2, overlap=False)
+    assert cfg.chunk_n == 128 and cfg.fragment_registers == 128 + 64
+    assert cfg.shared_bytes == 4 * (384 * 128 + (128 + 8) * 4 * 4) <= tg.MAX_SHARED_BYTES
+
+
+@pytest.mark.parametrize("block_n", [32, 64, 96, 128, 160, 192])
+def test_weight_scale_stage_is_tma_aligned(block_n):
+    cfg = tg.TileConfig(block_n=block_n, overlap=block_n <= 128)
+    rows = cfg.sb_tile_rows
+    assert rows >= block_n // 32 and rows * tg.SLICES * 4 % tg.TMA_SMEM_ALIGN == 0
+    assert rows - block_n // 32 < 8  # padded by less than one 128-B unit
 
 
 @pytest.mark.parametrize(
@@ -79,6 +95,10 @@ def test_default_config_fits_hopper():
         ({"num_stages": 0}, "num_stages"),
         ({"block_n": 192, "overlap": True}, "registers"),
         ({"block_n": 256, "overlap": False}, "registers"),
+        ({"block_n": 256, "n_split": 2, "overlap": True}, "registers"),
+        ({"block_n": 128, "n_split": 3}, "n_split"),
+        ({"block_n": 96, "n_split": 2}, "n_split"),
+        ({"n_split": 0}, "n_split"),
         ({"block_n": 192, "overlap": False, "num_stages": 8}, "shared memory"),
         ({"swizzle_panel": -1}, "swizzle_panel"),
     ],
@@ -148,7 +168,7 @@ def test_tma_ready_copies_only_when_needed():
     assert r.data_ptr() % 16 == 0 and torch.equal(r, flat)
 
 
-# -- registry: opt-in gate ------------------------------------------------------------------------
+# -- registry: routing ----------------------------------------------------------------------------
 
 
 @pytest.fixture
@@ -161,15 +181,45 @@ def select_tilelang():
     REGISTRY.configure(before)
 
 
-def test_tier_is_registered_and_gated_by_default():
-    impl = next(i for i in REGISTRY.implementations("fp8_gemm") if i.tier == "tilelang")
+@pytest.mark.parametrize(
+    ("op", "check"), [("fp8_gemm", "supports"), ("fp8_linear", "supports_linear")]
+)
+def test_tiers_are_registered(op, check):
+    impl = next(i for i in REGISTRY.implementations(op) if i.tier == "tilelang")
     assert impl.devices == ("cuda",) and impl.requires == ("tilelang",)
-    assert impl.supports == "deepinfer_kernels.tilelang.fp8_gemm:supports"
-    xq, xs, wq, ws = _inputs(2, 64, 128, 3)
-    if REGISTRY.settings.overrides.get("fp8_gemm") is None:
-        assert tg.supports(xq, xs, wq, ws, torch.bfloat16) == tg.GATE_REASON
-        assert "DEEPINFER_KERNELS=fp8_gemm=tilelang" in tg.GATE_REASON
-        assert REGISTRY.resolve("fp8_gemm", xq, xs, wq, ws, torch.bfloat16).tier == "ref"
+    assert impl.target == f"deepinfer_kernels.tilelang.fp8_gemm:{op}"
+    assert impl.supports == f"deepinfer_kernels.tilelang.fp8_gemm:{check}"
+    tiers = [i.tier for i in REGISTRY.implementations(op)]
+    assert tiers.index("tilelang") < tiers.index("triton")  # preferred where it takes the call
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(0, 20000),
+    selected=st.booleans(),
+    invariant=st.booleans(),
+    cap=st.sampled_from([(9, 0), (8, 0), (10, 0), None]),
+)
+def test_route_reason(rows, selected, invariant, cap):
+    why = tg.route_reason(
+        "cuda", cap, selected=selected, batch_invariant=invariant, rows=rows, decode_max_m=64
+    )
+    takes = cap == (9, 0) and (selected or (not invariant and rows > 64))
+    assert (why is None) == takes
+    if cap != (9, 0):
+        assert "sm_90a" in why
+    elif not takes:
+        assert ("batch-invariant" in why) if invariant else ("M=" in why)
+    assert tg.route_reason("cpu", (9, 0), selected=True, batch_invariant=False, rows=999,
+                           decode_max_m=64) == "input on cpu"  # fmt: skip
+
+
+def test_cpu_calls_resolve_elsewhere():
+    xq, xs, wq, ws = _inputs(300, 64, 128, 3)
+    assert tg.supports(xq, xs, wq, ws, torch.bfloat16) == "input on cpu"
+    assert REGISTRY.resolve("fp8_gemm", xq, xs, wq, ws, torch.bfloat16).tier == "ref"
+    x = torch.randn(300, 128)
+    assert tg.supports_linear(x, wq, ws) == "input on cpu"
 
 
 def test_selected_tier_checks_device_and_shape(select_tilelang):
@@ -177,6 +227,18 @@ def test_selected_tier_checks_device_and_shape(select_tilelang):
     assert tg.supports(xq, xs, wq, ws, torch.bfloat16) == "input on cpu"
     with pytest.raises(NotImplementedError, match="tilelang"):
         ops.fp8_gemm(xq, xs, wq, ws)
+
+
+@pytest.mark.parametrize("m", [1, 3, 4, 129])
+def test_activation_scales_layouts(m):
+    xs = torch.rand(m, 8) * 4
+    assert tg.activation_scales(xs, col_major=False) is xs
+    t = tg.activation_scales(xs, col_major=True)
+    m4 = -(-m // 4) * 4
+    assert list(t.shape) == [8, m4] and t.is_contiguous()
+    for i in range(m4):
+        for kb in range(8):
+            assert t[kb, i].item() == (xs[i, kb].item() if i < m else 0.0)
 
 
 def test_wrapper_rejects_bad_shapes_before_launch():
@@ -199,16 +261,24 @@ def _consumer_loop(src: str) -> str:
     return body.split("__sync_thread_partial", 1)[0]
 
 
+LOWERED_CONFIGS = [
+    tg.DEFAULT_CONFIG,
+    tg.TileConfig(sa_col_major=False),
+    tg.TileConfig(overlap=False),
+    tg.TileConfig(block_n=256, n_split=2, overlap=False),
+]
+
+
 @needs_tilelang
-@pytest.mark.parametrize("overlap", [True, False])
-def test_lowered_source_structure(overlap):
-    cfg = tg.TileConfig(overlap=overlap)
+@pytest.mark.parametrize("cfg", LOWERED_CONFIGS, ids=str)
+def test_lowered_source_structure(cfg):
+    overlap = cfg.overlap
     src = tg.lower_source(5120, 8192, "bfloat16", cfg)
     loop = _consumer_loop(src)
-    # one m64n128k32 FP8 wgmma per 32-slice: 4 per K tile of 128, from shared memory
+    # one m64 x chunk x k32 FP8 wgmma per 32-slice and chunk, from shared memory
     wgmma = re.findall(r"wgmma_ss<tl::DataType::kFloat8_e4m3, tl::DataType::kFloat8_e4m3, "
-                       r"tl::DataType::kFloat32, 64, 128, 32", loop)  # fmt: skip
-    assert len(wgmma) == 4
+                       rf"tl::DataType::kFloat32, 64, {cfg.chunk_n}, 32", loop)  # fmt: skip
+    assert len(wgmma) == tg.SLICES * cfg.n_split
     # producer warpgroup + 2 consumers; TMA loads of A, B and both scale tiles
     assert "__launch_bounds__(384, 1)" in src
     assert "warpgroup_reg_dealloc" in src and "warpgroup_reg_alloc<240>" in src
@@ -216,11 +286,13 @@ def test_lowered_source_structure(overlap):
         assert f"tma_load({desc}" in src
     # promotion: 4 unrolled loops over the thread's 64 accumulator values, each reading sa/sb
     assert loop.count("sa_tile)[") >= 4 and loop.count("sb_tile)[") >= 4
-    # register fragments only: acc + partial(s) of 64 fp32 each, nothing else declared
+    # register fragments only: accumulator chunk(s) + partial(s), nothing else declared
     arrays = re.findall(r"^\s*float (\w+)\[(\d+)\];", src, flags=re.M)
-    assert sorted(int(size) for _, size in arrays) == [64] * (3 if overlap else 2)
-    if overlap:
-        assert loop.count("wait_wgmma<1>") == 3  # slices 0-2 promoted under the next wgmma
+    per_chunk = 64 * cfg.chunk_n // 128
+    count = cfg.n_split + (2 if overlap else 1)
+    assert sorted(int(size) for _, size in arrays) == [per_chunk] * count
+    if overlap:  # every wgmma but the last promoted under the next one
+        assert loop.count("wait_wgmma<1>") == tg.SLICES * cfg.n_split - 1
     # no wgmma may still read a stage when it is handed back to the producer: the stage's
     # release (mbarrier arrive) comes after a wait for all wgmma groups, with no issue between
     first_arrive = loop.index(".arrive();")
@@ -228,6 +300,18 @@ def test_lowered_source_structure(overlap):
     last_wait_all = max(w for w in waits_all if w < first_arrive)
     assert "wgmma_ss<" not in loop[last_wait_all:first_arrive]
     assert "wgmma_ss<" not in loop[first_arrive:]  # the stage's last wgmma came before it
+    # every TMA destination is 128-B aligned in every stage: the buffer's base and the stage
+    # stride (a 64-B weight-scale stage once gave "misaligned address" on the H200)
+    bases = dict(
+        re.findall(r"void\* (\w+) = \(\(void\*\)\(\(char\*\)buf_dyn_shmem \+ (\d+)\)\)", src)
+    )
+    loads = re.findall(r"tma_load\(\w+, mbarrier\[[^\]]+\], \(&\(\(\((\w+)\*\)(\w+)\)"
+                       r"\[\(*\(kt & 3\) \* (\d+)\)", src)  # fmt: skip
+    assert {buf for _, buf, _ in loads} == {"a_tile", "b_tile", "sa_tile", "sb_tile"}
+    elem_bytes = {"fp8_e4_t": 1, "float": 4}
+    for ctype, buf, stride in loads:
+        assert int(bases[buf]) % tg.TMA_SMEM_ALIGN == 0, buf
+        assert int(stride) * elem_bytes[ctype] % tg.TMA_SMEM_ALIGN == 0, (buf, stride)
     # every shared buffer lies inside the shared memory the config accounts for
     offsets = [int(o) for o in re.findall(r"buf_dyn_shmem \+ (\d+)\)", src)]
     assert max(offsets) < cfg.shared_bytes <= tg.MAX_SHARED_BYTES
@@ -258,7 +342,13 @@ def _cuda_tools() -> tuple[str, str] | None:
 @needs_tilelang
 @pytest.mark.skipif(_cuda_tools() is None, reason="needs nvcc and triton's cuobjdump")
 @pytest.mark.parametrize(
-    "cfg", [tg.DEFAULT_CONFIG, tg.TileConfig(block_n=192, overlap=False)], ids=str
+    "cfg",
+    [
+        tg.DEFAULT_CONFIG,
+        tg.TileConfig(block_n=192, overlap=False),
+        tg.TileConfig(block_n=256, n_split=2, overlap=False),
+    ],
+    ids=str,
 )
 def test_compiled_sass(cfg, tmp_path):
     """Compile the lowered source as TileLang does (nvcc, sm_90a) and read ptxas' report and the
@@ -284,7 +374,7 @@ def test_compiled_sass(cfg, tmp_path):
     ).stdout
     ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\d\s+)?([A-Z][A-Za-z0-9_.]*)", sass)
     qgmma = [op for op in ops if op.startswith("QGMMA")]
-    assert qgmma == [f"QGMMA.64x{cfg.block_n}x32.F32.E4M3.E4M3"] * tg.SLICES
-    per_fragment = cfg.fragment_registers // (3 if cfg.overlap else 2)
-    assert sum(op == "FFMA" for op in ops) == tg.SLICES * per_fragment
+    assert qgmma == [f"QGMMA.64x{cfg.chunk_n}x32.F32.E4M3.E4M3"] * (tg.SLICES * cfg.n_split)
+    acc_values = 64 * cfg.block_n // 128  # per thread
+    assert sum(op == "FFMA" for op in ops) == tg.SLICES * acc_values
     assert not any(op.startswith(("LDL", "STL")) for op in ops)

@@ -32,19 +32,20 @@ for _op in ("fp8_gemm", "fp8_linear"):
         )
     )
 
-# TileLang FP8-wgmma GEMM with per-32 promotion (prefill target). Opt-in until it is verified on
-# hardware: its `supports` declines every call unless DEEPINFER_KERNELS=fp8_gemm=tilelang.
-REGISTRY.register(
-    Implementation(
-        "fp8_gemm",
-        "tilelang",
-        "deepinfer_kernels.tilelang.fp8_gemm:fp8_gemm",
-        devices=("cuda",),
-        min_capability=(9, 0),
-        requires=("tilelang",),
-        supports="deepinfer_kernels.tilelang.fp8_gemm:supports",
+# TileLang FP8-wgmma GEMM with per-32 promotion: the prefill GEMMs on Hopper (M > 64, outside
+# batch-invariant mode; see `tilelang.fp8_gemm._route_reason`); decode sizes stay on Triton.
+for _op, _check in (("fp8_gemm", "supports"), ("fp8_linear", "supports_linear")):
+    REGISTRY.register(
+        Implementation(
+            _op,
+            "tilelang",
+            f"deepinfer_kernels.tilelang.fp8_gemm:{_op}",
+            devices=("cuda",),
+            min_capability=(9, 0),
+            requires=("tilelang",),
+            supports=f"deepinfer_kernels.tilelang.fp8_gemm:{_check}",
+        )
     )
-)
 
 
 def _check_weight(w: torch.Tensor, w_scale: torch.Tensor, k: int) -> None:

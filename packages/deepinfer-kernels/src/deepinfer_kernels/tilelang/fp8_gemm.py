@@ -10,7 +10,7 @@ product in fp32 registers with scale 1, and CUDA cores promote it into the runni
 tensor core's reduced-precision FP8 accumulation to one 32-long sum.
 
 Schedule (TileLang lowers it; see `lower_source`): K tiles of 128 (4 slices) arrive by TMA in a
-`num_stages`-deep ring, together with the tile's scales ([block_m, 4] of sa, [block_n/32, 4] of sb),
+`num_stages`-deep ring, together with the tile's scales (4 x block_m of sa, 4 x block_n/32 of sb),
 loaded once per K tile. TileLang warp-specialises the loop: one producer warpgroup issues the
 TMA loads, one consumer warpgroup per 64 rows of the tile runs the wgmma and the promotion. With
 `overlap=True` each consumer keeps two partial accumulators and issues the wgmma of slice s+1
@@ -20,20 +20,22 @@ next wgmma; slices 0-2 of each K tile overlap so, slice 3 is promoted after a fu
 an issued wgmma still reads the stage). The two consumer warpgroups run unsynchronised, so one's
 promotion also overlaps the other's wgmma.
 
-Why the promotion is the limit: per output element and 32-slice, the tensor core does 32 FMA and
-the promotion one FFMA; an SM does 4096 FP8 FMA/clk on the tensor cores and 128 FFMA/clk on CUDA
-cores, the same ratio of 32. So the tensor and FP32 pipes are both fully busy at peak, and the
-kernel reaches a high fraction of FP8 peak only if the two overlap well. Shared memory is the other
-bound (estimate, 128 B/clk per SM): at tensor peak, m64n128k32 wgmma reads 96 B/clk and the TMA
-writes of 128x128 tiles 64 B/clk, which caps a 128x128 tile near 80% of peak; block_n=192 (without
-`overlap`: registers) needs ~138 B/clk.
+Budget (per SM and clock): the tensor cores do 4096 FP8 FMA, the CUDA cores 128 FFMA; per output
+element and 32-slice the wgmma does 32 FMA and the promotion one FFMA (the sa*sb products are
+hoisted: 8 FMUL per slice per thread), the same ratio, so both pipes would be busy at peak. What
+the H200 measured is another bound: at 128x128 Nsight Compute shows L2 94% busy, SM issue 47%,
+and a warp waits ~6 cycles per instruction, 40% of it on the shared-memory loads of the scales
+right after each wgmma wait. A 128x256 tile (25% fewer L2 bytes per FLOP) or column-major
+activation scales (half the L2 sectors for sa) gain only 0-10% (see NOTES.md): ~500-570 TFLOP/s,
+2x the Triton tiles, ~38% of DeepGEMM's 1495.
 
 The kernel's arithmetic for one row does not depend on M or on the other rows (fixed tiles, no
 split-K), so it is batch-invariant by construction (checked bitwise by the GPU tests).
 
-Opt-in: the registry tier is gated by `supports` until the GPU tests pass on the H200; select it
-with ``DEEPINFER_KERNELS=fp8_gemm=tilelang``. tilelang is imported only inside the functions that
-build or run a kernel.
+Routing (`supports`): the registry picks this tier by default on Hopper for M > 64 outside
+batch-invariant mode (`_route_reason`); ``DEEPINFER_KERNELS=fp8_gemm=tilelang`` (or
+``fp8_linear=tilelang``) sends every call to it. tilelang is imported only inside the functions
+that build or run a kernel; each (N, K, dtype, config) compiles once per process (seconds).
 """
 
 # No `from __future__ import annotations`: TileLang evaluates the kernel's argument annotations
@@ -50,8 +52,8 @@ SLICES = BLOCK_K // SCALE_BLOCK
 WARPGROUP_ROWS = 64  # rows of one wgmma (m64nNk32): one consumer warpgroup each
 MAX_SHARED_BYTES = 227 * 1024  # opt-in dynamic shared memory per block on sm_90
 MAX_ACC_REGS = 192  # fp32 fragment registers per consumer thread we allow (240 after setmaxnreg)
+TMA_SMEM_ALIGN = 128  # bytes: a TMA load's shared-memory destination must be 128-B aligned
 OUT_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
-GATE_REASON = "not yet verified on hardware: select it with DEEPINFER_KERNELS=fp8_gemm=tilelang"
 
 
 @dataclass(frozen=True)
@@ -60,15 +62,23 @@ class TileConfig:
 
     block_m: rows per CTA (64 or 128; one consumer warpgroup per 64 rows).
     block_n: columns per CTA (multiple of 32, at most 256).
+    n_split: wgmma column chunks per 32-slice (block_n / n_split columns each, a multiple of 32):
+        the partial accumulator holds one chunk, so a wide tile fits the registers (128x256 with
+        n_split=2: a 128-register accumulator and a 64-register partial per thread).
     num_stages: depth of the TMA ring of K tiles (each stage holds (block_m + block_n) x 128 B).
-    overlap: two partial accumulators, so the promotion of slice s runs under the wgmma of s+1.
+    overlap: two partial accumulators, so the promotion of one wgmma runs under the next one.
+    sa_col_major: activation scales passed as [K/32, M] (padded to M % 4 == 0), so a tile's
+        scales are 4 contiguous 4*block_m-byte rows instead of block_m 16-byte rows (fewer L2
+        sectors per tile; the kernel is L2-bandwidth bound).
     swizzle_panel: CTA rasterisation panel (L2 reuse of A and B tiles), 0 = none.
     """
 
     block_m: int = 128
     block_n: int = 128
+    n_split: int = 1
     num_stages: int = 4
     overlap: bool = True
+    sa_col_major: bool = False
     swizzle_panel: int = 8
 
     def __post_init__(self) -> None:
@@ -78,15 +88,20 @@ class TileConfig:
             raise ValueError(
                 f"TileConfig.block_n must be a multiple of 32 in [32, 256], got {self.block_n}"
             )
+        if self.n_split < 1 or self.block_n % (self.n_split * SCALE_BLOCK):
+            raise ValueError(
+                f"TileConfig.n_split must divide block_n={self.block_n} into multiples of 32, "
+                f"got {self.n_split}"
+            )
         if not 1 <= self.num_stages <= 8:
             raise ValueError(f"TileConfig.num_stages must be in [1, 8], got {self.num_stages}")
         if self.swizzle_panel < 0:
             raise ValueError(f"TileConfig.swizzle_panel must be >= 0, got {self.swizzle_panel}")
         if self.fragment_registers > MAX_ACC_REGS:
             raise ValueError(
-                f"TileConfig: block_n={self.block_n} with overlap={self.overlap} needs "
-                f"{self.fragment_registers} fp32 fragment registers per thread (limit "
-                f"{MAX_ACC_REGS}); use block_n <= {128 if self.overlap else 192}"
+                f"TileConfig: block_n={self.block_n}, n_split={self.n_split}, "
+                f"overlap={self.overlap} needs {self.fragment_registers} fp32 fragment registers "
+                f"per thread (limit {MAX_ACC_REGS}); raise n_split or turn overlap off"
             )
         if self.shared_bytes > MAX_SHARED_BYTES:
             raise ValueError(
@@ -100,20 +115,36 @@ class TileConfig:
         return self.block_m // WARPGROUP_ROWS * 128
 
     @property
+    def chunk_n(self) -> int:
+        """Columns of one wgmma (and of the partial accumulator)."""
+        return self.block_n // self.n_split
+
+    @property
     def fragment_registers(self) -> int:
         """fp32 registers per consumer thread for the accumulator and the partial(s)."""
-        per_fragment = WARPGROUP_ROWS * self.block_n // 128
-        return per_fragment * (3 if self.overlap else 2)
+        acc = WARPGROUP_ROWS * self.block_n // 128
+        partial = WARPGROUP_ROWS * self.chunk_n // 128
+        return acc + partial * (2 if self.overlap else 1)
 
     @property
     def shared_bytes(self) -> int:
         """Pipeline ring (operands + scales); the bf16/fp32 epilogue tile reuses the ring."""
         operands = (self.block_m + self.block_n) * BLOCK_K  # e4m3: one byte each
-        scales = (self.block_m + self.block_n // SCALE_BLOCK) * SLICES * 4
+        scales = (self.block_m + self.sb_tile_rows) * SLICES * 4
         return self.num_stages * (operands + scales)
 
+    @property
+    def sb_tile_rows(self) -> int:
+        """Rows of weight scales loaded per stage: the tile's block_n/32, rounded up so that one
+        stage is a multiple of 128 B (each stage is a TMA destination; the extra rows belong to
+        the next N tile, or are TMA's zero fill past the end, and are never read)."""
+        rows_per_align = TMA_SMEM_ALIGN // (SLICES * 4)
+        return -(-(self.block_n // SCALE_BLOCK) // rows_per_align) * rows_per_align
 
-DEFAULT_CONFIG = TileConfig()
+
+# 128x128, column-major activation scales: best or within 5% of the best variant at every
+# measured M (128 .. 16384) on the H200 (NOTES.md); 128x256 loses 2x at M=128.
+DEFAULT_CONFIG = TileConfig(sa_col_major=True)
 
 
 # -- host-side logic (pure torch; CPU-testable) ----------------------------------------------------
@@ -153,6 +184,18 @@ def weight_scale_fp32(w_scale: torch.Tensor, n: int) -> torch.Tensor:
     if w_scale.dim() != 2 or w_scale.shape[0] != rows:
         raise ValueError(f"w_scale must be [{rows}, K/32] for N={n}, got {list(w_scale.shape)}")
     return w_scale.to(torch.float32)
+
+
+def activation_scales(x_scale: torch.Tensor, col_major: bool) -> torch.Tensor:
+    """x_scale [M, K/32] fp32 as the kernel takes it: itself (TMA-ready) or, with `col_major`,
+    transposed to [K/32, M4] with M4 = M rounded up to 4 (TMA needs 16-B row strides; the pad
+    columns are zeros and scale only rows the kernel never stores)."""
+    if not col_major:
+        return tma_ready(x_scale)
+    m, kb = x_scale.shape
+    out = torch.zeros(kb, -(-m // 4) * 4, dtype=torch.float32, device=x_scale.device)
+    out[:, :m] = x_scale.t()
+    return out
 
 
 def tma_ready(t: torch.Tensor) -> torch.Tensor:
@@ -198,30 +241,96 @@ def promote_reference(
     return out
 
 
+def route_reason(
+    device_type: str,
+    capability: tuple[int, int] | None,
+    *,
+    selected: bool,
+    batch_invariant: bool,
+    rows: int,
+    decode_max_m: int,
+) -> str | None:
+    """Why the registry should not pick this tier (device, mode, M), or None.
+
+    Chosen by default on Hopper for M > decode_max_m (the prefill GEMMs; below that the
+    weight-streaming decode kernel of triton/gemv.py is faster) outside batch-invariant mode
+    (there the Triton tiles cut K exactly as the decode kernel does, so a row's bits do not
+    depend on M; this kernel's do not either, but they differ from the decode kernel's). Selected
+    explicitly (`selected`: ``DEEPINFER_KERNELS=<op>=tilelang``) it takes every M, invariant mode
+    included: one kernel for every M is invariant by construction.
+    """
+    if device_type != "cuda":
+        return f"input on {device_type}"
+    if capability != (9, 0):
+        return "needs sm_90a (Hopper wgmma)"
+    if selected:
+        return None
+    if batch_invariant:
+        return (
+            "batch-invariant mode keeps the Triton tiles (their K split matches the decode kernel)"
+        )
+    if rows <= decode_max_m:
+        return f"M={rows} <= {decode_max_m}: the decode kernel (triton/gemv.py) is faster"
+    return None
+
+
+def _route_reason(op: str, x: torch.Tensor, rows: int, batch_invariant: bool) -> str | None:
+    """`route_reason` for a call of `op` on x (reads the registry's override and the device)."""
+    from ..registry import REGISTRY
+
+    if x.device.type != "cuda":
+        return f"input on {x.device.type}"
+    from ..triton.linear import DECODE_MAX_M
+
+    return route_reason(
+        "cuda",
+        torch.cuda.get_device_capability(x.device),
+        selected=REGISTRY.settings.overrides.get(op) == "tilelang",
+        batch_invariant=batch_invariant,
+        rows=rows,
+        decode_max_m=DECODE_MAX_M,
+    )
+
+
 def supports(
     x_fp8: torch.Tensor,
     x_scale: torch.Tensor,
     w: torch.Tensor,
     w_scale: torch.Tensor,
     out_dtype: torch.dtype = torch.bfloat16,
+    *,
+    batch_invariant: bool = False,
     **_: Any,
 ) -> str | None:
-    """Registry check: why the tilelang tier cannot run this call, or None.
-
-    Gated: until the GPU tests pass on hardware, the tier runs only when
-    ``DEEPINFER_KERNELS=fp8_gemm=tilelang`` selects it (the registry's override for fp8_gemm).
-    """
-    from ..registry import REGISTRY
-
-    if REGISTRY.settings.overrides.get("fp8_gemm") != "tilelang":
-        return GATE_REASON
-    if x_fp8.device.type != "cuda":
-        return f"input on {x_fp8.device.type}"
-    if torch.cuda.get_device_capability(x_fp8.device) != (9, 0):
-        return "needs sm_90a (Hopper wgmma)"
+    """Registry check for `fp8_gemm`: why the tilelang tier should not run this call, or None."""
+    why = _route_reason("fp8_gemm", x_fp8, x_fp8.shape[0], batch_invariant)
+    if why is not None:
+        return why
     if out_dtype not in OUT_DTYPES:
         return f"out_dtype must be one of {list(OUT_DTYPES)}, got {out_dtype}"
     return shape_reason(x_fp8, x_scale, w, w_scale)
+
+
+def supports_linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    *,
+    batch_invariant: bool = False,
+    **_: Any,
+) -> str | None:
+    """Registry check for `fp8_linear` (x [..., K] float): as `supports`, on the quantised x."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    why = _route_reason("fp8_linear", x, rows, batch_invariant)
+    if why is not None:
+        return why
+    if x.dtype not in OUT_DTYPES:
+        return f"x must be one of {list(OUT_DTYPES)}, got {x.dtype}"
+    if x.shape[-1] % BLOCK_K:
+        return f"K must be a multiple of {BLOCK_K}, got {x.shape[-1]}"
+    if w.dtype != torch.float8_e4m3fn or w.dim() != 2 or w.shape[1] != x.shape[-1]:
+        return f"w must be float8_e4m3fn [N, {x.shape[-1]}], got {w.dtype} {list(w.shape)}"
+    return None
 
 
 # -- the kernel (tilelang imported here only) ----------------------------------------------
@@ -230,7 +339,8 @@ def supports(
 def build_kernel(n: int, k: int, out_dtype: str = "bfloat16", cfg: TileConfig = DEFAULT_CONFIG):
     """The TileLang prim_func for weight [n, k] (M dynamic).
 
-    Arguments of the kernel: A [M, K] e4m3, SA [M, K/32] fp32, B [N, K] e4m3,
+    Arguments of the kernel: A [M, K] e4m3, SA [M, K/32] fp32 (or [K/32, M4] with
+    `cfg.sa_col_major`, M4 = M rounded up to 4: `activation_scales`), B [N, K] e4m3,
     SB [ceil(N/32), K/32] fp32 (`weight_scale_fp32`), C [M, N] out_dtype.
     """
     import tilelang.language as T
@@ -239,32 +349,43 @@ def build_kernel(n: int, k: int, out_dtype: str = "bfloat16", cfg: TileConfig = 
         raise ValueError(f"build_kernel: k must be a multiple of {BLOCK_K}, got {k}")
     if out_dtype not in OUT_DTYPES.values():
         raise ValueError(f"build_kernel: out_dtype must be one of {list(OUT_DTYPES.values())}")
-    bm, bn, bk = cfg.block_m, cfg.block_n, BLOCK_K
+    bm, bn, bk, cn = cfg.block_m, cfg.block_n, BLOCK_K, cfg.chunk_n
     bn_blocks = bn // SCALE_BLOCK
     kb_total = k // SCALE_BLOCK
     sb_rows = -(-n // SCALE_BLOCK)
     m = T.dynamic("m")
+    m4 = T.dynamic("m4")  # rows of the column-major activation scales (M rounded up to 4)
+    sa_shape = (kb_total, m4) if cfg.sa_col_major else (m, kb_total)
+    sa_tile_shape = (SLICES, bm) if cfg.sa_col_major else (bm, SLICES)
     fp8 = "float8_e4m3fn"
-    slice_ids = tuple(range(SLICES))  # a Python tuple: the builder unrolls the loop over it
-    policy = T.GemmWarpPolicy.FullRow  # each consumer warpgroup: 64 rows x the whole block_n
+    policy = T.GemmWarpPolicy.FullRow  # each consumer warpgroup: 64 rows x the whole chunk
+    # one wgmma per (32-slice, column chunk), in issue order; a Python tuple, so the builder
+    # unrolls every loop over it
+    steps = tuple((s, h) for s in range(SLICES) for h in range(cfg.n_split))
+    frag_regs = WARPGROUP_ROWS * cn // 128  # fp32 registers per thread of one partial
 
-    last = SLICES - 1
-    frag_regs = WARPGROUP_ROWS * bn // 128  # fp32 registers per thread of one [bm, bn] fragment
-
-    def k_slice(tile, s):
-        """Columns [32 s, 32 s + 32) of a [rows, 128] shared tile: one wgmma k-step."""
-        return tile[:, s * SCALE_BLOCK : (s + 1) * SCALE_BLOCK]
+    def sa_at(sa_tile, i, s):
+        return sa_tile[s, i] if cfg.sa_col_major else sa_tile[i, s]
 
     @T.macro
-    def promote(acc, part, sa_tile, sb_tile, s):
-        """acc += part * sa[row, s] * sb[col // 32, s] on CUDA cores (one FFMA per element)."""
-        for i, j in T.Parallel(bm, bn):
-            acc[i, j] += part[i, j] * (sa_tile[i, s] * sb_tile[j // 32, s])
+    def issue(a_tile, b_tile, part, s, h):
+        """part = a[:, slice s] @ b[chunk h, slice s]^T (an m64 x cn x k32 wgmma per warpgroup)."""
+        T.wgmma_gemm(
+            a_tile[:, s * SCALE_BLOCK : (s + 1) * SCALE_BLOCK],
+            b_tile[h * cn : (h + 1) * cn, s * SCALE_BLOCK : (s + 1) * SCALE_BLOCK],
+            part, transpose_B=True, clear_accum=True, policy=policy,
+        )  # fmt: skip
+
+    @T.macro
+    def promote(acc, part, sa_tile, sb_tile, s, h):
+        """acc[chunk h] += part * sa[row, s] * sb[col // 32, s] on CUDA cores (one FFMA each)."""
+        for i, j in T.Parallel(bm, cn):
+            acc[i, j] += part[i, j] * (sa_at(sa_tile, i, s) * sb_tile[(h * cn + j) // 32, s])
 
     @T.prim_func
     def fp8_gemm_kernel(
         A: T.Tensor((m, k), fp8),
-        SA: T.Tensor((m, kb_total), "float32"),
+        SA: T.Tensor(sa_shape, "float32"),
         B: T.Tensor((n, k), fp8),
         SB: T.Tensor((sb_rows, kb_total), "float32"),
         C: T.Tensor((m, n), out_dtype),
@@ -272,61 +393,55 @@ def build_kernel(n: int, k: int, out_dtype: str = "bfloat16", cfg: TileConfig = 
         with T.Kernel(T.ceildiv(n, bn), T.ceildiv(m, bm), threads=cfg.threads) as (bx, by):
             a_tile = T.alloc_shared((bm, bk), fp8)
             b_tile = T.alloc_shared((bn, bk), fp8)
-            sa_tile = T.alloc_shared((bm, SLICES), "float32")
-            sb_tile = T.alloc_shared((bn_blocks, SLICES), "float32")
+            sa_tile = T.alloc_shared(sa_tile_shape, "float32")
+            sb_tile = T.alloc_shared((cfg.sb_tile_rows, SLICES), "float32")
             c_tile = T.alloc_shared((bm, bn), out_dtype)
-            acc = T.alloc_fragment((bm, bn), "float32")
-            part0 = T.alloc_fragment((bm, bn), "float32")
-            parts = (part0,)
-            if cfg.overlap:
-                part1 = T.alloc_fragment((bm, bn), "float32")
-                parts = (part0, part1)
+            accs = tuple(T.alloc_fragment((bm, cn), "float32") for _ in range(cfg.n_split))
+            parts = tuple(
+                T.alloc_fragment((bm, cn), "float32") for _ in range(2 if cfg.overlap else 1)
+            )
 
             if cfg.swizzle_panel:
                 T.use_swizzle(panel_size=cfg.swizzle_panel)
-            T.clear(acc)
+            for acc in accs:
+                T.clear(acc)
             for kt in T.Pipelined(k // bk, num_stages=cfg.num_stages):
                 T.copy(A[by * bm, kt * bk], a_tile)
                 T.copy(B[bx * bn, kt * bk], b_tile)
-                T.copy(SA[by * bm, kt * SLICES], sa_tile)
+                if cfg.sa_col_major:
+                    T.copy(SA[kt * SLICES, by * bm], sa_tile)
+                else:
+                    T.copy(SA[by * bm, kt * SLICES], sa_tile)
                 T.copy(SB[bx * bn_blocks, kt * SLICES], sb_tile)
                 if cfg.overlap:
-                    T.wgmma_gemm(
-                        k_slice(a_tile, 0), k_slice(b_tile, 0), parts[0],
-                        transpose_B=True, clear_accum=True, policy=policy,
-                    )  # fmt: skip
-                    for s in slice_ids[1:-1]:
-                        # issue slice s, wait until only it is in flight, promote slice s-1
-                        T.wgmma_gemm(
-                            k_slice(a_tile, s), k_slice(b_tile, s), parts[s % 2],
-                            transpose_B=True, clear_accum=True, policy=policy,
-                        )  # fmt: skip
+                    # issue step t, wait until only it is in flight, promote step t-1 under it
+                    issue(a_tile, b_tile, parts[0], *steps[0])
+                    for t in tuple(range(1, len(steps))):
+                        issue(a_tile, b_tile, parts[t % 2], *steps[t])
                         T.wait_wgmma(1)
-                        T.warpgroup_fence_operand(parts[(s - 1) % 2], num_regs=frag_regs)
-                        promote(acc, parts[(s - 1) % 2], sa_tile, sb_tile, s - 1)
-                    T.wgmma_gemm(
-                        k_slice(a_tile, last), k_slice(b_tile, last), parts[last % 2],
-                        transpose_B=True, clear_accum=True, policy=policy,
-                    )  # fmt: skip
-                    T.wait_wgmma(1)
-                    T.warpgroup_fence_operand(parts[(last - 1) % 2], num_regs=frag_regs)
-                    promote(acc, parts[(last - 1) % 2], sa_tile, sb_tile, last - 1)
+                        T.warpgroup_fence_operand(parts[(t - 1) % 2], num_regs=frag_regs)
+                        s, h = steps[t - 1]
+                        promote(accs[h], parts[(t - 1) % 2], sa_tile, sb_tile, s, h)
                     T.wait_wgmma(0)
                     # TileLang hands a stage back to the producer right after the last statement
                     # that touches its buffers, and an issued wgmma still reads them: these two
                     # (empty) uses put the hand-back after the wait for every wgmma of the tile.
                     T.evaluate(T.address_of(a_tile[0, 0]))
                     T.evaluate(T.address_of(b_tile[0, 0]))
+                    last = len(steps) - 1
                     T.warpgroup_fence_operand(parts[last % 2], num_regs=frag_regs)
-                    promote(acc, parts[last % 2], sa_tile, sb_tile, last)
+                    s, h = steps[last]
+                    promote(accs[h], parts[last % 2], sa_tile, sb_tile, s, h)
                 else:
-                    for s in slice_ids:
+                    for s, h in steps:
                         T.gemm(
-                            k_slice(a_tile, s), k_slice(b_tile, s), parts[0],
-                            transpose_B=True, clear_accum=True, policy=policy,
+                            a_tile[:, s * SCALE_BLOCK : (s + 1) * SCALE_BLOCK],
+                            b_tile[h * cn : (h + 1) * cn, s * SCALE_BLOCK : (s + 1) * SCALE_BLOCK],
+                            parts[0], transpose_B=True, clear_accum=True, policy=policy,
                         )  # fmt: skip
-                        promote(acc, parts[0], sa_tile, sb_tile, s)
-            T.copy(acc, c_tile)
+                        promote(accs[h], parts[0], sa_tile, sb_tile, s, h)
+            for h in tuple(range(cfg.n_split)):
+                T.copy(accs[h], c_tile[:, h * cn : (h + 1) * cn])
             T.copy(c_tile, C[by * bm, bx * bn])
 
     return fp8_gemm_kernel
@@ -394,5 +509,24 @@ def fp8_gemm(
         return out
     sb = tma_ready(weight_scale_fp32(w_scale, n))
     kernel = compiled_kernel(n, k, OUT_DTYPES[out_dtype], cfg)
-    kernel(tma_ready(x_fp8), tma_ready(x_scale), tma_ready(w), sb, out)
+    sa = activation_scales(x_scale, cfg.sa_col_major)
+    kernel(tma_ready(x_fp8), sa, tma_ready(w), sb, out)
     return out
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    *,
+    batch_invariant: bool = False,
+    config: TileConfig | None = None,
+) -> torch.Tensor:
+    """x [..., K] float -> [..., N] x.dtype: per-32 FP8 activation quantisation (`ops`), then
+    `fp8_gemm` on w [N, K] e4m3 / w_scale [ceil(N/32), K/32]."""
+    from .. import ops
+
+    x2 = x.reshape(-1, x.shape[-1])
+    xq, xs = ops.act_quant_fp8(x2)
+    y = fp8_gemm(xq, xs, w, w_scale, x.dtype, batch_invariant=batch_invariant, config=config)
+    return y.reshape(*x.shape[:-1], w.shape[0])
