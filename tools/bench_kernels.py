@@ -562,6 +562,158 @@ def decode_rows(quick):
     return rows
 
 
+def decode3_rows():
+    """Third-pass candidates, graph replays only (the engine's decode), each checked against the
+    reference first: the dense decode GEMM at M = 1 / 2 / 4 / 16 / 64 (5120x8192 and 2112x7168)
+    with the scale-word, FP8-MMA and CUDA-core (`cuda_core`) kernels, and the MoE layer at
+    T = 1 / 16 / 64 / 256 with and without scale words. Rows: `dec3[...]`, `moe3[...]`."""
+    from deepinfer_kernels import quant
+    from deepinfer_kernels.ref import linear as ref_linear
+    from deepinfer_kernels.triton import gemv
+    from deepinfer_kernels.triton import linear as tl_linear
+    from deepinfer_kernels.triton import moe as tmoe
+
+    rows = []
+
+    def row(op, shape, ms, nbytes, torch_ms=float("nan")):
+        print(f"row {op:<34}{shape:<26}{ms:>9.4f} ms {nbytes / ms / 1e6:>7.0f} GB/s", flush=True)
+        rows.append(
+            dict(
+                op=op,
+                shape=shape,
+                ms=ms,
+                flops=0.0,
+                bytes=nbytes,
+                torch_ms=torch_ms,
+                mm_only_ms=float("nan"),
+            )
+        )
+
+    D = gemv.DecodeConfig
+    cands = {  # name: (config, the M it runs at)
+        "swap bytes s8": (D(split_k=8, scale_words=False), (1, 16, 64)),
+        "swap words s8": (D(split_k=8), (1, 16, 64)),
+        "swap words s4": (D(split_k=4), (1, 16, 64)),
+        "swap words s16": (D(split_k=16), (1, 16)),
+        "swap words st3 s8": (D(num_stages=3, split_k=8), (1, 16, 64)),
+        "swap words st6 s8": (D(num_stages=6, split_k=8), (1, 16)),
+        "fp8 words n64 st6 s8": (D(block_k=32, num_stages=6, split_k=8, mma_fp8=True), (1, 16, 64)),
+        "fp8 words n128 st6 s8": (
+            D(block_n=128, block_k=32, num_stages=6, split_k=8, mma_fp8=True),
+            (1, 16, 64),
+        ),
+        "gemv n16 c1024 w4": (D(cuda_core=True, block_n=16, block_k=1024), (1, 2, 4)),
+        "gemv n32 c1024 w4": (D(cuda_core=True, block_n=32, block_k=1024), (1, 2, 4)),
+        "gemv n32 c1024 w8": (D(cuda_core=True, block_n=32, block_k=1024, num_warps=8), (1, 4)),
+        "gemv n16 c512 w4": (D(cuda_core=True, block_n=16, block_k=512), (1, 4)),
+        "gemv n8 c1024 w2": (D(cuda_core=True, block_n=8, block_k=1024, num_warps=2), (1,)),
+        "gemv n32 c2048 w8": (D(cuda_core=True, block_n=32, block_k=2048, num_warps=8), (1,)),
+    }
+    for n, k in ((5120, 8192), (2112, 7168)):
+        wsets = []
+        for _ in range(max(2, min(6, (256 << 20) // (n * k)))):
+            wsets.append(quant.quantize_fp8_blocks(torch.randn(n, k, device="cuda") * 0.02))
+        nbytes = n * k + (n // 32 + 1) * (k // 32)
+        for m in (1, 2, 4, 16, 64):
+            if n != 5120 and m not in (1, 16):
+                continue
+            sets = []
+            for w, ws in wsets:
+                x = torch.randn(m, k, device="cuda").bfloat16()
+                xq, xs = quant.act_quant_fp8(x)
+                sets.append((xq, xs, w, ws))
+            shape = f"{m}x{n}x{k}"
+            want = ref_linear.fp8_gemm(*sets[0], torch.float32).double()
+            t_torch = _bench(
+                Rotating(
+                    lambda xq, xs, w, ws: (
+                        quant.act_dequant_fp8(xq, xs, torch.bfloat16)
+                        @ quant.dequantize_fp8_blocks(w, ws, torch.bfloat16).t()
+                    ),
+                    sets,
+                )
+            )
+            for inv in (False, True):
+
+                def fn(xq, xs, w, ws, inv=inv):
+                    return tl_linear.fp8_gemm(xq, xs, w, ws, torch.bfloat16, batch_invariant=inv)
+
+                try:
+                    label = f"dec3[default {'inv' if inv else 'auto'}]"
+                    row(label, shape, _bench_graphs(fn, sets), nbytes, t_torch)
+                except Exception as exc:
+                    print(f"dec3 default failed: {type(exc).__name__}: {str(exc)[:300]}")
+            for name, (cfg, ms_for) in cands.items():
+                if m not in ms_for or (n != 5120 and "s16" in name):
+                    continue
+                if not cfg.cuda_core:
+                    cfg = dataclasses.replace(cfg, block_m=16 if m <= 16 else 64)
+                try:
+                    got = gemv.decode_gemm(*sets[0], torch.float32, cfg).double()
+                    err = ((got - want).norm() / want.norm()).item()
+                    ms = _bench_graphs(
+                        lambda xq, xs, w, ws, cfg=cfg: gemv.decode_gemm(
+                            xq, xs, w, ws, torch.bfloat16, cfg
+                        ),
+                        sets,
+                    )
+                except Exception as exc:
+                    print(f"dec3 {name} failed: {type(exc).__name__}: {str(exc)[:300]}")
+                    continue
+                row(f"dec3[{name}{'' if err < 1e-3 else ' BAD'}]", shape, ms, nbytes, t_torch)
+        del wsets
+
+    limit = MOE_LIMIT
+    g = torch.Generator(device="cuda").manual_seed(0)
+    (w1, s1, w3, s3, w2, s2), per_expert = moe_layer_weights(g)
+    M = tmoe.MoeConfig
+    moe_cands = {
+        "default": None,
+        "mma bytes": dataclasses.replace(tmoe.DECODE, scale_words=False),
+        "mma words": dataclasses.replace(tmoe.DECODE, scale_words=True),
+        "mma words st3": dataclasses.replace(tmoe.DECODE, scale_words=True, stages=3),
+        "mma words n32": M(16, 32, 32, 4, 4, 4, False, 128, 2, scale_words=True),
+        "mma words n32/64": M(16, 32, 64, 4, 4, 4, False, 128, 2, scale_words=True),
+        "wg words": dataclasses.replace(tmoe.DECODE_WGMMA, scale_words=True),
+    }
+    for t in (1, 16, 64, 256):
+        sets = moe_routed_inputs(t, 8, g)
+        active = sum(int(torch.unique(st[2]).numel()) for st in sets) / len(sets)
+        nbytes = active * per_expert
+        shape = f"T={t}"
+        base = tmoe.moe_experts(*sets[0], w1, s1, w3, s3, w2, s2, limit).double()
+        for name, cfg in moe_cands.items():
+            for inv in (False, True) if cfg is None else (False,):
+                try:
+                    got = tmoe.moe_experts(
+                        *sets[0], w1, s1, w3, s3, w2, s2, limit, batch_invariant=inv, config=cfg
+                    ).double()
+                    err = ((got - base).norm() / base.norm()).item()
+                    ms = _bench_graphs(
+                        lambda x, tw, ids, cfg=cfg, inv=inv: tmoe.moe_experts(
+                            x,
+                            tw,
+                            ids,
+                            w1,
+                            s1,
+                            w3,
+                            s3,
+                            w2,
+                            s2,
+                            limit,
+                            batch_invariant=inv,
+                            config=cfg,
+                        ),
+                        sets,
+                    )
+                except Exception as exc:
+                    print(f"moe3 {name} failed: {type(exc).__name__}: {str(exc)[:300]}")
+                    continue
+                label = f"{name} inv" if inv else name
+                row(f"moe3[{label}{'' if err < 1e-2 else ' BAD'}]", shape, ms, nbytes)
+    return rows
+
+
 def _torch_gate(x, wg, bias, k, route_scale):
     s = torch.sqrt(F.softplus(x.float() @ wg.float().t()))
     ids = (s + bias).topk(k, dim=-1).indices
@@ -777,7 +929,8 @@ def main() -> None:
     ap.add_argument(
         "--only",
         default="gemm,moe,quant",
-        help="comma list of gemm, moe, quant, decode (decode GEMM/MoE rows + candidates), sweep, "
+        help="comma list of gemm, moe, quant, decode (decode GEMM/MoE rows + candidates), "
+        "decode3 (third-pass decode candidates, graph replays), sweep, "
         "probe, tilelang (the TileLang FP8 GEMM at prefill shapes)",
     )
     args = ap.parse_args()
@@ -810,6 +963,8 @@ def main() -> None:
         rows += moe_rows([1, 16, 64, 256, 8192], args.quick)
     if "decode" in parts:
         rows += decode_rows(args.quick)
+    if "decode3" in parts:
+        rows += decode3_rows()
     if "tilelang" in parts:
         rows += tilelang_rows(args.quick)
     if "sweep" in parts:

@@ -42,9 +42,14 @@ def rel(a, b) -> float:
 
 
 def inputs(m, n, k, seed):
+    """Activations with per-row magnitudes; a weight whose 32x32 blocks differ in magnitude by
+    up to 2**+-6, so that the weight scales differ from block to block (a kernel reading the wrong
+    scale shows)."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=gen) * torch.exp(torch.randn(m, 1, generator=gen))
-    w, ws = quant.quantize_fp8_blocks(torch.randn(n, k, generator=gen) * 0.02)
+    spread = torch.randint(-6, 7, (-(-n // 32), k // 32), generator=gen).float().exp2()
+    spread = spread.repeat_interleave(32, 0)[:n].repeat_interleave(32, 1)
+    w, ws = quant.quantize_fp8_blocks(torch.randn(n, k, generator=gen) * 0.02 * spread)
     xq, xs = quant.act_quant_fp8(x)
     return xq, xs, w, ws
 
@@ -55,10 +60,15 @@ CONFIGS = [
     gemv.DecodeConfig(block_m=16, block_n=32, block_k=64, split_k=2, fold=True),
     gemv.DecodeConfig(block_m=32, block_n=64, block_k=32, split_k=3),
     gemv.DecodeConfig(block_k=32, split_k=2, mma_fp8=True),
+    gemv.DecodeConfig(block_k=32, split_k=2, mma_fp8=True, scale_words=False),
+    gemv.DecodeConfig(block_k=64, split_k=1, scale_words=False),
+    gemv.DecodeConfig(block_k=64, split_k=2),
+    gemv.DecodeConfig(cuda_core=True, block_n=16, block_k=1024),
+    gemv.DecodeConfig(cuda_core=True, block_n=8, block_k=64, num_warps=2),
 ]
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=16, deadline=None)
 @given(
     m=st.sampled_from([1, 2, 3, 16, 17, 33]),
     n=st.sampled_from([1, 31, 32, 33, 64, 65, 96]),
@@ -71,6 +81,8 @@ def check_decode_gemm_against_float64(m, n, kb, ci, seed):
     cfg = CONFIGS[ci]
     if cfg.split_k and kb % cfg.split_k:
         cfg = dataclasses.replace(cfg, split_k=1)
+    if cfg.cuda_core and m > gemv.GEMV_MAX_M:
+        m = 1 + m % gemv.GEMV_MAX_M
     xq, xs, w, ws = inputs(m, n, k, seed)
     want = gemm_f64(xq, xs, w, ws)
     got = gemv.decode_gemm(xq, xs, w, ws, torch.float32, cfg)
@@ -81,6 +93,32 @@ def check_decode_gemm_against_float64(m, n, kb, ci, seed):
         assert torch.equal(gemv.decode_gemm(xa, xa, w, ws, torch.float32, cfg), got)
     got_f32_scale = gemv.decode_gemm(xq, xs, w, ws.float(), torch.bfloat16, cfg)
     assert got_f32_scale.dtype == torch.bfloat16 and rel(got_f32_scale, want) < 1e-2
+
+
+def check_scale_words_and_cuda_core():
+    """Every 4-group word alignment of the scale-word path (K/32 = 8, 12, 40; steps of 1, 2, 4
+    groups; splits starting mid-word), and the CUDA-core kernel's chunks (K = 1280 takes 256-wide
+    chunks, split 5), against float64; M = 0 and M above its limit."""
+    for m, n, k, bk, split in ((2, 65, 256, 32, 8), (1, 40, 384, 64, 3), (3, 96, 1280, 128, 5)):
+        xq, xs, w, ws = inputs(m, n, k, seed=k + bk)
+        want = gemm_f64(xq, xs, w, ws)
+        for words in (True, False):
+            cfg = gemv.DecodeConfig(block_k=bk, split_k=split, scale_words=words)
+            assert rel(gemv.decode_gemm(xq, xs, w, ws, torch.float32, cfg), want) < 1e-5
+        cc = gemv.DecodeConfig(cuda_core=True, block_n=32, block_k=1024)
+        got = gemv.decode_gemm(xq, xs, w, ws, torch.float32, cc)
+        assert rel(got, want) < 1e-5
+        xa = quant.act_dequant_fp8(xq, xs, torch.bfloat16)
+        assert rel(gemv.decode_gemm(xa, xa, w, ws, torch.float32, cc), want) < 1e-5
+    xq, xs, w, ws = inputs(0, 32, 64, seed=1)
+    cc = gemv.DecodeConfig(cuda_core=True, block_n=16)
+    assert gemv.decode_gemm(xq, xs, w, ws, torch.float32, cc).shape == (0, 32)
+    try:
+        gemv.decode_gemm(*inputs(gemv.GEMV_MAX_M + 1, 32, 64, 0), torch.float32, cc)
+    except ValueError as exc:
+        assert "cuda_core" in str(exc)
+    else:
+        raise AssertionError("cuda_core with M > GEMV_MAX_M was accepted")
 
 
 def check_splits_and_paths():
@@ -116,6 +154,8 @@ def check_splits_and_paths():
         ({"block_n": 64, "fold": True}, "block_n"),
         ({"block_k": 48}, "block_k"),
         ({"mma_fp8": True}, "mma_fp8"),
+        ({"cuda_core": True, "block_n": 64}, "cuda_core"),
+        ({"cuda_core": True, "block_n": 16, "block_k": 96}, "block_k"),
     ):
         try:
             gemv.DecodeConfig(**bad)
@@ -182,6 +222,7 @@ def check_fused_routing_against_loops(t, k, experts, block_m, neg, seed):
 
 if __name__ == "__main__":
     check_decode_gemm_against_float64()
+    check_scale_words_and_cuda_core()
     check_splits_and_paths()
     check_fused_routing_against_loops()
     print("interpreted decode checks passed")

@@ -4,6 +4,8 @@ invariance bitwise. Skipped without CUDA; on the H200: `pytest packages/deepinfe
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from deepinfer_kernels import quant
@@ -88,11 +90,15 @@ def test_swiglu_act_quant_close_to_ref(limit):
 
 
 def _gemm_inputs(m, n, k, seed):
+    """Activations with per-row magnitudes; weight blocks (32x32) whose magnitudes differ by up
+    to 2**+-6, so that their UE8M0 scales differ (a kernel reading a wrong scale shows)."""
     g = _gen(seed)
     x = torch.randn(m, k, device=DEV, generator=g) * torch.exp(
         torch.randn(m, 1, device=DEV, generator=g)
     )
-    w, ws = quant.quantize_fp8_blocks(torch.randn(n, k, device=DEV, generator=g) * 0.02)
+    spread = torch.randint(-6, 7, (-(-n // 32), k // 32), device=DEV, generator=g).float().exp2()
+    spread = spread.repeat_interleave(32, 0)[:n].repeat_interleave(32, 1)
+    w, ws = quant.quantize_fp8_blocks(torch.randn(n, k, device=DEV, generator=g) * 0.02 * spread)
     xq, xs = quant.act_quant_fp8(x)
     return xq, xs, w, ws
 
@@ -223,7 +229,18 @@ MOE_SHAPES = [
 @pytest.mark.parametrize(("t", "d", "i", "e", "k"), MOE_SHAPES)
 @pytest.mark.parametrize(
     "cfg_name",
-    ["auto", "DECODE", "DECODE_WGMMA", "PREFILL", "wg_k256_m1", "mma_k256_m2", "wg_k128_m2"],
+    [
+        "auto",
+        "DECODE",
+        "DECODE_WGMMA",
+        "PREFILL",
+        "wg_k256_m1",
+        "mma_k256_m2",
+        "wg_k128_m2",
+        "mma_words",
+        "wg_words",
+        "mma_words_n32",
+    ],
 )
 def test_moe_experts_close_to_ref(t, d, i, e, k, cfg_name):
     from deepinfer_kernels.triton import moe as tmoe
@@ -234,6 +251,9 @@ def test_moe_experts_close_to_ref(t, d, i, e, k, cfg_name):
         "wg_k256_m1": tmoe.MoeConfig(16, 64, 64, 4, 4, 4, True, 256, fp4_mode=1),
         "mma_k256_m2": tmoe.MoeConfig(16, 64, 64, 4, 4, 4, False, 256, fp4_mode=2),
         "wg_k128_m2": tmoe.MoeConfig(16, 64, 64, 4, 4, 4, True, 128, fp4_mode=2),
+        "mma_words": dataclasses.replace(tmoe.DECODE, scale_words=True),
+        "wg_words": dataclasses.replace(tmoe.DECODE_WGMMA, scale_words=True),
+        "mma_words_n32": tmoe.MoeConfig(16, 32, 32, 4, 4, 4, False, 128, 2, scale_words=True),
     }
     cfg = None if cfg_name == "auto" else extra.get(cfg_name) or getattr(tmoe, cfg_name)
     _poison()
@@ -254,7 +274,10 @@ def test_fp4_expansion_modes_bitwise():
         )
         for mode in (0, 1, 2)
     ]
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    words = tmoe.MoeConfig(16, 64, 64, 4, 4, 4, True, 128, fp4_mode=2, scale_words=True)
+    outs.append(tmoe.moe_experts(*args, 10.0, config=words))
+    for o in outs[1:]:
+        assert torch.equal(outs[0], o)
 
 
 def test_moe_experts_real_dims_decode():
@@ -348,18 +371,36 @@ DECODE_SHAPES = [(1, 5120, 8192), (3, 40, 64), (16, 2112, 7168), (17, 33, 320), 
 
 
 @pytest.mark.parametrize(("m", "n", "k"), DECODE_SHAPES)
-@pytest.mark.parametrize("cfg_name", ["auto", "swap64_s4", "fold_bk64_split2", "fp8_n128_s2"])
+@pytest.mark.parametrize(
+    "cfg_name",
+    [
+        "auto",
+        "swap64_s4",
+        "swap_bytes",
+        "fold_bk64_split2",
+        "fp8_n128_s2",
+        "fp8_bytes",
+        "gemv_n16",
+        "gemv_n32_c512",
+    ],
+)
 def test_decode_gemm_close_to_ref(m, n, k, cfg_name):
     from deepinfer_kernels.triton import gemv
 
     cfg = {
         "auto": None,
         "swap64_s4": gemv.DecodeConfig(block_m=64, split_k=4),
+        "swap_bytes": gemv.DecodeConfig(scale_words=False),
         "fold_bk64_split2": gemv.DecodeConfig(block_n=32, block_k=64, split_k=2, fold=True),
         "fp8_n128_s2": gemv.DecodeConfig(block_n=128, block_k=32, split_k=2, mma_fp8=True),
+        "fp8_bytes": gemv.DecodeConfig(block_k=32, mma_fp8=True, scale_words=False),
+        "gemv_n16": gemv.DecodeConfig(cuda_core=True, block_n=16, block_k=1024),
+        "gemv_n32_c512": gemv.DecodeConfig(cuda_core=True, block_n=32, block_k=512, num_warps=8),
     }[cfg_name]
     if cfg is not None and cfg.split_k and (k // 32) % cfg.split_k:
         pytest.skip("split must divide K/32")
+    if cfg is not None and cfg.cuda_core and m > gemv.GEMV_MAX_M:
+        pytest.skip(f"the CUDA-core kernel takes M <= {gemv.GEMV_MAX_M}")
     xq, xs, w, ws = _gemm_inputs(m, n, k, seed=m * 7 + n + k)
     want = ref_linear.fp8_gemm(xq, xs, w, ws, torch.float32)
     _poison()

@@ -54,13 +54,22 @@ class DecodeConfig:
     num_stages: int = 4
     fold: bool = False
     mma_fp8: bool = False  # FP8 tensor-core dots per 32-K group, promoted with both scales
+    scale_words: bool = True  # e8m0 weight scales read as int32 words (see `decode_gemm`)
+    cuda_core: bool = False  # `_gemv_kernel` (M <= GEMV_MAX_M): block_k is then the K chunk
 
     def __post_init__(self) -> None:
+        if self.cuda_core and (self.fold or self.mma_fp8 or 32 % self.block_n):
+            raise ValueError(
+                "DecodeConfig.cuda_core needs fold=False, mma_fp8=False and block_n dividing 32, "
+                f"got block_n={self.block_n}"
+            )
+        if self.cuda_core and self.block_k & (self.block_k - 1):
+            raise ValueError(f"DecodeConfig.block_k must be a power of two, got {self.block_k}")
         if self.mma_fp8 and (self.fold or self.block_k != 32):
             raise ValueError("DecodeConfig.mma_fp8 needs fold=False and block_k=32")
         if self.fold and self.block_n != 32:
             raise ValueError(f"DecodeConfig.block_n must be 32 with fold=True, got {self.block_n}")
-        if not self.fold and self.block_n % 32:
+        if not self.fold and not self.cuda_core and self.block_n % 32:
             raise ValueError(f"DecodeConfig.block_n must be a multiple of 32, got {self.block_n}")
         if self.block_k % 32 or self.block_k < 32:
             raise ValueError(f"DecodeConfig.block_k must be a multiple of 32, got {self.block_k}")
@@ -82,12 +91,30 @@ def decode_split(n: int, k: int, batch_invariant: bool = True) -> int:
     return s
 
 
+GEMV_MAX_M = 4
+"""Most activation rows `_gemv_kernel` takes (it does one FMA per weight value per row)."""
+
+
 def pick_block_k(chunk: int, want: int) -> int:
     """The largest of want, want/2, ..., 32 that divides the K chunk (K steps then need no mask)."""
     bk = want
     while chunk % bk:
         bk //= 2
     return bk
+
+
+@triton.jit
+def _weight_scales(row_ptrs, g, offs_g, WORDS: tl.constexpr, E8M0: tl.constexpr):
+    """fp32 scales [rows, KG] of groups g .. g + KG - 1 (offs_g = arange(KG)) from per-row
+    pointers to the scale row: int32 words of 4 UE8M0 bytes (WORDS; KG divides 4 and g is a
+    multiple of KG), else one byte (E8M0) or fp32 per group."""
+    if WORDS:
+        word = tl.load(row_ptrs + g // 4)
+        return e8m0_to_fp32((word[:, None] >> (8 * (g % 4 + offs_g))[None, :]) & 0xFF)
+    v = tl.load(row_ptrs[:, None] + (g + offs_g)[None, :])
+    if E8M0:
+        v = e8m0_to_fp32(v)
+    return v
 
 
 @triton.jit(do_not_specialize=["M"])  # one compile for every M
@@ -108,6 +135,7 @@ def _decode_gemm_kernel(
     stride_cm,
     A_BF16: tl.constexpr,
     WS_E8M0: tl.constexpr,
+    WS_WORDS: tl.constexpr,
     FOLD: tl.constexpr,
     MMA_FP8: tl.constexpr,
     F32_MATH: tl.constexpr,
@@ -118,11 +146,14 @@ def _decode_gemm_kernel(
     """c[s, m, n] = sum over K slice s of x_hat[m, k] * w_hat[n, k] (fp32, one wgmma chain).
 
     a: x_fp8 [M, K] e4m3 with as [M, K/32] fp32 scales, or (A_BF16) x_hat [M, K] bf16 already
-    expanded. w [N, K] e4m3 with ws [ceil(N/32), K/32] (e8m0 bytes or fp32). k_chunk is a
-    multiple of BLOCK_K and the K slices tile K exactly, so no load is masked along K. Grid
-    (M tiles, N tiles, splits): the M tiles of one weight tile are adjacent, so extra M tiles hit
-    L2. F32_MATH (CPU tensors: only the Triton interpreter runs those) computes the same exact
-    values in fp32 (the interpreter's bf16 arithmetic is wrong).
+    expanded. w [N, K] e4m3 with ws [ceil(N/32), K/32] (e8m0 bytes or fp32), or (WS_WORDS) the
+    e8m0 bytes as int32 words [ceil(N/32), K/128] (4 groups each, lowest byte first), so that the
+    scale load of a step is a 4-byte load the pipeliner makes asynchronous (cp.async needs >= 4
+    bytes; a 1-byte scale load is synchronous and puts a memory latency into every step).
+    k_chunk is a multiple of BLOCK_K and the K slices tile K exactly, so no load is masked along
+    K. Grid (M tiles, N tiles, splits): the M tiles of one weight tile are adjacent, so extra M
+    tiles hit L2. F32_MATH (CPU tensors: only the Triton interpreter runs those) computes the same
+    exact values in fp32 (the interpreter's bf16 arithmetic is wrong).
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -143,24 +174,38 @@ def _decode_gemm_kernel(
     if FOLD:  # one scale row per program: a [BLOCK_K] vector of per-column scales
         ws_ptrs = ws_ptr + (pid_n * BLOCK_N // 32) * stride_wsn + (k_begin + offs_k) // 32
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    elif WS_WORDS or MMA_FP8:  # a row's scale row (words or per-group), see `_weight_scales`
+        ws_ptrs = ws_ptr + (rows_w // 32) * stride_wsn
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         ws_ptrs = ws_ptr + (rows_w // 32)[:, None] * stride_wsn + (k_begin // 32 + offs_g)[None, :]
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    g0 = k_begin // 32
     for _ in range(0, k_chunk, BLOCK_K):
         w = tl.load(w_ptrs)
         a = tl.load(a_ptrs)
-        sw = tl.load(ws_ptrs)
-        if WS_E8M0:
-            sw = e8m0_to_fp32(sw)
+        if MMA_FP8:
+            # the scales multiply the dot's result (no dot operand): Triton leaves these loads
+            # synchronous (a hand-made prefetch two steps ahead made it drop cp.async for the
+            # weight too, SASS sm_90)
+            sw = _weight_scales(ws_ptrs, g0, offs_g, WS_WORDS, WS_E8M0)
+            sa = tl.reshape(tl.load(as_ptrs), (BLOCK_M,))
+            g0 += 1
+        elif WS_WORDS:
+            sw = _weight_scales(ws_ptrs, g0, offs_g, True, True)
+            g0 += KG
+        else:
+            sw = tl.load(ws_ptrs)
+            if WS_E8M0:
+                sw = e8m0_to_fp32(sw)
         if MMA_FP8:
             # one K=32 scale group: an FP8 tensor-core dot (exact products, fp32 sum), promoted
             # into the fp32 accumulator with the weight row's and the activation row's scales
-            sa = tl.load(as_ptrs)
             if F32_MATH:
                 part = tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)), input_precision="ieee")
             else:
                 part = tl.dot(w, tl.trans(a))
-            scale = tl.reshape(sw, (BLOCK_N,))[:, None] * tl.reshape(sa, (BLOCK_M,))[None, :]
+            scale = tl.reshape(sw, (BLOCK_N,))[:, None] * sa[None, :]
             acc += part * scale
         else:
             # x_hat = x_fp8 * 2**e, exact in bf16 (the same expansion as the prefill kernel)
@@ -179,12 +224,76 @@ def _decode_gemm_kernel(
         a_ptrs += BLOCK_K
         as_ptrs += KG
         w_ptrs += BLOCK_K
-        ws_ptrs += KG
+        if not WS_WORDS and not MMA_FP8:
+            ws_ptrs += KG
     if not FOLD:
         acc = tl.trans(acc)
     c_ptrs = c_ptr + pid_s * stride_cs + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
     cmask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=cmask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemv_kernel(
+    a_ptr,
+    as_ptr,
+    w_ptr,
+    ws_ptr,
+    c_ptr,
+    M,
+    N,
+    stride_am,
+    stride_asm,
+    stride_wn,
+    stride_wsn,
+    stride_cs,
+    stride_cm,
+    A_BF16: tl.constexpr,
+    WS_E8M0: tl.constexpr,
+    ROWS_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """CUDA-core GEMV: c[s, m, n] = sum over the K chunk s of x_hat[m, k] * w_hat[n, k], fp32 FMA.
+
+    One program: BLOCK_N weight rows (inside one 32-row scale block) x CHUNK columns of K, loaded
+    in one piece (no K loop: every load is issued before the first use, so a program keeps its
+    whole tile in flight, and there is no barrier or pipeline wait). The weight scale folds into
+    the activation: x_eff[m, k] = x_fp8[m, k] * (x_scale[m, k/32] * w_scale[n/32, k/32]) is exact
+    in fp32 (4 significant bits times a power of two), as is x_eff * w_fp8 (8 bits), so every
+    product is the reference's exact product; fp32 sums in a fixed order per (N, K, CHUNK).
+    ROWS_M activation rows (M <= ROWS_M, a small constant) each reuse the converted weight tile.
+    Per weight byte: e4m3x2 -> f16x2 (0.5), f16 -> f32 (1), one FMA per activation row.
+    """
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_w = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+    G: tl.constexpr = CHUNK // 32
+    k_begin = pid_s * CHUNK
+    offs_g = tl.arange(0, G)
+    # [G, 32] offsets of the chunk: the 32 columns of a scale group along the last axis, so the
+    # scales apply to per-group partial sums (3D tiles keep every operand in one layout family)
+    offs_gk = offs_g[:, None] * 32 + tl.arange(0, 32)[None, :]
+    w = tl.load(w_ptr + rows_w[:, None, None] * stride_wn + (k_begin + offs_gk)[None, :, :])
+    sw = tl.load(ws_ptr + (pid_n * BLOCK_N // 32) * stride_wsn + k_begin // 32 + offs_g)
+    if WS_E8M0:
+        sw = e8m0_to_fp32(sw)
+    wf = w.to(tl.float32)
+    cmask = offs_n < N
+    for m in tl.static_range(ROWS_M):
+        ok = m < M
+        mrow = tl.where(ok, m, 0).to(tl.int64)
+        x = tl.load(a_ptr + mrow * stride_am + k_begin + offs_gk).to(tl.float32)
+        s = sw
+        if not A_BF16:
+            s = tl.load(as_ptr + mrow * stride_asm + k_begin // 32 + offs_g) * sw
+        # exact products, fp32 sums per 32-column group, then the group's power-of-two scale
+        # (exact) and the sum over groups
+        part = tl.sum(wf * x[None, :, :], axis=2)
+        acc = tl.sum(part * s[None, :], axis=1)
+        c_ptrs = c_ptr + pid_s * stride_cs + mrow * stride_cm + offs_n
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=cmask & ok)
 
 
 @triton.jit
@@ -211,6 +320,53 @@ def sum_splits(partials: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
+def _gemv(x, x_scale, w, w_scale, out_dtype, cfg: DecodeConfig) -> torch.Tensor:
+    """`decode_gemm` on `_gemv_kernel`: K cut into chunks of the largest power of two <= block_k
+    that divides K (a function of K alone), one program per (block_n rows, chunk)."""
+    m, k = x.shape
+    n = w.shape[0]
+    if m > GEMV_MAX_M:
+        raise ValueError(f"decode_gemm: DecodeConfig.cuda_core takes M <= {GEMV_MAX_M}, got {m}")
+    chunk = pick_block_k(k, cfg.block_k)
+    split = k // chunk
+    a_bf16 = x.dtype == torch.bfloat16
+    x, w = x.contiguous(), w.contiguous()
+    xs = x if a_bf16 else x_scale.contiguous()
+    e8m0 = w_scale.dtype == torch.float8_e8m0fnu
+    ws = (w_scale.view(torch.uint8) if e8m0 else w_scale.float()).contiguous()
+    if m == 0:
+        return torch.empty(0, n, dtype=out_dtype, device=x.device)
+    if split > 1:
+        c = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    else:
+        c = torch.empty(1, m, n, dtype=out_dtype, device=x.device)
+    _gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](
+        x,
+        xs,
+        w,
+        ws,
+        c,
+        m,
+        n,
+        x.stride(0),
+        xs.stride(0),
+        w.stride(0),
+        ws.stride(0),
+        c.stride(0),
+        c.stride(1),
+        A_BF16=a_bf16,
+        WS_E8M0=e8m0,
+        ROWS_M=m,
+        BLOCK_N=cfg.block_n,
+        CHUNK=chunk,
+        num_warps=cfg.num_warps,
+        num_stages=1,
+    )
+    if split > 1:
+        return sum_splits(c, out_dtype)
+    return c[0]
+
+
 def decode_gemm(
     x: torch.Tensor,
     x_scale: torch.Tensor,
@@ -230,6 +386,8 @@ def decode_gemm(
     n = w.shape[0]
     if k % 32:
         raise ValueError(f"decode_gemm: K must be a multiple of 32, got {k}")
+    if cfg.cuda_core:
+        return _gemv(x, x_scale, w, w_scale, out_dtype, cfg)
     split = cfg.split_k or decode_split(n, k)
     if (k // 32) % split:
         raise ValueError(f"decode_gemm: split_k={split} must divide K/32={k // 32}")
@@ -242,6 +400,18 @@ def decode_gemm(
     xs = x if a_bf16 else x_scale.contiguous()
     e8m0 = w_scale.dtype == torch.float8_e8m0fnu
     ws = (w_scale.view(torch.uint8) if e8m0 else w_scale.float()).contiguous()
+    # the scale bytes as int32 words (4 K groups each) when rows hold whole words and a step's
+    # groups never straddle two words (KG divides 4, steps start on multiples of KG)
+    words = (
+        cfg.scale_words
+        and e8m0
+        and not cfg.fold
+        and (k // 32) % 4 == 0
+        and bk <= 128
+        and ws.storage_offset() % 4 == 0
+    )
+    if words:
+        ws = ws.view(torch.int32)
     if m == 0:
         return torch.empty(0, n, dtype=out_dtype, device=x.device)
     if split > 1:
@@ -266,6 +436,7 @@ def decode_gemm(
         c.stride(1),
         A_BF16=a_bf16,
         WS_E8M0=e8m0,
+        WS_WORDS=words,
         FOLD=cfg.fold,
         MMA_FP8=cfg.mma_fp8,
         F32_MATH=x.device.type == "cpu",

@@ -173,6 +173,7 @@ class MoeConfig:
     swap_ab: bool = False
     block_k: int = 32  # K per step (falls back to 32 where D or I is not a multiple)
     fp4_mode: int = 0  # FP4 expansion: 0 fp16 trick, 1 bits into bf16, 2 packed PTX (fp4_expand)
+    scale_words: bool = False  # UE8M0 scales read as int32 words (4 groups; needs block_k 128)
 
 
 DECODE = MoeConfig(16, 64, 64, 4, 4, 4, swap_ab=False, block_k=128, fp4_mode=2)
@@ -372,6 +373,18 @@ def build_routing(
 
 
 @triton.jit
+def _scale_bytes(s_ptrs, offs_g, WORDS: tl.constexpr):
+    """The UE8M0 scale bytes [rows, KG] of one K step: from per-row pointers to one int32 word of
+    4 bytes, lowest first (WORDS, KG == 4), or from [rows, KG] byte pointers. The word is a 4-byte
+    load, which the pipeliner turns into cp.async; a 1- or 2-byte load stays synchronous and puts
+    a memory latency into every K step."""
+    v = tl.load(s_ptrs)
+    if WORDS:
+        v = (v[:, None] >> (8 * offs_g)[None, :]) & 0xFF
+    return v
+
+
+@triton.jit
 def _tile_rows(tiles_ptr, BLOCK_M: tl.constexpr):
     """This program's tile of sorted rows (tiles: [n, 3] int32 (expert, first row, end row)):
     (first row, rows [BLOCK_M], mask of the rows before the end)."""
@@ -407,6 +420,7 @@ def _w13_kernel(
     BLOCK_K: tl.constexpr,
     SWAP_AB: tl.constexpr,
     FP4_MODE: tl.constexpr,
+    S_WORDS: tl.constexpr,
 ):
     """Rows of one expert's tile: gate/up = x_hat W1^T, x_hat W3^T (x_hat: bf16-expanded FP8 x,
     gathered by token), then h = swiglu(gate, up) * weight, quantised per 32 to FP8 and written
@@ -428,7 +442,10 @@ def _w13_kernel(
     w_off = ex * stride_we + ncl[:, None] * stride_wn + offs_p[None, :]
     w1_ptrs = w1_ptr + w_off
     w3_ptrs = w3_ptr + w_off
-    s_off = ex * stride_se + ncl[:, None] * stride_sn + offs_g[None, :]
+    if S_WORDS:  # one int32 word (the step's 4 scale bytes) per weight row
+        s_off = ex * stride_se + ncl * stride_sn
+    else:
+        s_off = ex * stride_se + ncl[:, None] * stride_sn + offs_g[None, :]
     s1_ptrs = s1_ptr + s_off
     s3_ptrs = s3_ptr + s_off
     if SWAP_AB:  # weight rows fill the MMA's M: few tokens per expert (decode)
@@ -440,8 +457,12 @@ def _w13_kernel(
     # D is a multiple of BLOCK_K (checked on the host): no masks in the loop
     for _ in range(0, D, BLOCK_K):
         a16 = tl.load(a_ptrs)
-        b1 = fp4_expand(tl.load(w1_ptrs), tl.load(s1_ptrs), BLOCK_N, BLOCK_K, FP4_MODE)
-        b3 = fp4_expand(tl.load(w3_ptrs), tl.load(s3_ptrs), BLOCK_N, BLOCK_K, FP4_MODE)
+        b1 = fp4_expand(
+            tl.load(w1_ptrs), _scale_bytes(s1_ptrs, offs_g, S_WORDS), BLOCK_N, BLOCK_K, FP4_MODE
+        )
+        b3 = fp4_expand(
+            tl.load(w3_ptrs), _scale_bytes(s3_ptrs, offs_g, S_WORDS), BLOCK_N, BLOCK_K, FP4_MODE
+        )
         if SWAP_AB:
             acc_g = tl.dot(b1, tl.trans(a16), acc_g)
             acc_u = tl.dot(b3, tl.trans(a16), acc_u)
@@ -451,8 +472,8 @@ def _w13_kernel(
         a_ptrs += BLOCK_K
         w1_ptrs += BLOCK_K // PACK
         w3_ptrs += BLOCK_K // PACK
-        s1_ptrs += KG
-        s3_ptrs += KG
+        s1_ptrs += 1 if S_WORDS else KG
+        s3_ptrs += 1 if S_WORDS else KG
     if SWAP_AB:
         acc_g = tl.trans(acc_g)
         acc_u = tl.trans(acc_u)
@@ -486,6 +507,7 @@ def _w2_kernel(
     BLOCK_K: tl.constexpr,
     SWAP_AB: tl.constexpr,
     FP4_MODE: tl.constexpr,
+    S_WORDS: tl.constexpr,
 ):
     """y = h_hat W2^T for one expert's tile of sorted rows, rounded to y's dtype."""
     expert = tl.load(tiles_ptr + tl.program_id(0) * 3)
@@ -503,21 +525,27 @@ def _w2_kernel(
     w_ptrs = (
         w2_ptr + ex * stride_we + ncl[:, None] * stride_wn + tl.arange(0, BLOCK_K // PACK)[None, :]
     )
-    s_ptrs = s2_ptr + ex * stride_se + ncl[:, None] * stride_sn + tl.arange(0, KG)[None, :]
+    offs_g = tl.arange(0, KG)
+    if S_WORDS:
+        s_ptrs = s2_ptr + ex * stride_se + ncl * stride_sn
+    else:
+        s_ptrs = s2_ptr + ex * stride_se + ncl[:, None] * stride_sn + offs_g[None, :]
     if SWAP_AB:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for _ in range(0, I, BLOCK_K):
         a16 = tl.load(a_ptrs)
-        b16 = fp4_expand(tl.load(w_ptrs), tl.load(s_ptrs), BLOCK_N, BLOCK_K, FP4_MODE)
+        b16 = fp4_expand(
+            tl.load(w_ptrs), _scale_bytes(s_ptrs, offs_g, S_WORDS), BLOCK_N, BLOCK_K, FP4_MODE
+        )
         if SWAP_AB:  # noqa: SIM108 (a Triton constexpr branch)
             acc = tl.dot(b16, tl.trans(a16), acc)
         else:
             acc = tl.dot(a16, tl.trans(b16), acc)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K // PACK
-        s_ptrs += KG
+        s_ptrs += 1 if S_WORDS else KG
     if SWAP_AB:
         acc = tl.trans(acc)
     omask = rmask[:, None] & (offs_n < D)[None, :]
@@ -535,6 +563,12 @@ def _combine_kernel(y_ptr, pos_ptr, out_ptr, D, P, TOPK: tl.constexpr, BLOCK: tl
         y = tl.load(y_ptr + p.to(tl.int64) * D + cols, mask=cmask & (p < P), other=0.0)
         acc += y.to(tl.float32)
     tl.store(out_ptr + t * D + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
+
+
+def _word_aligned(*scales: torch.Tensor) -> bool:
+    """Whether the byte tensors can be read as int32 words (storage offset on a 4-byte boundary;
+    rows of whole words follow from a 128-wide K step)."""
+    return all(s.storage_offset() % 4 == 0 for s in scales)
 
 
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -577,6 +611,13 @@ def moe_experts(
     s1u, s3u, s2u = (s.contiguous().view(torch.uint8) for s in (s1, s3, s2))
     bk1 = cfg.block_k if d % cfg.block_k == 0 else 32
     bk2 = cfg.block_k if i % cfg.block_k == 0 else 32
+    # scales as int32 words: one word is exactly one 128-wide K step's 4 groups
+    words1 = cfg.scale_words and bk1 == 128 and _word_aligned(s1u, s3u)
+    words2 = cfg.scale_words and bk2 == 128 and _word_aligned(s2u)
+    if words1:
+        s1u, s3u = s1u.view(torch.int32), s3u.view(torch.int32)
+    if words2:
+        s2u = s2u.view(torch.int32)
     n_tiles = route.tiles.shape[0]
     _w13_kernel[(n_tiles, triton.cdiv(i, cfg.block_n1))](
         xa,
@@ -603,6 +644,7 @@ def moe_experts(
         BLOCK_K=bk1,
         SWAP_AB=cfg.swap_ab,
         FP4_MODE=cfg.fp4_mode,
+        S_WORDS=words1,
         num_warps=cfg.warps1,
         num_stages=cfg.stages,
     )
@@ -623,6 +665,7 @@ def moe_experts(
         BLOCK_K=bk2,
         SWAP_AB=cfg.swap_ab,
         FP4_MODE=cfg.fp4_mode,
+        S_WORDS=words2,
         num_warps=cfg.warps2,
         num_stages=cfg.stages,
     )
