@@ -590,110 +590,92 @@ def decode3_rows():
         )
 
     D = gemv.DecodeConfig
-    cands = {  # name: (config, the M it runs at)
+    cands = {  # name: (config, the M it runs at); the default rows come first
         "swap bytes s8": (D(split_k=8, scale_words=False), (1, 16, 64)),
-        "swap words s8": (D(split_k=8), (1, 16, 64)),
         "swap words s4": (D(split_k=4), (1, 16, 64)),
-        "swap words s16": (D(split_k=16), (1, 16)),
-        "swap words st3 s8": (D(num_stages=3, split_k=8), (1, 16, 64)),
-        "swap words st6 s8": (D(num_stages=6, split_k=8), (1, 16)),
+        "swap words st3 s8": (D(num_stages=3, split_k=8), (1, 16)),
         "fp8 words n64 st6 s8": (D(block_k=32, num_stages=6, split_k=8, mma_fp8=True), (1, 16, 64)),
-        "fp8 words n128 st6 s8": (
-            D(block_n=128, block_k=32, num_stages=6, split_k=8, mma_fp8=True),
-            (1, 16, 64),
-        ),
         "gemv n16 c1024 w4": (D(cuda_core=True, block_n=16, block_k=1024), (1, 2, 4)),
-        "gemv n32 c1024 w4": (D(cuda_core=True, block_n=32, block_k=1024), (1, 2, 4)),
-        "gemv n32 c1024 w8": (D(cuda_core=True, block_n=32, block_k=1024, num_warps=8), (1, 4)),
-        "gemv n16 c512 w4": (D(cuda_core=True, block_n=16, block_k=512), (1, 4)),
-        "gemv n8 c1024 w2": (D(cuda_core=True, block_n=8, block_k=1024, num_warps=2), (1,)),
-        "gemv n32 c2048 w8": (D(cuda_core=True, block_n=32, block_k=2048, num_warps=8), (1,)),
+        "gemv n32 c1024 w4": (D(cuda_core=True, block_n=32, block_k=1024), (1, 4)),
+        "gemv n32 c1024 w8": (D(cuda_core=True, block_n=32, block_k=1024, num_warps=8), (1,)),
+        "gemv n16 c512 w4": (D(cuda_core=True, block_n=16, block_k=512), (1,)),
     }
-    for n, k in ((5120, 8192), (2112, 7168)):
-        wsets = []
-        for _ in range(max(2, min(6, (256 << 20) // (n * k)))):
-            wsets.append(quant.quantize_fp8_blocks(torch.randn(n, k, device="cuda") * 0.02))
+    weights = {}
+
+    def dense(n, k, m):
+        if (n, k) not in weights:
+            weights.clear()
+            weights[(n, k)] = [
+                quant.quantize_fp8_blocks(torch.randn(n, k, device="cuda") * 0.02)
+                for _ in range(max(2, min(6, (256 << 20) // (n * k))))
+            ]
         nbytes = n * k + (n // 32 + 1) * (k // 32)
-        for m in (1, 2, 4, 16, 64):
-            if n != 5120 and m not in (1, 16):
+        sets = []
+        for w, ws in weights[(n, k)]:
+            xq, xs = quant.act_quant_fp8(torch.randn(m, k, device="cuda").bfloat16())
+            sets.append((xq, xs, w, ws))
+        shape = f"{m}x{n}x{k}"
+        want = ref_linear.fp8_gemm(*sets[0], torch.float32).double()
+        t_torch = _bench(
+            Rotating(
+                lambda xq, xs, w, ws: (
+                    quant.act_dequant_fp8(xq, xs, torch.bfloat16)
+                    @ quant.dequantize_fp8_blocks(w, ws, torch.bfloat16).t()
+                ),
+                sets,
+            )
+        )
+        for inv in (False, True):
+
+            def fn(xq, xs, w, ws, inv=inv):
+                return tl_linear.fp8_gemm(xq, xs, w, ws, torch.bfloat16, batch_invariant=inv)
+
+            try:
+                label = f"dec3[default {'inv' if inv else 'auto'}]"
+                row(label, shape, _bench_graphs(fn, sets), nbytes, t_torch)
+            except Exception as exc:
+                print(f"dec3 default failed: {type(exc).__name__}: {str(exc)[:300]}")
+        for name, (cfg, ms_for) in cands.items():
+            if m not in ms_for or (n != 5120 and not name.startswith("gemv n16 c1024")):
                 continue
-            sets = []
-            for w, ws in wsets:
-                x = torch.randn(m, k, device="cuda").bfloat16()
-                xq, xs = quant.act_quant_fp8(x)
-                sets.append((xq, xs, w, ws))
-            shape = f"{m}x{n}x{k}"
-            want = ref_linear.fp8_gemm(*sets[0], torch.float32).double()
-            t_torch = _bench(
-                Rotating(
-                    lambda xq, xs, w, ws: (
-                        quant.act_dequant_fp8(xq, xs, torch.bfloat16)
-                        @ quant.dequantize_fp8_blocks(w, ws, torch.bfloat16).t()
+            if not cfg.cuda_core:
+                cfg = dataclasses.replace(cfg, block_m=16 if m <= 16 else 64)
+            try:
+                got = gemv.decode_gemm(*sets[0], torch.float32, cfg).double()
+                err = ((got - want).norm() / want.norm()).item()
+                ms = _bench_graphs(
+                    lambda xq, xs, w, ws, cfg=cfg: gemv.decode_gemm(
+                        xq, xs, w, ws, torch.bfloat16, cfg
                     ),
                     sets,
                 )
-            )
-            for inv in (False, True):
+            except Exception as exc:
+                print(f"dec3 {name} failed: {type(exc).__name__}: {str(exc)[:300]}")
+                continue
+            row(f"dec3[{name}{'' if err < 1e-3 else ' BAD'}]", shape, ms, nbytes, t_torch)
 
-                def fn(xq, xs, w, ws, inv=inv):
-                    return tl_linear.fp8_gemm(xq, xs, w, ws, torch.bfloat16, batch_invariant=inv)
-
-                try:
-                    label = f"dec3[default {'inv' if inv else 'auto'}]"
-                    row(label, shape, _bench_graphs(fn, sets), nbytes, t_torch)
-                except Exception as exc:
-                    print(f"dec3 default failed: {type(exc).__name__}: {str(exc)[:300]}")
-            for name, (cfg, ms_for) in cands.items():
-                if m not in ms_for or (n != 5120 and "s16" in name):
-                    continue
-                if not cfg.cuda_core:
-                    cfg = dataclasses.replace(cfg, block_m=16 if m <= 16 else 64)
-                try:
-                    got = gemv.decode_gemm(*sets[0], torch.float32, cfg).double()
-                    err = ((got - want).norm() / want.norm()).item()
-                    ms = _bench_graphs(
-                        lambda xq, xs, w, ws, cfg=cfg: gemv.decode_gemm(
-                            xq, xs, w, ws, torch.bfloat16, cfg
-                        ),
-                        sets,
-                    )
-                except Exception as exc:
-                    print(f"dec3 {name} failed: {type(exc).__name__}: {str(exc)[:300]}")
-                    continue
-                row(f"dec3[{name}{'' if err < 1e-3 else ' BAD'}]", shape, ms, nbytes, t_torch)
-        del wsets
-
-    limit = MOE_LIMIT
-    g = torch.Generator(device="cuda").manual_seed(0)
-    (w1, s1, w3, s3, w2, s2), per_expert = moe_layer_weights(g)
-    M = tmoe.MoeConfig
-    moe_cands = {
-        "default": None,
-        "mma bytes": dataclasses.replace(tmoe.DECODE, scale_words=False),
-        "mma words": dataclasses.replace(tmoe.DECODE, scale_words=True),
-        "mma words st3": dataclasses.replace(tmoe.DECODE, scale_words=True, stages=3),
-        "mma words n32": M(16, 32, 32, 4, 4, 4, False, 128, 2, scale_words=True),
-        "mma words n32/64": M(16, 32, 64, 4, 4, 4, False, 128, 2, scale_words=True),
-        "wg words": dataclasses.replace(tmoe.DECODE_WGMMA, scale_words=True),
-    }
-    for t in (1, 16, 64, 256):
-        sets = moe_routed_inputs(t, 8, g)
-        active = sum(int(torch.unique(st[2]).numel()) for st in sets) / len(sets)
-        nbytes = active * per_expert
-        shape = f"T={t}"
-        base = tmoe.moe_experts(*sets[0], w1, s1, w3, s3, w2, s2, limit).double()
-        for name, cfg in moe_cands.items():
-            for inv in (False, True) if cfg is None else (False,):
-                try:
-                    got = tmoe.moe_experts(
-                        *sets[0], w1, s1, w3, s3, w2, s2, limit, batch_invariant=inv, config=cfg
-                    ).double()
-                    err = ((got - base).norm() / base.norm()).item()
-                    ms = _bench_graphs(
-                        lambda x, tw, ids, cfg=cfg, inv=inv: tmoe.moe_experts(
-                            x,
-                            tw,
-                            ids,
+    def moe():
+        limit = MOE_LIMIT
+        g = torch.Generator(device="cuda").manual_seed(0)
+        (w1, s1, w3, s3, w2, s2), per_expert = moe_layer_weights(g)
+        M = tmoe.MoeConfig
+        moe_cands = {
+            "default": None,
+            "mma words": dataclasses.replace(tmoe.DECODE, scale_words=True),
+            "mma words n32": M(16, 32, 32, 4, 4, 4, False, 128, 2, scale_words=True),
+            "mma words n32/64": M(16, 32, 64, 4, 4, 4, False, 128, 2, scale_words=True),
+            "wg words": dataclasses.replace(tmoe.DECODE_WGMMA, scale_words=True),
+        }
+        for t in (1, 16, 64, 256):
+            sets = moe_routed_inputs(t, 8, g)
+            active = sum(int(torch.unique(st[2]).numel()) for st in sets) / len(sets)
+            nbytes = active * per_expert
+            base = tmoe.moe_experts(*sets[0], w1, s1, w3, s3, w2, s2, limit).double()
+            for name, cfg in moe_cands.items():
+                for inv in (False, True) if cfg is None else (False,):
+                    try:
+                        got = tmoe.moe_experts(
+                            *sets[0],
                             w1,
                             s1,
                             w3,
@@ -703,14 +685,38 @@ def decode3_rows():
                             limit,
                             batch_invariant=inv,
                             config=cfg,
-                        ),
-                        sets,
-                    )
-                except Exception as exc:
-                    print(f"moe3 {name} failed: {type(exc).__name__}: {str(exc)[:300]}")
-                    continue
-                label = f"{name} inv" if inv else name
-                row(f"moe3[{label}{'' if err < 1e-2 else ' BAD'}]", shape, ms, nbytes)
+                        ).double()
+                        err = ((got - base).norm() / base.norm()).item()
+                        ms = _bench_graphs(
+                            lambda x, tw, ids, cfg=cfg, inv=inv: tmoe.moe_experts(
+                                x,
+                                tw,
+                                ids,
+                                w1,
+                                s1,
+                                w3,
+                                s3,
+                                w2,
+                                s2,
+                                limit,
+                                batch_invariant=inv,
+                                config=cfg,
+                            ),
+                            sets,
+                        )
+                    except Exception as exc:
+                        print(f"moe3 {name} failed: {type(exc).__name__}: {str(exc)[:300]}")
+                        continue
+                    label = f"{name} inv" if inv else name
+                    row(f"moe3[{label}{'' if err < 1e-2 else ' BAD'}]", f"T={t}", ms, nbytes)
+
+    # most telling first, so that a run cut off by its time limit still has them
+    for m in (1, 16, 64):
+        dense(5120, 8192, m)
+    moe()
+    for m in (4, 2):
+        dense(5120, 8192, m)
+    dense(2112, 7168, 1)
     return rows
 
 
