@@ -41,10 +41,14 @@ that build or run a kernel; each (N, K, dtype, config) compiles once per process
 # No `from __future__ import annotations`: TileLang evaluates the kernel's argument annotations
 # (tensor shapes built from closure variables) at definition time.
 
+import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+log = logging.getLogger(__name__)
 
 SCALE_BLOCK = 32  # V4.1's scale granularity along K (both operands) and along N (weights)
 BLOCK_K = 128  # K per pipeline stage: 4 scale slices of 32
@@ -475,8 +479,13 @@ def compiled_kernel(n: int, k: int, out_dtype: str, cfg: TileConfig):
     if kernel is None:
         import tilelang
 
+        start = time.perf_counter()
         kernel = tilelang.compile(build_kernel(n, k, out_dtype, cfg), target=SM90A)
         _COMPILED[key] = kernel
+        log.info(
+            "compiled the TileLang FP8 GEMM for N=%d K=%d %s in %.1f s (once per process)",
+            n, k, out_dtype, time.perf_counter() - start,
+        )  # fmt: skip
     return kernel
 
 
