@@ -110,6 +110,21 @@ def check_scale_words_and_cuda_core():
         assert rel(got, want) < 1e-5
         xa = quant.act_dequant_fp8(xq, xs, torch.bfloat16)
         assert rel(gemv.decode_gemm(xa, xa, w, ws, torch.float32, cc), want) < 1e-5
+    # the whole of K per program (split_k=1): K/32 a power of two or padded and masked (3, 40);
+    # rows per program 1 / 4 / 32; and what fp8_gemm picks at M=1 in auto mode (that kernel)
+    for m, n, k, rows in ((1, 33, 96, 1), (2, 70, 1280, 4), (1, 64, 2048, 32), (4, 8, 32, 4)):
+        xq, xs, w, ws = inputs(m, n, k, seed=n + k)
+        want = gemm_f64(xq, xs, w, ws)
+        full = gemv.DecodeConfig(cuda_core=True, block_n=rows, split_k=1)
+        got = gemv.decode_gemm(xq, xs, w, ws, torch.float32, full)
+        assert rel(got, want) < 1e-5, (m, n, k, rows)
+        if m == 1:
+            assert tl_linear.pick_config(1, n, k, False) == gemv.gemv_config(n, k)
+            auto = tl_linear.fp8_gemm(xq, xs, w, ws, torch.float32)
+            assert rel(auto, want) < 1e-5
+    assert gemv.gemv_config(5120, 8192) == gemv.DecodeConfig(block_n=4, split_k=1, cuda_core=True)
+    assert gemv.gemv_config(5120, 65536).block_k == 8192
+    assert not tl_linear.pick_config(1, 5120, 8192, True).cuda_core
     xq, xs, w, ws = inputs(0, 32, 64, seed=1)
     cc = gemv.DecodeConfig(cuda_core=True, block_n=16)
     assert gemv.decode_gemm(xq, xs, w, ws, torch.float32, cc).shape == (0, 32)

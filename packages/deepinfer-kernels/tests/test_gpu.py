@@ -376,12 +376,14 @@ DECODE_SHAPES = [(1, 5120, 8192), (3, 40, 64), (16, 2112, 7168), (17, 33, 320), 
     [
         "auto",
         "swap64_s4",
-        "swap_bytes",
+        "swap_words",
         "fold_bk64_split2",
         "fp8_n128_s2",
-        "fp8_bytes",
+        "fp8_words",
         "gemv_n16",
         "gemv_n32_c512",
+        "gemv_full",
+        "gemv_full_n1_nopf",
     ],
 )
 def test_decode_gemm_close_to_ref(m, n, k, cfg_name):
@@ -390,12 +392,16 @@ def test_decode_gemm_close_to_ref(m, n, k, cfg_name):
     cfg = {
         "auto": None,
         "swap64_s4": gemv.DecodeConfig(block_m=64, split_k=4),
-        "swap_bytes": gemv.DecodeConfig(scale_words=False),
+        "swap_words": gemv.DecodeConfig(scale_words=True),
         "fold_bk64_split2": gemv.DecodeConfig(block_n=32, block_k=64, split_k=2, fold=True),
         "fp8_n128_s2": gemv.DecodeConfig(block_n=128, block_k=32, split_k=2, mma_fp8=True),
-        "fp8_bytes": gemv.DecodeConfig(block_k=32, mma_fp8=True, scale_words=False),
+        "fp8_words": gemv.DecodeConfig(block_k=32, mma_fp8=True, scale_words=True),
         "gemv_n16": gemv.DecodeConfig(cuda_core=True, block_n=16, block_k=1024),
         "gemv_n32_c512": gemv.DecodeConfig(cuda_core=True, block_n=32, block_k=512, num_warps=8),
+        "gemv_full": gemv.gemv_config(n, k),
+        "gemv_full_n1_nopf": gemv.DecodeConfig(
+            cuda_core=True, block_n=1, split_k=1, prefetch=False
+        ),
     }[cfg_name]
     if cfg is not None and cfg.split_k and (k // 32) % cfg.split_k:
         pytest.skip("split must divide K/32")
@@ -424,24 +430,27 @@ def test_decode_gemm_batch_invariant_across_paths(n, k):
     xq, xs, w, ws = _gemm_inputs(301, n, k, seed=n + k)
     full = tl_linear.fp8_gemm(xq, xs, w, ws, torch.bfloat16, batch_invariant=True)
     same_split = gemv.decode_split(n, k, False) == gemv.decode_split(n, k, True)
-    for lo, hi in ((0, 1), (300, 301), (5, 69), (17, 30), (100, 300)):
-        for inv in (True, False) if hi - lo <= 64 and same_split else (True,):
+    for lo, hi in ((0, 1), (300, 301), (5, 69), (17, 30), (100, 300), (7, 9)):
+        # auto mode at M <= GEMV_AUTO_MAX_M runs the CUDA-core GEMV: other sums, other bits
+        auto_same = same_split and gemv.GEMV_AUTO_MAX_M < hi - lo <= 64
+        for inv in (True, False) if auto_same else (True,):
             part = tl_linear.fp8_gemm(
                 xq[lo:hi], xs[lo:hi], w, ws, torch.bfloat16, batch_invariant=inv
             )
             assert torch.equal(part, full[lo:hi]), (lo, hi, inv)
 
 
-def test_decode_gemm_graph_replay():
+@pytest.mark.parametrize("m", [1, 4])
+def test_decode_gemm_graph_replay(m):
     from deepinfer_kernels.triton import linear as tl_linear
 
-    xq, xs, w, ws = _gemm_inputs(4, 2112, 7168, seed=3)
+    xq, xs, w, ws = _gemm_inputs(m, 2112, 7168, seed=3)
     out = tl_linear.fp8_gemm(xq, xs, w, ws, torch.bfloat16)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = tl_linear.fp8_gemm(xq, xs, w, ws, torch.bfloat16)
-    x2, s2, *_ = _gemm_inputs(4, 2112, 7168, seed=4)
+    x2, s2, *_ = _gemm_inputs(m, 2112, 7168, seed=4)
     xq.copy_(x2)
     xs.copy_(s2)
     graph.replay()

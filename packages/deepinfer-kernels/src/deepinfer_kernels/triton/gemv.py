@@ -54,8 +54,10 @@ class DecodeConfig:
     num_stages: int = 4
     fold: bool = False
     mma_fp8: bool = False  # FP8 tensor-core dots per 32-K group, promoted with both scales
-    scale_words: bool = True  # e8m0 weight scales read as int32 words (see `decode_gemm`)
-    cuda_core: bool = False  # `_gemv_kernel` (M <= GEMV_MAX_M): block_k is then the K chunk
+    scale_words: bool = False  # e8m0 weight scales read as int32 words (slower: NOTES.md)
+    cuda_core: bool = False  # `_gemv_kernel` (M <= GEMV_MAX_M): block_k is the K chunk, or all
+    # of K in one program with split_k=1
+    prefetch: bool = True  # cuda_core: the program's weight tile prefetched into L2 first
 
     def __post_init__(self) -> None:
         if self.cuda_core and (self.fold or self.mma_fp8 or 32 % self.block_n):
@@ -93,6 +95,26 @@ def decode_split(n: int, k: int, batch_invariant: bool = True) -> int:
 
 GEMV_MAX_M = 4
 """Most activation rows `_gemv_kernel` takes (it does one FMA per weight value per row)."""
+
+GEMV_AUTO_MAX_M = 1
+"""Auto mode (not batch-invariant) sends calls with at most this many rows to `_gemv_kernel`
+(`gemv_config`); its fp32 sums run in another order than the wgmma kernels', so batch-invariant
+mode never uses it. Measured on the H200 (NOTES.md, third pass): faster than the wgmma kernel at
+M=1, slower from M=4."""
+
+
+def gemv_config(n: int, k: int) -> DecodeConfig:
+    """The CUDA-core kernel over the whole of K per program (no partials, one kernel), with rows
+    per program a function of (N, K): about 32 KB of weight per program (the tile is loaded in one
+    piece), halved while there would be fewer than 4 programs per SM."""
+    k_pad = triton.next_power_of_2(k)
+    if k_pad > 32768:  # more than 256 B of weight per thread: 8192-wide chunks and partials
+        return DecodeConfig(block_n=4, block_k=8192, cuda_core=True)
+    rows = max(1, min(32, 32768 // k_pad))
+    rows = 1 << (rows.bit_length() - 1)
+    while rows > 1 and triton.cdiv(n, rows) < 4 * NUM_SMS:
+        rows //= 2
+    return DecodeConfig(block_n=rows, split_k=1, cuda_core=True)
 
 
 def pick_block_k(chunk: int, want: int) -> int:
@@ -233,6 +255,19 @@ def _decode_gemm_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=cmask)
 
 
+@triton.jit
+def _prefetch_l2(ptrs):
+    """prefetch.global.L2 of each address (GPU only); the int32 result is a dummy."""
+    return tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1];\nmov.u32 $0, 0;",
+        "=r,l",
+        [ptrs.to(tl.int64, bitcast=True)],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
 @triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(
     a_ptr,
@@ -248,20 +283,26 @@ def _gemv_kernel(
     stride_wsn,
     stride_cs,
     stride_cm,
+    groups,
     A_BF16: tl.constexpr,
     WS_E8M0: tl.constexpr,
     ROWS_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    CHUNK: tl.constexpr,
+    G: tl.constexpr,
+    MASK_G: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """CUDA-core GEMV: c[s, m, n] = sum over the K chunk s of x_hat[m, k] * w_hat[n, k], fp32 FMA.
 
-    One program: BLOCK_N weight rows (inside one 32-row scale block) x CHUNK columns of K, loaded
-    in one piece (no K loop: every load is issued before the first use, so a program keeps its
-    whole tile in flight, and there is no barrier or pipeline wait). The weight scale folds into
-    the activation: x_eff[m, k] = x_fp8[m, k] * (x_scale[m, k/32] * w_scale[n/32, k/32]) is exact
-    in fp32 (4 significant bits times a power of two), as is x_eff * w_fp8 (8 bits), so every
-    product is the reference's exact product; fp32 sums in a fixed order per (N, K, CHUNK).
+    One program: BLOCK_N weight rows (inside one 32-row scale block) x `groups` 32-column groups of
+    K (G, a power of two, padded; MASK_G masks groups >= `groups`, e.g. the whole of K = 7168 in
+    one program: 224 of 256), loaded as one tile: no K loop, no pipeline wait, no barrier in the
+    stream. ptxas issues the tile's 16-byte loads in batches between conversions (one memory
+    latency per batch, SASS sm_90), so PREFETCH first sends every 128-byte line of the tile to L2
+    (fire and forget, no registers): the whole tile is in flight at once. Each 32-column group's
+    products w_fp8 * x (x: x_fp8 or the bf16 x_hat, 4 significant bits) are exact in fp32 and
+    summed in fp32; the group's power-of-two scale (w_scale, times x_scale for x_fp8) multiplies
+    that sum exactly; the groups' sums add in a fixed order per (N, K, groups).
     ROWS_M activation rows (M <= ROWS_M, a small constant) each reuse the converted weight tile.
     Per weight byte: e4m3x2 -> f16x2 (0.5), f16 -> f32 (1), one FMA per activation row.
     """
@@ -269,14 +310,30 @@ def _gemv_kernel(
     pid_s = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_w = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
-    G: tl.constexpr = CHUNK // 32
-    k_begin = pid_s * CHUNK
+    g_begin = pid_s * groups
+    k_begin = g_begin * 32
     offs_g = tl.arange(0, G)
+    gmask = offs_g < groups
     # [G, 32] offsets of the chunk: the 32 columns of a scale group along the last axis, so the
     # scales apply to per-group partial sums (3D tiles keep every operand in one layout family)
     offs_gk = offs_g[:, None] * 32 + tl.arange(0, 32)[None, :]
-    w = tl.load(w_ptr + rows_w[:, None, None] * stride_wn + (k_begin + offs_gk)[None, :, :])
-    sw = tl.load(ws_ptr + (pid_n * BLOCK_N // 32) * stride_wsn + k_begin // 32 + offs_g)
+    if PREFETCH:
+        # every 128-byte line of the tile into L2 first: fire-and-forget, no registers, so the
+        # whole tile is in flight at once (ptxas issues the tile's 16-byte loads in batches
+        # between conversions, one memory latency per batch; those loads then hit L2)
+        lines = tl.arange(0, G // 4)
+        line_ptrs = w_ptr + rows_w[:, None] * stride_wn + (k_begin + lines * 128)[None, :]
+        if MASK_G:
+            line_ptrs = tl.where((lines < groups // 4)[None, :], line_ptrs, line_ptrs - lines * 128)
+        _prefetch_l2(line_ptrs)
+    w_ptrs = w_ptr + rows_w[:, None, None] * stride_wn + (k_begin + offs_gk)[None, :, :]
+    sw_ptrs = ws_ptr + (pid_n * BLOCK_N // 32) * stride_wsn + g_begin + offs_g
+    if MASK_G:
+        w = tl.load(w_ptrs, mask=gmask[None, :, None], other=0.0)
+        sw = tl.load(sw_ptrs, mask=gmask, other=0)
+    else:
+        w = tl.load(w_ptrs)
+        sw = tl.load(sw_ptrs)
     if WS_E8M0:
         sw = e8m0_to_fp32(sw)
     wf = w.to(tl.float32)
@@ -284,10 +341,13 @@ def _gemv_kernel(
     for m in tl.static_range(ROWS_M):
         ok = m < M
         mrow = tl.where(ok, m, 0).to(tl.int64)
-        x = tl.load(a_ptr + mrow * stride_am + k_begin + offs_gk).to(tl.float32)
+        x_ptrs = a_ptr + mrow * stride_am + k_begin + offs_gk
+        xs_ptrs = as_ptr + mrow * stride_asm + g_begin + offs_g
+        # the activation row is small next to the tile: always masked (all true unless MASK_G)
+        x = tl.load(x_ptrs, mask=gmask[:, None], other=0.0).to(tl.float32)
         s = sw
         if not A_BF16:
-            s = tl.load(as_ptr + mrow * stride_asm + k_begin // 32 + offs_g) * sw
+            s = tl.load(xs_ptrs, mask=gmask, other=0.0) * sw
         # exact products, fp32 sums per 32-column group, then the group's power-of-two scale
         # (exact) and the sum over groups
         part = tl.sum(wf * x[None, :, :], axis=2)
@@ -322,13 +382,20 @@ def sum_splits(partials: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
 
 def _gemv(x, x_scale, w, w_scale, out_dtype, cfg: DecodeConfig) -> torch.Tensor:
     """`decode_gemm` on `_gemv_kernel`: K cut into chunks of the largest power of two <= block_k
-    that divides K (a function of K alone), one program per (block_n rows, chunk)."""
+    that divides K (a function of K alone), one program per (block_n rows, chunk), the chunks'
+    partials summed by `sum_splits`; or (split_k == 1) one program per block_n rows over the whole
+    of K, writing the output directly (one kernel)."""
     m, k = x.shape
     n = w.shape[0]
     if m > GEMV_MAX_M:
         raise ValueError(f"decode_gemm: DecodeConfig.cuda_core takes M <= {GEMV_MAX_M}, got {m}")
-    chunk = pick_block_k(k, cfg.block_k)
-    split = k // chunk
+    if cfg.split_k == 1:  # the whole of K in one program: no partials, no second kernel
+        chunk, split = k, 1
+    else:
+        chunk = pick_block_k(k, cfg.block_k)
+        split = k // chunk
+    groups = chunk // 32
+    g_pad = triton.next_power_of_2(groups)
     a_bf16 = x.dtype == torch.bfloat16
     x, w = x.contiguous(), w.contiguous()
     xs = x if a_bf16 else x_scale.contiguous()
@@ -354,11 +421,14 @@ def _gemv(x, x_scale, w, w_scale, out_dtype, cfg: DecodeConfig) -> torch.Tensor:
         ws.stride(0),
         c.stride(0),
         c.stride(1),
+        groups,
         A_BF16=a_bf16,
         WS_E8M0=e8m0,
         ROWS_M=m,
         BLOCK_N=cfg.block_n,
-        CHUNK=chunk,
+        G=g_pad,
+        MASK_G=g_pad != groups,
+        PREFETCH=cfg.prefetch and x.device.type == "cuda" and g_pad >= 4,
         num_warps=cfg.num_warps,
         num_stages=1,
     )

@@ -24,7 +24,14 @@ import triton
 import triton.language as tl
 
 from ._common import dot_exact, e8m0_to_fp32, fp8_to_bf16_scaled
-from .gemv import DecodeConfig, decode_gemm, decode_split, sum_splits
+from .gemv import (
+    GEMV_AUTO_MAX_M,
+    DecodeConfig,
+    decode_gemm,
+    decode_split,
+    gemv_config,
+    sum_splits,
+)
 
 
 @dataclass(frozen=True)
@@ -148,7 +155,8 @@ def pick_config(
     m: int, n: int, k: int, batch_invariant: bool, a_bf16: bool = False, num_sms: int = 132
 ) -> GemmConfig | DecodeConfig:
     """Decode shapes (M <= DECODE_MAX_M) take the weight-streaming kernel of `gemv.py`, whose
-    split of K depends on (N, K) only. Larger M: tile shapes by M bucket; in auto mode, M <= 256
+    split of K depends on (N, K) only; in auto mode M <= GEMV_AUTO_MAX_M takes its CUDA-core GEMV
+    instead (`gemv.gemv_config`). Larger M: tile shapes by M bucket; in auto mode, M <= 256
     adds split-K until there are ~4 CTAs per SM.
 
     Every configuration expands the FP8 operands exactly to bf16 and runs on wgmma: on Triton
@@ -160,6 +168,8 @@ def pick_config(
     (`decode_split(N, K)`, K/split per slice, fixed-order sum), so a row's bits do not depend on M
     across the decode/prefill boundary either.
     """
+    if m <= GEMV_AUTO_MAX_M and not batch_invariant:
+        return gemv_config(n, k)  # CUDA-core GEMV, one kernel (not bitwise with the others)
     if m <= DECODE_MAX_M:
         # swap-AB bf16 tiles, activation rows padded to 16 or 64 (the wgmma's N; the two
         # measured and GPU-tested tiles), 128 K a step
