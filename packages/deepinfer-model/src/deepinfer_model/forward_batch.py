@@ -212,6 +212,18 @@ class Compressed:
         )
 
 
+def segment_ids(offsets: list[int], total: int) -> torch.Tensor:
+    """CPU int64 [total]: the segment of each of `total` rows, segment b starting at row
+    `offsets[b]` (non-decreasing, offsets[0] = 0; empty segments allowed). The same as
+    ``repeat_interleave(arange(B), counts)``, which took ~0.75 ms per call on the H200 host
+    (cProfile of tools/bench_engine.py, three calls per decode step)."""
+    marks = torch.zeros(total + 1, dtype=torch.int64)
+    if len(offsets) > 1:
+        starts = torch.tensor(offsets[1:], dtype=torch.int64)
+        marks.index_add_(0, starts, torch.ones_like(starts))
+    return marks[:total].cumsum(0)
+
+
 def upload(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A CPU tensor on `device` without making the host wait: pinned + non-blocking on CUDA
     (the caching host allocator keeps the pinned buffer alive until the copy has run)."""
@@ -296,7 +308,7 @@ class StepContext:
         if min(ctx) < 0:
             raise ValueError("ForwardBatch.context_lens: must be >= 0")
         lens = [cu[i + 1] - cu[i] for i in range(b)]
-        seq_cpu = torch.repeat_interleave(torch.arange(b), torch.tensor(lens))
+        seq_cpu = segment_ids(cu[:-1], t)
         ctx_cpu = torch.tensor(ctx, dtype=torch.int64)
         start_cpu = torch.tensor(cu[:-1], dtype=torch.int64)
         pos_cpu = ctx_cpu[seq_cpu] + torch.arange(t) - start_cpu[seq_cpu]
@@ -482,8 +494,9 @@ class StepContext:
             offsets = [0]
             for c in counts[:-1]:
                 offsets.append(offsets[-1] + c)
-            seq = torch.repeat_interleave(torch.arange(self.num_seqs), torch.tensor(counts))
-            entry = torch.arange(int(seq.shape[0])) - torch.tensor(offsets)[seq]
+            total = offsets[-1] + counts[-1]
+            seq = segment_ids(offsets, total)
+            entry = torch.arange(total) - torch.tensor(offsets)[seq]
             pages, prow = self._pages(seq, entry, ratio, block_size)
             packed = self.upload(torch.stack([pages, prow]))
             return packed[0], packed[1], offsets, counts

@@ -22,6 +22,18 @@ REGISTRY.register(Implementation("index_topk", "ref", "deepinfer_kernels.ref.ind
 REGISTRY.register(
     Implementation("candidate_blocks", "ref", "deepinfer_kernels.ref.indexer:candidate_blocks")
 )
+# one launch per call instead of the ref's dozen sort/gather ops (the decode step's host cost)
+for _op in ("index_topk", "candidate_blocks"):
+    REGISTRY.register(
+        Implementation(
+            _op,
+            "triton",
+            f"deepinfer_kernels.triton.indexer:{_op}",
+            devices=("cuda",),
+            min_capability=(9, 0),
+            requires=("triton",),
+        )
+    )
 
 
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
