@@ -212,6 +212,35 @@ class Compressed:
         )
 
 
+class CandidateMasks:
+    """The candidate source's masks per sequence b ([n_b, n_c] bool), indexed like a list.
+
+    A batched group's masks stay stacked ([g, n, width], `set_group`) and are cut per sequence
+    only when read: a decode step would otherwise build B views no later layer may read."""
+
+    def __init__(self, num_seqs: int) -> None:
+        self._masks: list[torch.Tensor | None] = [None] * num_seqs
+        self._stacked: dict[int, tuple[torch.Tensor, int, int]] = {}
+
+    def set(self, b: int, mask: torch.Tensor) -> None:
+        self._masks[b] = mask
+
+    def set_group(self, group: list[int], stacked: torch.Tensor, counts: list[int]) -> None:
+        """Masks `stacked` [g, n, width] of sequences `group`; sequence b has counts[b] entries."""
+        for i, b in enumerate(group):
+            self._stacked[b] = (stacked, i, counts[b])
+
+    def __len__(self) -> int:
+        return len(self._masks)
+
+    def __getitem__(self, b: int) -> torch.Tensor:
+        mask = self._masks[b]
+        if mask is None:
+            stacked, i, count = self._stacked[b]
+            mask = self._masks[b] = stacked[i, :, :count]
+        return mask
+
+
 def segment_ids(offsets: list[int], total: int) -> torch.Tensor:
     """CPU int64 [total]: the segment of each of `total` rows, segment b starting at row
     `offsets[b]` (non-decreasing, offsets[0] = 0; empty segments allowed). The same as
@@ -261,7 +290,7 @@ class StepContext:
     first flat row), `slot`, `floor` (YOCO floor, 0 without); and `slots` [B] per sequence."""
     compressed: dict[int, Compressed] = field(default_factory=dict)
     topk: dict[int, torch.Tensor] = field(default_factory=dict)
-    candidates: list[torch.Tensor] | None = None
+    candidates: CandidateMasks | None = None
     candidate_groups: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)
     floor: list[int] | None = None
 
@@ -485,9 +514,32 @@ class StepContext:
 
         return self.memoized(("completed", ratio, block_size), build)
 
+    def group_sources(
+        self, ratio: int, state_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Where the `ratio` positions of each entry closing this step (`completed_entries`'
+        order) are: device (flat row [M, r], state slot [M, r], state row [M, r] in a per-slot
+        ring of `state_len` rows, in_chunk [M, r, 1] bool: the position is a row of this step,
+        else it is in the state ring)."""
+
+        def build():
+            rows = torch.nonzero((self.pos_cpu + 1) % ratio == 0).flatten()
+            seq = self.seq_cpu[rows]
+            gpos = self.pos_cpu[rows].unsqueeze(1) - (ratio - 1) + torch.arange(ratio)
+            ctx_m = torch.tensor(self.ctx, dtype=torch.int64)[seq].unsqueeze(1)
+            start = torch.tensor(self.starts, dtype=torch.int64)[seq].unsqueeze(1)
+            slot = torch.tensor(self.slots, dtype=torch.int64)[seq].unsqueeze(1).expand_as(gpos)
+            in_chunk = (gpos >= ctx_m).long()
+            flat_row = (start + gpos - ctx_m).clamp_min(0)
+            packed = self.upload(torch.stack([flat_row, slot, gpos % state_len, in_chunk]))
+            return packed[0], packed[1], packed[2], packed[3].bool().unsqueeze(-1)
+
+        return self.memoized(("group_sources", ratio, state_len), build)
+
     def all_entries(self, ratio: int, block_size: int):
         """Every compressed entry of every sequence up to this step's last token: device
-        (page ids [N], rows [N]), and per sequence (offsets, counts) into that list."""
+        (page ids [N], rows [N]), per sequence (offsets, counts) into that list, and device
+        [T] each token's sequence offset (what `entry_offsets` gives once published)."""
 
         def build():
             counts = [(c + n) // ratio for c, n in zip(self.ctx, self.lens, strict=True)]
@@ -498,8 +550,9 @@ class StepContext:
             seq = segment_ids(offsets, total)
             entry = torch.arange(total) - torch.tensor(offsets)[seq]
             pages, prow = self._pages(seq, entry, ratio, block_size)
-            packed = self.upload(torch.stack([pages, prow]))
-            return packed[0], packed[1], offsets, counts
+            token_offsets = torch.tensor(offsets, dtype=torch.int64)[self.seq_cpu]
+            packed = self.upload(torch.cat([pages, prow, token_offsets]))
+            return packed[:total], packed[total : 2 * total], offsets, counts, packed[2 * total :]
 
         return self.memoized(("all_entries", ratio, block_size), build)
 
@@ -562,7 +615,7 @@ class StepContext:
         sub.compressed = {k: v.subset(seqs) for k, v in self.compressed.items()}
         sub.topk = {k: v[rows] for k, v in self.topk.items()}
         if self.candidates is not None:
-            sub.candidates = [
-                self.candidates[b][ctxs[i] - self.ctx[b] :] for i, b in enumerate(seqs)
-            ]
+            sub.candidates = CandidateMasks(len(seqs))
+            for i, b in enumerate(seqs):
+                sub.candidates.set(i, self.candidates[b][ctxs[i] - self.ctx[b] :])
         return sub, rows, rows_cpu

@@ -23,7 +23,7 @@ from torch import nn
 
 from ..cache import KVCache
 from ..config import ModelConfig
-from ..forward_batch import Compressed, StepContext
+from ..forward_batch import CandidateMasks, Compressed, StepContext
 from .compressor import Compressor
 from .indexer import Indexer
 from .linear import FP8Linear, RMSNorm, dense
@@ -43,7 +43,10 @@ class Projections:
     [T, head_dim] the window entry (normed, roped, fake-quantised); on index sources index_q
     [T, IH, Id] and index_w [T, IH] fp32 (`Indexer.queries`); on kv sources comp_a, comp_z
     (`Compressor.project`: values and gate scores [T, head_dim] fp32, or for ratio 1 the latent
-    [T, head_dim] and None)."""
+    [T, head_dim] and None); on ratio-1 kv sources also entry_kv [T, head_dim] and entry_keys
+    [T, index_head_dim], the compressed entry and index key each token closes (with ratio 1
+    every token closes entry = its position, so they are per-token work: in the decode graphs,
+    not in the eager attention core)."""
 
     q: torch.Tensor
     qr: torch.Tensor
@@ -52,6 +55,8 @@ class Projections:
     index_w: torch.Tensor | None = None
     comp_a: torch.Tensor | None = None
     comp_z: torch.Tensor | None = None
+    entry_kv: torch.Tensor | None = None
+    entry_keys: torch.Tensor | None = None
 
     def rows(self, n: int) -> Projections:
         """The first n rows of every tensor (views)."""
@@ -144,30 +149,46 @@ class Attention(nn.Module):
             )
         if self.is_kv_source:
             p.comp_a, p.comp_z = self.compressor.project(x)
+            if self.ratio == 1:
+                p.entry_kv, p.entry_keys = self._entries(p.comp_a, positions)
         return p
+
+    def _entries(
+        self, latent: torch.Tensor, entry: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-RoPE latents [M, head_dim] of entries `entry` [M] -> (compressed kv [M, head_dim]
+        (RoPE at entry * ratio, FP4 fake-quantised), index keys [M, index_head_dim])."""
+        keys = self.indexer.index_keys(latent, entry, self.inv_freq, self.fake_quant_kv)
+        kv = rope_tail(latent, entry * self.ratio, self.inv_freq, self.rope_dim)
+        if self.fake_quant_kv:
+            kv = ops.fake_quant_fp4_e4m3_scale(kv, 16)
+        return kv, keys
 
     # -- compressed branch ----------------------------------------------------------------------
     def _publish(self, x: torch.Tensor, p: Projections, ctx: StepContext, cache: KVCache) -> None:
         """kv source: compress, write index keys and compressed KV to pages, read back every
         sequence's entries (gathers with index tensors built on the host: no sync)."""
         r, bs = self.ratio, cache.block_size
-        latent, _, entry = self.compressor(p.comp_a, p.comp_z, ctx, cache)
         done = ctx.completed_entries(r, bs)
+        if p.entry_kv is not None:
+            # ratio 1: every row closes its entry (done["rows"] is every row, in order)
+            kv, keys = p.entry_kv, p.entry_keys
+        else:
+            latent, _, entry = self.compressor(p.comp_a, p.comp_z, ctx, cache)
+            if done["count"]:
+                kv, keys = self._entries(latent, entry)
         if done["count"]:
-            keys = self.indexer.index_keys(latent, entry, self.inv_freq, self.fake_quant_kv)
-            kv = rope_tail(latent, entry * r, self.inv_freq, self.rope_dim)
-            if self.fake_quant_kv:
-                kv = ops.fake_quant_fp4_e4m3_scale(kv, 16)
             where = (done["page"], done["page_row"])
             cache.compressed_kv[self.layer_id].index_put_(where, kv.to(cache.dtype))
             cache.index_k[self.layer_id].index_put_(where, keys.to(cache.dtype))
-        pages, rows, offsets, counts = ctx.all_entries(r, bs)
+        pages, rows, offsets, counts, token_offsets = ctx.all_entries(r, bs)
         ctx.compressed[self.layer_id] = Compressed(
             cache.compressed_kv[self.layer_id][pages, rows].to(x.dtype),
             cache.index_k[self.layer_id][pages, rows].to(x.dtype),
             offsets,
             counts,
         )
+        ctx.memo[("entry_offsets", self.layer_id)] = token_offsets
 
     # sequences with at most this many new tokens (decode, verify) score their entries batched
     BATCHED_SELECT_MAX_TOKENS = 8
@@ -181,9 +202,10 @@ class Attention(nn.Module):
         comp = ctx.compressed[self.kv_source]
         # without candidates a layer that needs them fails in `Indexer.select` (RuntimeError)
         use_cand = ctx.candidates is not None and self.indexer.uses_candidates
-        parts, part_rows = [], []
-        cands: list[torch.Tensor | None] = [None] * ctx.num_seqs
-        for group in ctx.equal_length_groups(self.BATCHED_SELECT_MAX_TOKENS):
+        parts = []
+        cands = CandidateMasks(ctx.num_seqs)
+        groups = ctx.equal_length_groups(self.BATCHED_SELECT_MAX_TOKENS)
+        for group in groups:
             if len(group) == 1:
                 b = group[0]
                 s, n = ctx.starts[b], ctx.lens[b]
@@ -195,18 +217,23 @@ class Attention(nn.Module):
                     ctx.positions[s : s + n],
                     ctx.candidates[b] if use_cand else None,
                 )
-                cands[b] = cand
+                cands.set(b, cand)
             else:
                 top, cand = self._select_group(q, w, comp, ctx, group, use_cand)
                 if cand is not None:
                     ctx.candidate_groups[tuple(group)] = cand
-                    for i, b in enumerate(group):
-                        cands[b] = cand[i, :, : comp.counts[b]]
+                    cands.set_group(group, cand, comp.counts)
             parts.append(top)
-            for b in group:
-                part_rows.extend(range(ctx.starts[b], ctx.starts[b] + ctx.lens[b]))
         top = torch.cat(parts) if len(parts) > 1 else parts[0]
-        if part_rows != list(range(ctx.num_tokens)):
+        # sequences' rows are contiguous and in sequence order: groups in sequence order keep
+        # the flat row order (always so for a decode step: one group)
+        if [b for group in groups for b in group] != list(range(ctx.num_seqs)):
+            part_rows = [
+                r
+                for group in groups
+                for b in group
+                for r in range(ctx.starts[b], ctx.starts[b] + ctx.lens[b])
+            ]
             order = torch.empty(ctx.num_tokens, dtype=torch.int64)
             order[torch.tensor(part_rows)] = torch.arange(ctx.num_tokens)
             top = top.index_select(0, ctx.upload(order))

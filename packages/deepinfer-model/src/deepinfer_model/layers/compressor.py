@@ -48,7 +48,6 @@ class Compressor(nn.Module):
         the slot's partial-group state.
         """
         r = self.ratio
-        pos = ctx.positions
         done = ctx.completed_entries(r, cache.block_size)  # host-built: no sync
         rows, seq, entry = done["rows"], done["seq"], done["entry"]
         if r == 1:
@@ -56,15 +55,10 @@ class Compressor(nn.Module):
         state_kv, state_z = cache.comp_kv[self.layer_id], cache.comp_score[self.layer_id]
         s_len = state_kv.shape[1]
         if done["count"]:
-            # group positions of each completed entry: [M, r]
-            gpos = pos[rows].unsqueeze(1) - (r - 1) + torch.arange(r, device=a.device)
-            ctx_m = ctx.token["ctx"][rows].unsqueeze(1)
-            in_chunk = gpos >= ctx_m
-            flat_row = (ctx.token["start"][rows].unsqueeze(1) + gpos - ctx_m).clamp_min(0)
-            st_slot = ctx.token["slot"][rows].unsqueeze(1).expand_as(gpos)
-            st_row = gpos.remainder(s_len)
-            ga = torch.where(in_chunk.unsqueeze(-1), a[flat_row], state_kv[st_slot, st_row])
-            gz = torch.where(in_chunk.unsqueeze(-1), z[flat_row], state_z[st_slot, st_row])
+            # where each completed entry's r group positions are ([M, r], host-built)
+            flat_row, st_slot, st_row, in_chunk = ctx.group_sources(r, s_len)
+            ga = torch.where(in_chunk, a[flat_row], state_kv[st_slot, st_row])
+            gz = torch.where(in_chunk, z[flat_row], state_z[st_slot, st_row])
             pooled = (ga * torch.softmax(gz, dim=1)).sum(1)  # [M, hd]
             latent = self.norm(pooled.to(self.norm.weight.dtype))
         else:
