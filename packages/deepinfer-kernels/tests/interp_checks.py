@@ -60,8 +60,8 @@ CONFIGS = [
     gemv.DecodeConfig(block_m=16, block_n=32, block_k=64, split_k=2, fold=True),
     gemv.DecodeConfig(block_m=32, block_n=64, block_k=32, split_k=3),
     gemv.DecodeConfig(block_k=32, split_k=2, mma_fp8=True),
-    gemv.DecodeConfig(block_k=32, split_k=2, mma_fp8=True, scale_words=False),
-    gemv.DecodeConfig(block_k=64, split_k=1, scale_words=False),
+    gemv.DecodeConfig(block_k=32, split_k=2, mma_fp8=True, scale_words=True),
+    gemv.DecodeConfig(block_k=64, split_k=1, scale_words=True),
     gemv.DecodeConfig(block_k=64, split_k=2),
     gemv.DecodeConfig(cuda_core=True, block_n=16, block_k=1024),
     gemv.DecodeConfig(cuda_core=True, block_n=8, block_k=64, num_warps=2),
@@ -122,7 +122,8 @@ def check_scale_words_and_cuda_core():
             assert tl_linear.pick_config(1, n, k, False) == gemv.gemv_config(n, k)
             auto = tl_linear.fp8_gemm(xq, xs, w, ws, torch.float32)
             assert rel(auto, want) < 1e-5
-    assert gemv.gemv_config(5120, 8192) == gemv.DecodeConfig(block_n=4, split_k=1, cuda_core=True)
+    assert gemv.gemv_config(5120, 8192) == gemv.DecodeConfig(block_n=2, split_k=1, cuda_core=True)
+    assert gemv.gemv_config(32768, 1280).block_n == 4
     assert gemv.gemv_config(5120, 65536).block_k == 8192
     assert not tl_linear.pick_config(1, 5120, 8192, True).cuda_core
     xq, xs, w, ws = inputs(0, 32, 64, seed=1)

@@ -238,7 +238,7 @@ MOE_SHAPES = [
         "mma_k256_m2",
         "wg_k128_m2",
         "mma_words",
-        "wg_words",
+        "wg_bytes",
         "mma_words_n32",
     ],
 )
@@ -252,7 +252,7 @@ def test_moe_experts_close_to_ref(t, d, i, e, k, cfg_name):
         "mma_k256_m2": tmoe.MoeConfig(16, 64, 64, 4, 4, 4, False, 256, fp4_mode=2),
         "wg_k128_m2": tmoe.MoeConfig(16, 64, 64, 4, 4, 4, True, 128, fp4_mode=2),
         "mma_words": dataclasses.replace(tmoe.DECODE, scale_words=True),
-        "wg_words": dataclasses.replace(tmoe.DECODE_WGMMA, scale_words=True),
+        "wg_bytes": dataclasses.replace(tmoe.DECODE_WGMMA, scale_words=False),
         "mma_words_n32": tmoe.MoeConfig(16, 32, 32, 4, 4, 4, False, 128, 2, scale_words=True),
     }
     cfg = None if cfg_name == "auto" else extra.get(cfg_name) or getattr(tmoe, cfg_name)

@@ -20,6 +20,12 @@ Three ways to form the products (measured on the H200, 5120x8192, CUDA-graph rep
   (4.5e-5 relative error against fp32, 1e-7 for the bf16 paths) and its rows differ from the
   prefill kernel's: not used by default, never in batch-invariant mode.
 
+- `cuda_core` (`_gemv_kernel`, M <= GEMV_MAX_M): no MMA; each program loads a tile of weight
+  rows in one piece and does fp32 FMAs on CUDA cores (`gemv_config`: the whole of K per program,
+  one kernel). 20.7 us at M=1 (48% of HBM; a bare streaming read measures 18.6 us in the same
+  graph-replay harness, whose own floor is 5.2 us), no faster than swap from M=2: auto mode uses it
+  at M <= GEMV_AUTO_MAX_M only, batch-invariant mode never (its fp32 sums run in another order).
+
 The bf16 paths form exactly the products the prefill kernel (`linear._fp8_gemm_kernel`) forms and
 run on wgmma, whose rows do not depend on the tile (measured, see linear.py): with the same split
 of K the two kernels give a row the same bits (GPU tests check it across M=1/64/301). The split
@@ -105,12 +111,14 @@ M=1, slower from M=4."""
 
 def gemv_config(n: int, k: int) -> DecodeConfig:
     """The CUDA-core kernel over the whole of K per program (no partials, one kernel), with rows
-    per program a function of (N, K): about 32 KB of weight per program (the tile is loaded in one
-    piece), halved while there would be fewer than 4 programs per SM."""
+    per program a function of (N, K): about 16 KB of weight per program, at most 4 rows, halved
+    while there would be fewer than 4 programs per SM. Measured on the H200 (graph replay, M=1):
+    5120x8192 2 rows 20.7 us, 4 rows 22.2-22.5, 8 rows 25.9; 32768x1280 4 rows 23.3, 16 rows
+    27.1 (smaller tiles: more programs resident, more bytes in flight)."""
     k_pad = triton.next_power_of_2(k)
     if k_pad > 32768:  # more than 256 B of weight per thread: 8192-wide chunks and partials
         return DecodeConfig(block_n=4, block_k=8192, cuda_core=True)
-    rows = max(1, min(32, 32768 // k_pad))
+    rows = max(1, min(4, 16384 // k_pad))
     rows = 1 << (rows.bit_length() - 1)
     while rows > 1 and triton.cdiv(n, rows) < 4 * NUM_SMS:
         rows //= 2
