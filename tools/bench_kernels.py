@@ -11,6 +11,7 @@ here), and the speed-up over a torch baseline timed in the same run:
 Decode shapes rotate among several weight sets / routings so the L2 cache does not serve them.
 
 Usage (on the GPU machine): python tools/bench_kernels.py [--quick] [--json PATH] [--only PARTS]
+`--only decode3` the third pass's decode rows (graph replays, floor probes; NOTES.md);
 `--only decode` measures just the decode rows (dense FP8 GEMM at M <= 256 and the MoE layer at
 T <= 256, eager and CUDA-graph replays, auto and batch-invariant, plus decode-kernel candidates,
 each checked against the reference before it is timed); `--only sweep` / `--only probe` the
@@ -563,10 +564,12 @@ def decode_rows(quick):
 
 
 def decode3_rows():
-    """Third-pass candidates, graph replays only (the engine's decode), each checked against the
-    reference first: the dense decode GEMM at M = 1 / 2 / 4 / 16 / 64 (5120x8192 and 2112x7168)
-    with the scale-word, FP8-MMA and CUDA-core (`cuda_core`) kernels, and the MoE layer at
-    T = 1 / 16 / 64 / 256 with and without scale words. Rows: `dec3[...]`, `moe3[...]`."""
+    """Third-pass decode rows, graph replays only (the engine's decode): the dense FP8 GEMM's
+    defaults (auto, batch-invariant) at M = 1 / 2 / 16 / 64 (5120x8192) and M=1 (2112x7168,
+    32768x1280), CUDA-core GEMV and swap candidates at M = 1 / 2 (each checked against the
+    reference first; ` BAD` marks a miss), two floor probes (a graph of one tiny kernel; a bare
+    streaming read of 42 MB), and the MoE layer's defaults at T = 1 / 16 / 64 / 256. Rows:
+    `dec3[...]`, `probe[...]`, `moe3[...]`; call 1's other candidates are in NOTES.md."""
     from deepinfer_kernels import quant
     from deepinfer_kernels.ref import linear as ref_linear
     from deepinfer_kernels.triton import gemv
