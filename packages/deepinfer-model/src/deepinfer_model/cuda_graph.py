@@ -200,6 +200,7 @@ class DecodeGraphs:
         bk = self.buckets.get(size)
         if bk is None:
             bk = self.buckets[size] = self._new_bucket(size)
+        m.prepare(ctx, cache)
         bk.ids[:n].copy_(batch.input_ids)
         bk.positions[:n].copy_(batch.positions)
         if bk.hashes is not None:

@@ -16,7 +16,7 @@ from torch import nn
 from .cache import KVCache
 from .config import ModelConfig
 from .dspark import DSparkStage
-from .forward_batch import ForwardBatch, ForwardOutput, HostBatchInfo, StepContext
+from .forward_batch import ForwardBatch, ForwardOutput, HostBatchInfo, HostStaging, StepContext
 from .layers.block import Block
 from .layers.engram import EngramHasher
 from .layers.linear import Embedding, RMSNorm, dense
@@ -72,6 +72,17 @@ class Model(nn.Module):
             for k in range(config.num_nextn_predict_layers)
         )
         self.engram_hasher = EngramHasher(config, dev) if config.engram_layer_ids else None
+        self.staging: HostStaging | None = None
+        """Batches each step's index uploads (`prepare`); made on the first CUDA step."""
+
+    def prepare(self, ctx: StepContext, cache: KVCache) -> None:
+        """Build every layer's host-side index tensors of the step `ctx` before the first layer
+        runs; on CUDA they reach the device in one non-blocking copy (`HostStaging`)."""
+        if ctx.device.type == "cuda" and self.staging is None:
+            self.staging = HostStaging(ctx.device)
+        with ctx.staged(self.staging):
+            for layer in self.layers:
+                layer.attn.prepare(ctx, cache)
 
     def forward(self, batch: ForwardBatch, cache: KVCache) -> ForwardOutput:
         """Run the new tokens of every sequence in `batch`, writing their state into `cache`.
@@ -151,6 +162,7 @@ class Model(nn.Module):
 
     def _forward(self, batch: ForwardBatch, cache: KVCache) -> ForwardOutput:
         ctx, host = self.step_context(batch)
+        self.prepare(ctx, cache)
         cfg = self.config
         ids = batch.input_ids
         host_rows = host.logits_indices

@@ -254,20 +254,7 @@ class Attention(nn.Module):
         (top-k [g*n, K] in group order, candidate masks [g, n, max_entries] | None)."""
         g, n = len(group), ctx.lens[group[0]]
         width = max(comp.counts[b] for b in group)
-
-        def build():
-            rows = torch.tensor([ctx.starts[b] + i for b in group for i in range(n)])
-            off = torch.tensor([comp.offsets[b] for b in group]).unsqueeze(1)
-            last = torch.tensor([comp.offsets[b] + max(comp.counts[b], 1) - 1 for b in group])
-            # A sequence with no entries yet points past its own range; keep its (fully masked)
-            # padding reads inside the step's entries.
-            total = sum(comp.counts)
-            ent = torch.minimum(off + torch.arange(width), last.unsqueeze(1)).clamp(0, total - 1)
-            whole = rows.tolist() == list(range(ctx.num_tokens))
-            packed = ctx.upload(torch.cat([rows, ent.flatten()]))
-            return (None if whole else packed[: g * n]), packed[g * n :].view(g, width)
-
-        rows, ent = ctx.memoized(("select_group", tuple(group), id(comp)), build)
+        rows, ent = self._group_rows(ctx, group, comp.offsets, comp.counts)
         qg = (q if rows is None else q.index_select(0, rows)).view(g, n, *q.shape[1:])
         wg = (w if rows is None else w.index_select(0, rows)).view(g, n, -1)
         pg = (ctx.positions if rows is None else ctx.positions.index_select(0, rows)).view(g, n)
@@ -283,6 +270,53 @@ class Attention(nn.Module):
                     ]
                 )
         return self.indexer.select_batched(qg, wg, keys, pg, cand)
+
+    def _group_rows(
+        self, ctx: StepContext, group: list[int], offsets: list[int], counts: list[int]
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Device (flat rows [g*n] of sequences `group`, None when that is every row in order;
+        entry rows [g, max count] into the kv source's `Compressed`, whose per-sequence
+        `offsets`/`counts` are given). Host-built once per step and kv source."""
+
+        def build():
+            g, n = len(group), ctx.lens[group[0]]
+            width = max(counts[b] for b in group)
+            rows = torch.tensor([ctx.starts[b] + i for b in group for i in range(n)])
+            off = torch.tensor([offsets[b] for b in group]).unsqueeze(1)
+            last = torch.tensor([offsets[b] + max(counts[b], 1) - 1 for b in group])
+            # A sequence with no entries yet points past its own range; keep its (fully masked)
+            # padding reads inside the step's entries.
+            total = sum(counts)
+            ent = torch.minimum(off + torch.arange(width), last.unsqueeze(1)).clamp(0, total - 1)
+            whole = rows.tolist() == list(range(ctx.num_tokens))
+            packed = ctx.upload(torch.cat([rows, ent.flatten()]))
+            return (None if whole else packed[: g * n]), packed[g * n :].view(g, width)
+
+        return ctx.memoized(("select_group", tuple(group), self.kv_source), build)
+
+    def prepare(self, ctx: StepContext, cache: KVCache) -> None:
+        """Build the host-side index tensors `attend` will use in this step now (the model
+        calls this for every layer before the first one runs, so that on CUDA they all travel
+        in one host->device copy: `StepContext.staged`). Only host work: nothing is launched."""
+        bs = cache.block_size
+        ctx.ring_write(cache.swa[self.layer_id].shape[1])
+        if self.ratio == 0:
+            return
+        if self.is_kv_source:
+            done = ctx.completed_entries(self.ratio, bs)
+            ctx.all_entries(self.ratio, bs)
+            if self.ratio > 1:
+                s_len = cache.comp_kv[self.layer_id].shape[1]
+                if done["count"]:
+                    ctx.group_sources(self.ratio, s_len)
+                ctx.ring_write(s_len)
+        if self.is_index_source:
+            _, _, offsets, counts, _ = ctx.all_entries(
+                self.config.compress_ratios[self.kv_source], bs
+            )
+            for group in ctx.equal_length_groups(self.BATCHED_SELECT_MAX_TOKENS):
+                if len(group) > 1:
+                    self._group_rows(ctx, group, offsets, counts)
 
     def forward(self, x: torch.Tensor, ctx: StepContext, cache: KVCache) -> torch.Tensor:
         """The whole layer, x [T, D] -> [T, D]: `project`, `attend`, `output` (`ctx` may be a

@@ -57,6 +57,7 @@ class Compressor(nn.Module):
         if done["count"]:
             # where each completed entry's r group positions are ([M, r], host-built)
             flat_row, st_slot, st_row, in_chunk = ctx.group_sources(r, s_len)
+            in_chunk = in_chunk.bool().unsqueeze(-1)
             ga = torch.where(in_chunk, a[flat_row], state_kv[st_slot, st_row])
             gz = torch.where(in_chunk, z[flat_row], state_z[st_slot, st_row])
             pooled = (ga * torch.softmax(gz, dim=1)).sum(1)  # [M, hd]
