@@ -164,18 +164,14 @@ def gemm_rows(shapes, quick):
 
 
 TILELANG_VARIANTS = [
-    # (row name, TileConfig kwargs): the default first, then one change each. The kernel is
-    # L2-bandwidth bound (Nsight Compute on the H200: L2 94% busy at 128x128), so the variants
-    # trade bytes per FLOP: a wider N tile (128x256, two wgmma column chunks per slice so the
-    # partial fits the registers) and column-major activation scales (fewer L2 sectors).
+    # (row name, TileConfig kwargs): the default (128x128, column-major activation scales, two
+    # wgmmas in flight) first, then one change each (H200 findings in NOTES.md: Nsight Compute
+    # shows L2 94% busy at 128x128; a wider tile helps a little, deeper wgmma pipelines do not)
     ("tilelang", {}),
-    ("tl saT", {"sa_col_major": True}),
-    ("tl 128x256", {"block_n": 256, "n_split": 2, "depth": 1}),
-    ("tl 128x256 saT", {"block_n": 256, "n_split": 2, "depth": 1, "sa_col_major": True}),
-    (
-        "tl 128x256 saT 3stg",
-        {"block_n": 256, "n_split": 2, "depth": 1, "sa_col_major": True, "num_stages": 3},
-    ),
+    ("tl sa rows", {"sa_col_major": False}),
+    ("tl depth4 n2", {"n_split": 2, "depth": 4}),
+    ("tl 128x192 n3 d3", {"block_n": 192, "n_split": 3, "depth": 3}),
+    ("tl 128x256 n2 d1", {"block_n": 256, "n_split": 2, "depth": 1}),
 ]
 
 

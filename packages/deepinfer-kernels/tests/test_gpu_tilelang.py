@@ -98,9 +98,10 @@ def test_fp8_gemm_fp32_output(m, n, k):
     "cfg_kwargs",
     [
         {"sa_col_major": False},
-        {"overlap": False},
-        {"block_n": 256, "n_split": 2, "overlap": False},
-        {"block_n": 256, "n_split": 2, "overlap": False, "num_stages": 3},
+        {"depth": 1},
+        {"n_split": 2, "depth": 4},
+        {"block_n": 192, "n_split": 3, "depth": 3},
+        {"block_n": 256, "n_split": 2, "depth": 1},
     ],
 )
 def test_fp8_gemm_configs(cfg_kwargs):

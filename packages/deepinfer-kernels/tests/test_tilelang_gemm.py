@@ -73,14 +73,14 @@ def test_default_config_fits_hopper():
 
 
 def test_wide_tile_fits_with_split_chunks():
-    cfg = tg.TileConfig(block_n=256, n_split=2, overlap=False)
+    cfg = tg.TileConfig(block_n=256, n_split=2, depth=1)
     assert cfg.chunk_n == 128 and cfg.fragment_registers == 128 + 64
     assert cfg.shared_bytes == 4 * (384 * 128 + (128 + 8) * 4 * 4) <= tg.MAX_SHARED_BYTES
 
 
 @pytest.mark.parametrize("block_n", [32, 64, 96, 128, 160, 192])
 def test_weight_scale_stage_is_tma_aligned(block_n):
-    cfg = tg.TileConfig(block_n=block_n, overlap=block_n <= 128)
+    cfg = tg.TileConfig(block_n=block_n, depth=2 if block_n <= 128 else 1)
     rows = cfg.sb_tile_rows
     assert rows >= block_n // 32 and rows * tg.SLICES * 4 % tg.TMA_SMEM_ALIGN == 0
     assert rows - block_n // 32 < 8  # padded by less than one 128-B unit
@@ -93,13 +93,16 @@ def test_weight_scale_stage_is_tma_aligned(block_n):
         ({"block_n": 48}, "block_n"),
         ({"block_n": 288}, "block_n"),
         ({"num_stages": 0}, "num_stages"),
-        ({"block_n": 192, "overlap": True}, "registers"),
-        ({"block_n": 256, "overlap": False}, "registers"),
-        ({"block_n": 256, "n_split": 2, "overlap": True}, "registers"),
+        ({"block_n": 192, "depth": 2}, "registers"),
+        ({"block_n": 256, "depth": 1}, "registers"),
+        ({"block_n": 256, "n_split": 2, "depth": 2}, "registers"),
+        ({"n_split": 2, "depth": 5}, "registers"),
+        ({"depth": 5}, "depth"),
+        ({"depth": 0}, "depth"),
         ({"block_n": 128, "n_split": 3}, "n_split"),
         ({"block_n": 96, "n_split": 2}, "n_split"),
         ({"n_split": 0}, "n_split"),
-        ({"block_n": 192, "overlap": False, "num_stages": 8}, "shared memory"),
+        ({"block_n": 192, "depth": 1, "num_stages": 8}, "shared memory"),
         ({"swizzle_panel": -1}, "swizzle_panel"),
     ],
 )
@@ -264,15 +267,15 @@ def _consumer_loop(src: str) -> str:
 LOWERED_CONFIGS = [
     tg.DEFAULT_CONFIG,
     tg.TileConfig(sa_col_major=False),
-    tg.TileConfig(overlap=False),
-    tg.TileConfig(block_n=256, n_split=2, overlap=False),
+    tg.TileConfig(depth=1),
+    tg.TileConfig(block_n=256, n_split=2, depth=1),
+    tg.TileConfig(n_split=2, depth=4),
 ]
 
 
 @needs_tilelang
 @pytest.mark.parametrize("cfg", LOWERED_CONFIGS, ids=str)
 def test_lowered_source_structure(cfg):
-    overlap = cfg.overlap
     src = tg.lower_source(5120, 8192, "bfloat16", cfg)
     loop = _consumer_loop(src)
     # one m64 x chunk x k32 FP8 wgmma per 32-slice and chunk, from shared memory
@@ -289,10 +292,13 @@ def test_lowered_source_structure(cfg):
     # register fragments only: accumulator chunk(s) + partial(s), nothing else declared
     arrays = re.findall(r"^\s*float (\w+)\[(\d+)\];", src, flags=re.M)
     per_chunk = 64 * cfg.chunk_n // 128
-    count = cfg.n_split + (2 if overlap else 1)
+    count = cfg.n_split + cfg.depth
     assert sorted(int(size) for _, size in arrays) == [per_chunk] * count
-    if overlap:  # every wgmma but the last promoted under the next one
-        assert loop.count("wait_wgmma<1>") == tg.SLICES * cfg.n_split - 1
+    # the oldest of `depth` in-flight wgmmas is promoted under the others, the last depth-1
+    # after the full wait
+    steps = tg.SLICES * cfg.n_split
+    if cfg.depth > 1:
+        assert loop.count(f"wait_wgmma<{cfg.depth - 1}>") == steps - cfg.depth + 1
     # no wgmma may still read a stage when it is handed back to the producer: the stage's
     # release (mbarrier arrive) comes after a wait for all wgmma groups, with no issue between
     first_arrive = loop.index(".arrive();")
@@ -345,8 +351,8 @@ def _cuda_tools() -> tuple[str, str] | None:
     "cfg",
     [
         tg.DEFAULT_CONFIG,
-        tg.TileConfig(block_n=192, overlap=False),
-        tg.TileConfig(block_n=256, n_split=2, overlap=False),
+        tg.TileConfig(block_n=192, depth=1),
+        tg.TileConfig(block_n=256, n_split=2, depth=1),
     ],
     ids=str,
 )

@@ -12,22 +12,23 @@ tensor core's reduced-precision FP8 accumulation to one 32-long sum.
 Schedule (TileLang lowers it; see `lower_source`): K tiles of 128 (4 slices) arrive by TMA in a
 `num_stages`-deep ring, together with the tile's scales (4 x block_m of sa, 4 x block_n/32 of sb),
 loaded once per K tile. TileLang warp-specialises the loop: one producer warpgroup issues the
-TMA loads, one consumer warpgroup per 64 rows of the tile runs the wgmma and the promotion. With
-`overlap=True` each consumer keeps two partial accumulators and issues the wgmma of slice s+1
-before it promotes slice s (``wgmma.wait_group 1``), so the FFMA of the promotion runs under the
-next wgmma; slices 0-2 of each K tile overlap so, slice 3 is promoted after a full wait
-(``wait_group 0``), after which the stage goes back to the producer (the wait must come first:
-an issued wgmma still reads the stage). The two consumer warpgroups run unsynchronised, so one's
-promotion also overlaps the other's wgmma.
+TMA loads, one consumer warpgroup per 64 rows of the tile runs the wgmma and the promotion. A K
+tile is SLICES x n_split wgmmas (one per 32-slice and column chunk), each into its own partial
+accumulator; `depth` of them are in flight (``wgmma.wait_group depth-1``) while the oldest is
+promoted, the last depth-1 after a full wait (``wait_group 0``), after which the stage goes back to
+the producer (the wait must come first: an issued wgmma still reads the stage). The two consumer
+warpgroups run unsynchronised, so one's promotion also overlaps the other's wgmma.
 
 Budget (per SM and clock): the tensor cores do 4096 FP8 FMA, the CUDA cores 128 FFMA; per output
 element and 32-slice the wgmma does 32 FMA and the promotion one FFMA (the sa*sb products are
 hoisted: 8 FMUL per slice per thread), the same ratio, so both pipes would be busy at peak. What
 the H200 measured is another bound: at 128x128 Nsight Compute shows L2 94% busy, SM issue 47%,
-and a warp waits ~6 cycles per instruction, 40% of it on the shared-memory loads of the scales
-right after each wgmma wait. A 128x256 tile (25% fewer L2 bytes per FLOP) or column-major
-activation scales (half the L2 sectors for sa) gain only 0-10% (see NOTES.md): ~500-570 TFLOP/s,
-2x the Triton tiles, ~38% of DeepGEMM's 1495.
+and a warp waits ~6 cycles per instruction, 40% of it on L1TEX/shared-memory scoreboards. A
+128x256 tile (25% fewer L2 bytes per FLOP) or column-major activation scales gain 0-10%, and more
+wgmmas in flight (depth 3-4 with 64-wide chunks) lose 5-12% (NOTES.md): ~500-575 TFLOP/s, 2x the
+Triton tiles, ~38% of DeepGEMM's 1495. Our reading: TileLang lays each 32-wide k-slice out as its
+own 32-byte-swizzled sub-tile, so every TMA box row is one 32-B sector (4x the L2 requests of
+DeepGEMM's 128-B rows); slicing k inside a 128-B-swizzled tile is the next thing to try.
 
 The kernel's arithmetic for one row does not depend on M or on the other rows (fixed tiles, no
 split-K), so it is batch-invariant by construction (checked bitwise by the GPU tests).
@@ -70,7 +71,9 @@ class TileConfig:
         the partial accumulator holds one chunk, so a wide tile fits the registers (128x256 with
         n_split=2: a 128-register accumulator and a 64-register partial per thread).
     num_stages: depth of the TMA ring of K tiles (each stage holds (block_m + block_n) x 128 B).
-    overlap: two partial accumulators, so the promotion of one wgmma runs under the next one.
+    depth: wgmma groups in flight per consumer warpgroup, each into its own partial accumulator
+        (1 = issue, wait, promote; d > 1: the promotion of step t runs under the wgmmas of steps
+        t+1 .. t+d-1). A k32 wgmma's latency is several times its issue cost, so depth hides it.
     sa_col_major: activation scales passed as [K/32, M] (padded to M % 4 == 0), so a tile's
         scales are 4 contiguous 4*block_m-byte rows instead of block_m 16-byte rows (fewer L2
         sectors per tile; the kernel is L2-bandwidth bound).
@@ -81,7 +84,7 @@ class TileConfig:
     block_n: int = 128
     n_split: int = 1
     num_stages: int = 4
-    overlap: bool = True
+    depth: int = 2
     sa_col_major: bool = False
     swizzle_panel: int = 8
 
@@ -97,6 +100,11 @@ class TileConfig:
                 f"TileConfig.n_split must divide block_n={self.block_n} into multiples of 32, "
                 f"got {self.n_split}"
             )
+        if not 1 <= self.depth <= SLICES * self.n_split:
+            raise ValueError(
+                f"TileConfig.depth must be in [1, {SLICES * self.n_split}] (wgmmas per K tile), "
+                f"got {self.depth}"
+            )
         if not 1 <= self.num_stages <= 8:
             raise ValueError(f"TileConfig.num_stages must be in [1, 8], got {self.num_stages}")
         if self.swizzle_panel < 0:
@@ -104,8 +112,8 @@ class TileConfig:
         if self.fragment_registers > MAX_ACC_REGS:
             raise ValueError(
                 f"TileConfig: block_n={self.block_n}, n_split={self.n_split}, "
-                f"overlap={self.overlap} needs {self.fragment_registers} fp32 fragment registers "
-                f"per thread (limit {MAX_ACC_REGS}); raise n_split or turn overlap off"
+                f"depth={self.depth} needs {self.fragment_registers} fp32 fragment registers "
+                f"per thread (limit {MAX_ACC_REGS}); raise n_split or lower depth"
             )
         if self.shared_bytes > MAX_SHARED_BYTES:
             raise ValueError(
@@ -128,7 +136,7 @@ class TileConfig:
         """fp32 registers per consumer thread for the accumulator and the partial(s)."""
         acc = WARPGROUP_ROWS * self.block_n // 128
         partial = WARPGROUP_ROWS * self.chunk_n // 128
-        return acc + partial * (2 if self.overlap else 1)
+        return acc + partial * self.depth
 
     @property
     def shared_bytes(self) -> int:
@@ -401,9 +409,7 @@ def build_kernel(n: int, k: int, out_dtype: str = "bfloat16", cfg: TileConfig = 
             sb_tile = T.alloc_shared((cfg.sb_tile_rows, SLICES), "float32")
             c_tile = T.alloc_shared((bm, bn), out_dtype)
             accs = tuple(T.alloc_fragment((bm, cn), "float32") for _ in range(cfg.n_split))
-            parts = tuple(
-                T.alloc_fragment((bm, cn), "float32") for _ in range(2 if cfg.overlap else 1)
-            )
+            parts = tuple(T.alloc_fragment((bm, cn), "float32") for _ in range(cfg.depth))
 
             if cfg.swizzle_panel:
                 T.use_swizzle(panel_size=cfg.swizzle_panel)
@@ -417,26 +423,8 @@ def build_kernel(n: int, k: int, out_dtype: str = "bfloat16", cfg: TileConfig = 
                 else:
                     T.copy(SA[by * bm, kt * SLICES], sa_tile)
                 T.copy(SB[bx * bn_blocks, kt * SLICES], sb_tile)
-                if cfg.overlap:
-                    # issue step t, wait until only it is in flight, promote step t-1 under it
-                    issue(a_tile, b_tile, parts[0], *steps[0])
-                    for t in tuple(range(1, len(steps))):
-                        issue(a_tile, b_tile, parts[t % 2], *steps[t])
-                        T.wait_wgmma(1)
-                        T.warpgroup_fence_operand(parts[(t - 1) % 2], num_regs=frag_regs)
-                        s, h = steps[t - 1]
-                        promote(accs[h], parts[(t - 1) % 2], sa_tile, sb_tile, s, h)
-                    T.wait_wgmma(0)
-                    # TileLang hands a stage back to the producer right after the last statement
-                    # that touches its buffers, and an issued wgmma still reads them: these two
-                    # (empty) uses put the hand-back after the wait for every wgmma of the tile.
-                    T.evaluate(T.address_of(a_tile[0, 0]))
-                    T.evaluate(T.address_of(b_tile[0, 0]))
-                    last = len(steps) - 1
-                    T.warpgroup_fence_operand(parts[last % 2], num_regs=frag_regs)
-                    s, h = steps[last]
-                    promote(accs[h], parts[last % 2], sa_tile, sb_tile, s, h)
-                else:
+                d = cfg.depth
+                if d == 1:  # T.gemm issues the wgmma and waits for it
                     for s, h in steps:
                         T.gemm(
                             a_tile[:, s * SCALE_BLOCK : (s + 1) * SCALE_BLOCK],
@@ -444,6 +432,27 @@ def build_kernel(n: int, k: int, out_dtype: str = "bfloat16", cfg: TileConfig = 
                             parts[0], transpose_B=True, clear_accum=True, policy=policy,
                         )  # fmt: skip
                         promote(accs[h], parts[0], sa_tile, sb_tile, s, h)
+                else:
+                    # issue step t into partial t % d; once d groups are in flight, wait until
+                    # the oldest is done and promote it under the others
+                    for t in tuple(range(len(steps))):
+                        issue(a_tile, b_tile, parts[t % d], *steps[t])
+                        if t >= d - 1:
+                            T.wait_wgmma(d - 1)
+                            old = t - d + 1
+                            T.warpgroup_fence_operand(parts[old % d], num_regs=frag_regs)
+                            promote(
+                                accs[steps[old][1]], parts[old % d], sa_tile, sb_tile, *steps[old]
+                            )
+                    T.wait_wgmma(0)
+                    # TileLang hands a stage back to the producer right after the last statement
+                    # that touches its buffers, and an issued wgmma still reads them: these two
+                    # (empty) uses put the hand-back after the wait for every wgmma of the tile.
+                    T.evaluate(T.address_of(a_tile[0, 0]))
+                    T.evaluate(T.address_of(b_tile[0, 0]))
+                    for old in tuple(range(len(steps) - d + 1, len(steps))):
+                        T.warpgroup_fence_operand(parts[old % d], num_regs=frag_regs)
+                        promote(accs[steps[old][1]], parts[old % d], sa_tile, sb_tile, *steps[old])
             for h in tuple(range(cfg.n_split)):
                 T.copy(accs[h], c_tile[:, h * cn : (h + 1) * cn])
             T.copy(c_tile, C[by * bm, bx * bn])
