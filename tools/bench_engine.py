@@ -39,6 +39,7 @@ import io
 import json
 import os
 import pstats
+import signal
 import statistics
 import tempfile
 import time
@@ -312,8 +313,27 @@ def main() -> None:
     args = ap.parse_args()
     if args.slice_experts is None:
         args.slice_experts = 384 if args.device == "cuda" else 16
-    accel = "nvidia" if args.device == "cuda" else "cpu"
     rows = []
+    # `timeout N python tools/bench_engine.py ...` sends SIGTERM: print the rows measured so far
+    signal.signal(signal.SIGTERM, _stop)
+    try:
+        _measure(args, rows)
+    except _Stopped:
+        print("# stopped by SIGTERM: the table has the runs finished so far", flush=True)
+    _print_table(args, rows)
+
+
+class _Stopped(Exception):
+    pass
+
+
+def _stop(signum, frame):
+    raise _Stopped
+
+
+def _measure(args, rows: list) -> None:
+    """Build each model and append one row per (batch, async, mode) run to `rows`."""
+    accel = "nvidia" if args.device == "cuda" else "cpu"
     for name in args.models:
         t = time.perf_counter()
         if name == "tiny":
@@ -354,6 +374,9 @@ def main() -> None:
         gc.collect()
         if args.device == "cuda":
             torch.cuda.empty_cache()
+
+
+def _print_table(args, rows: list) -> None:
     dev = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(
         f"\nengine benchmark on {dev}: prompt {args.prompt_len} tokens, decode steps: "
