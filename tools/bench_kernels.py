@@ -509,7 +509,7 @@ def decode_rows(quick):
     # MoE decode: graph replays of the whole layer's experts, a few tile configurations
     d, i, e, k, limit = MOE_D, MOE_I, MOE_E, MOE_K, MOE_LIMIT
     g = torch.Generator(device="cuda").manual_seed(0)
-    (w1, s1, w3, s3, w2, s2), per_expert = moe_layer_weights(g)
+    experts, per_expert = moe_layer_weights(g)
     M = tmoe.MoeConfig
     moe_cands = {
         "auto": None,
@@ -525,10 +525,10 @@ def decode_rows(quick):
         shape = f"T={t} E=384 k=6 D=5120 I=2304"
         ms = _bench_graphs(lambda x, tw, ids: tmoe.build_routing(tw, ids, e, 16), sets)
         row("moe_routing[graph]", f"T={t} E=384 k=6", ms, 0.0, t * k * 12)
-        base = tmoe.moe_experts(*sets[0], w1, s1, w3, s3, w2, s2, limit)
+        base = tmoe.moe_experts(*sets[0], *experts, limit)
         for name, cfg in moe_cands.items():
             if cfg is not None:  # candidates are checked against the default before timing
-                got = tmoe.moe_experts(*sets[0], w1, s1, w3, s3, w2, s2, limit, config=cfg)
+                got = tmoe.moe_experts(*sets[0], *experts, limit, config=cfg)
                 err = ((got.double() - base.double()).norm() / base.double().norm()).item()
                 print(f"sweep: moe {name} T={t} rel diff to auto {err:.2e}")
                 name = f"{name} {'ok' if err < 1e-2 else 'BAD'}"
@@ -539,12 +539,7 @@ def decode_rows(quick):
                             x,
                             tw,
                             ids,
-                            w1,
-                            s1,
-                            w3,
-                            s3,
-                            w2,
-                            s2,
+                            *experts,
                             limit,
                             batch_invariant=inv,
                             config=cfg,
@@ -658,24 +653,19 @@ def decode3_rows():
     def moe():
         limit = MOE_LIMIT
         g = torch.Generator(device="cuda").manual_seed(0)
-        (w1, s1, w3, s3, w2, s2), per_expert = moe_layer_weights(g)
+        experts, per_expert = moe_layer_weights(g)
         moe_cands = {"default": None}  # words (call 1): 0.124 / 1.18 / 3.20 / 4.95 ms
         for t in (1, 16, 64, 256):
             sets = moe_routed_inputs(t, 8, g)
             active = sum(int(torch.unique(st[2]).numel()) for st in sets) / len(sets)
             nbytes = active * per_expert
-            base = tmoe.moe_experts(*sets[0], w1, s1, w3, s3, w2, s2, limit).double()
+            base = tmoe.moe_experts(*sets[0], *experts, limit).double()
             for name, cfg in moe_cands.items():
                 for inv in (False, True) if cfg is None else (False,):
                     try:
                         got = tmoe.moe_experts(
                             *sets[0],
-                            w1,
-                            s1,
-                            w3,
-                            s3,
-                            w2,
-                            s2,
+                            *experts,
                             limit,
                             batch_invariant=inv,
                             config=cfg,
@@ -686,12 +676,7 @@ def decode3_rows():
                                 x,
                                 tw,
                                 ids,
-                                w1,
-                                s1,
-                                w3,
-                                s3,
-                                w2,
-                                s2,
+                                *experts,
                                 limit,
                                 batch_invariant=inv,
                                 config=cfg,
