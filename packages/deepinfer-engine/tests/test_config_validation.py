@@ -30,7 +30,7 @@ def test_env_is_read_and_argument_wins():
 @pytest.mark.parametrize(
     ("var", "value", "match"),
     [
-        ("DEEPINFER_ASYNC_SCHEDULING", "maybe", "DEEPINFER_ASYNC_SCHEDULING='maybe'.*allowed"),
+        ("DEEPINFER_ASYNC_SCHEDULING", "maybe", "ASYNC_SCHEDULING='maybe' is not a boolean"),
         ("DEEPINFER_ACCELERATOR", "tpu", "DEEPINFER_ACCELERATOR='tpu'.*nvidia, ascend, cpu"),
         ("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", "on", "off, compact"),
         ("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS", "-3", "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS"),
@@ -50,6 +50,21 @@ def test_bad_argument_names_the_argument():
     with pytest.raises(ValueError, match="enforce_eager"):
         EngineConfig.from_env({}, enforce_eager="sometimes")
     assert EngineConfig.from_env({}, enforce_eager="1").enforce_eager is True
+
+
+@pytest.mark.parametrize("raw", ["1", "On", "no", "FALSE", " yes ", "maybe", "2"])
+def test_batch_invariant_env_reads_as_the_kernels_read_it(raw):
+    """The engine and the kernel registry parse DEEPINFER_BATCH_INVARIANT with one function."""
+    from deepinfer_kernels import KernelSettings
+
+    env = {"DEEPINFER_BATCH_INVARIANT": raw}
+    try:
+        want = KernelSettings.from_env(env).batch_invariant
+    except ValueError:
+        with pytest.raises(ValueError, match="DEEPINFER_BATCH_INVARIANT"):
+            EngineConfig.from_env(env)
+        return
+    assert EngineConfig.from_env(env).batch_invariant is want
 
 
 def encode(text: str) -> list[int]:

@@ -14,10 +14,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from deepinfer_kernels.settings import parse_bool
+
 ACCELERATORS = ("nvidia", "ascend", "cpu")
 TRUNCATION_MODES = ("off", "compact")
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
 
 # Environment variable -> EngineConfig field.
 ENV_FIELDS: dict[str, str] = {
@@ -30,20 +30,6 @@ ENV_FIELDS: dict[str, str] = {
     "DEEPINFER_ENABLE_MTP_VARLEN": "enable_mtp_varlen",
     "DEEPINFER_BATCH_INVARIANT": "batch_invariant",
 }
-
-
-def _parse_bool(name: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str):
-        v = value.strip().lower()
-        if v in _TRUE:
-            return True
-        if v in _FALSE:
-            return False
-    raise ValueError(f"{name}={value!r} is not a boolean; allowed values: {_TRUE + _FALSE}")
 
 
 def _parse_int(name: str, value: Any, minimum: int) -> int:
@@ -141,7 +127,7 @@ class EngineConfig:
             "gpu_memory_utilization", self.gpu_memory_utilization
         )
         self.kv_cache_bytes = _parse_int("kv_cache_bytes", self.kv_cache_bytes, 1)
-        self.async_scheduling = _parse_bool("async_scheduling", self.async_scheduling)
+        self.async_scheduling = parse_bool("async_scheduling", self.async_scheduling)
         self.yoco_prefill_truncation_mode = _parse_choice(
             "yoco_prefill_truncation_mode", self.yoco_prefill_truncation_mode, TRUNCATION_MODES
         )
@@ -149,9 +135,9 @@ class EngineConfig:
             "yoco_prefill_keep_tokens", self.yoco_prefill_keep_tokens, 1
         )
         self.use_nextn_decode = _parse_int("use_nextn_decode", self.use_nextn_decode, 0)
-        self.enable_mtp_varlen = _parse_bool("enable_mtp_varlen", self.enable_mtp_varlen)
-        self.batch_invariant = _parse_bool("batch_invariant", self.batch_invariant)
-        self.enforce_eager = _parse_bool("enforce_eager", self.enforce_eager)
+        self.enable_mtp_varlen = parse_bool("enable_mtp_varlen", self.enable_mtp_varlen)
+        self.batch_invariant = parse_bool("batch_invariant", self.batch_invariant)
+        self.enforce_eager = parse_bool("enforce_eager", self.enforce_eager)
 
     def torch_dtype(self, device: str):
         """The compute/cache dtype: `dtype`, else bfloat16 on GPU and float32 on CPU."""
@@ -196,7 +182,7 @@ class EngineConfig:
 def _parse_env(var: str, field: str, raw: str) -> Any:
     """Parse one environment variable; the error names the variable, not the field."""
     if field in ("async_scheduling", "enable_mtp_varlen", "batch_invariant"):
-        return _parse_bool(var, raw)
+        return parse_bool(var, raw)
     if field == "accelerator":
         return _parse_choice(var, raw, ACCELERATORS)
     if field == "yoco_prefill_truncation_mode":

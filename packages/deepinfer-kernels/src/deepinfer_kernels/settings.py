@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 TIERS: tuple[str, ...] = ("vendor", "tilelang", "triton", "npu", "ref")
 """Implementation tiers in default order of preference (first capable one wins)."""
@@ -18,14 +19,24 @@ _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
 
 
-def parse_bool(name: str, value: str) -> bool:
-    """Parse a boolean env value; anything unrecognised is an error naming the variable."""
-    v = value.strip().lower()
-    if v in _TRUE:
-        return True
-    if v in _FALSE:
-        return False
-    raise ValueError(f"{name}={value!r}: expected one of {', '.join(_TRUE + _FALSE[:-1])}")
+def parse_bool(name: str, value: Any) -> bool:
+    """A boolean from an env value or an argument: a bool, 0 / 1, or one of 1/true/yes/on and
+    0/false/no/off (any case; an empty env value is false). Anything else is an error naming
+    `name`. The engine's config parses its flags with this too, so both read
+    DEEPINFER_BATCH_INVARIANT the same way."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        v = value.strip().lower()
+        if v in _TRUE:
+            return True
+        if v in _FALSE:
+            return False
+    raise ValueError(
+        f"{name}={value!r} is not a boolean: expected one of {', '.join(_TRUE + _FALSE[:-1])}"
+    )
 
 
 def parse_overrides(value: str) -> dict[str, str]:
