@@ -172,6 +172,9 @@ TILELANG_VARIANTS = [
     ("tl depth4 n2", {"n_split": 2, "depth": 4}),
     ("tl 128x192 n3 d3", {"block_n": 192, "n_split": 3, "depth": 3}),
     ("tl 128x256 n2 d1", {"block_n": 256, "n_split": 2, "depth": 1}),
+    # 128-B rows with the 128-B swizzle (one TMA box per operand and stage): not yet measured
+    ("tl row-swizzle", {"row_swizzle": True}),
+    ("tl 128x256 row-swizzle", {"block_n": 256, "n_split": 2, "depth": 1, "row_swizzle": True}),
 ]
 
 

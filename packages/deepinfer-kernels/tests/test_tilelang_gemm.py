@@ -270,6 +270,8 @@ LOWERED_CONFIGS = [
     tg.TileConfig(depth=1),
     tg.TileConfig(block_n=256, n_split=2, depth=1),
     tg.TileConfig(n_split=2, depth=4),
+    tg.TileConfig(row_swizzle=True),
+    tg.TileConfig(row_swizzle=True, block_n=256, n_split=2, depth=1),
 ]
 
 
@@ -324,6 +326,33 @@ def test_lowered_source_structure(cfg):
 
 
 @needs_tilelang
+@pytest.mark.parametrize("n_split", [1, 2])
+def test_row_swizzle_lowering(n_split):
+    """row_swizzle: one TMA box of 128-B rows per operand and stage, 128-B-swizzle wgmma
+    descriptors (layout type 1, 1024-B stride), each slice 32 B further inside the atom, each
+    column chunk 64 or 128 rows (x 128 B) further; TileLang's inference is restored after."""
+    from tilelang.cuda.op.gemm.gemm_wgmma import GemmWGMMA
+
+    inferred = GemmWGMMA.infer_layout
+    cfg = tg.TileConfig(row_swizzle=True, n_split=n_split, depth=2 if n_split == 1 else 3)
+    src = tg.lower_source(5120, 8192, "bfloat16", cfg)
+    assert GemmWGMMA.infer_layout is inferred
+    for desc, buf in (("A_desc", "a_tile"), ("B_desc", "b_tile")):
+        loads = re.findall(rf"tma_load\({desc}, [^;]*{buf}\)\[([^\]]*)\]", src)
+        assert loads == ["((kt & 3) * 16384)"], loads  # one box per stage, 128 rows x 128 B
+    loop = _consumer_loop(src)
+    assert "initialize_wgmma_descriptor<3" not in loop
+    assert loop.count("initialize_wgmma_descriptor<1, 1, 64>") == 2 * tg.SLICES * n_split
+    offsets = re.findall(r"increase_descriptor_offset<int>\(desc_b\w*, \(*\(kt_1 & 3\) \* 16384\)"
+                         r"(?: \+ (\d+))?\)", loop)  # fmt: skip
+    chunk_bytes = cfg.chunk_n * 128
+    want = sorted(s * 32 + h * chunk_bytes for s in range(tg.SLICES) for h in range(n_split))
+    assert sorted(int(o or 0) for o in offsets) == want
+    plain = tg.lower_source(5120, 8192, "bfloat16", tg.TileConfig(n_split=n_split, depth=cfg.depth))
+    assert "initialize_wgmma_descriptor<3, 1, 16>" in plain  # the default keeps 32-B slices
+
+
+@needs_tilelang
 def test_lowered_source_prefill_shapes_and_tails():
     for n, k, out in ((32768, 1280, "bfloat16"), (40, 256, "float32")):
         src = tg.lower_source(n, k, out, tg.DEFAULT_CONFIG)
@@ -353,6 +382,7 @@ def _cuda_tools() -> tuple[str, str] | None:
         tg.DEFAULT_CONFIG,
         tg.TileConfig(block_n=192, depth=1),
         tg.TileConfig(block_n=256, n_split=2, depth=1),
+        tg.TileConfig(row_swizzle=True),
     ],
     ids=str,
 )

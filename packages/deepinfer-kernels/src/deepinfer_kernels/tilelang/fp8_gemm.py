@@ -42,8 +42,10 @@ that build or run a kernel; each (N, K, dtype, config) compiles once per process
 # No `from __future__ import annotations`: TileLang evaluates the kernel's argument annotations
 # (tensor shapes built from closure variables) at definition time.
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,6 +80,12 @@ class TileConfig:
         scales are 4 contiguous 4*block_m-byte rows instead of block_m 16-byte rows (fewer L2
         sectors per tile; the kernel is L2-bandwidth bound).
     swizzle_panel: CTA rasterisation panel (L2 reuse of A and B tiles), 0 = none.
+    row_swizzle: lay the A and B tiles out as whole 128-B rows with the 128-B swizzle, each
+        slice's wgmma reading at a 32-B offset inside the swizzle atom (as CUTLASS steps k), so
+        the TMA moves a K tile as one box of 128-B rows instead of four of 32-B rows. TileLang
+        infers a 32-B swizzle from each slice's K of 32 and merges a conflicting annotation down
+        to it, so this option also overrides that inference while our kernel is lowered
+        (`_row_swizzle`). Not yet run on hardware: opt-in, not the default.
     """
 
     block_m: int = 128
@@ -87,6 +95,7 @@ class TileConfig:
     depth: int = 2
     sa_col_major: bool = False
     swizzle_panel: int = 8
+    row_swizzle: bool = False
 
     def __post_init__(self) -> None:
         if self.block_m not in (64, 128):
@@ -411,6 +420,10 @@ def build_kernel(n: int, k: int, out_dtype: str = "bfloat16", cfg: TileConfig = 
             accs = tuple(T.alloc_fragment((bm, cn), "float32") for _ in range(cfg.n_split))
             parts = tuple(T.alloc_fragment((bm, cn), "float32") for _ in range(cfg.depth))
 
+            if cfg.row_swizzle:
+                from tilelang.layout import make_full_bank_swizzled_layout as row_swizzled
+
+                T.annotate_layout({a_tile: row_swizzled(a_tile), b_tile: row_swizzled(b_tile)})
             if cfg.swizzle_panel:
                 T.use_swizzle(panel_size=cfg.swizzle_panel)
             for acc in accs:
@@ -463,6 +476,38 @@ def build_kernel(n: int, k: int, out_dtype: str = "bfloat16", cfg: TileConfig = 
 SM90A = {"kind": "cuda", "arch": "sm_90a"}
 
 
+@contextlib.contextmanager
+def _row_swizzle(on: bool) -> Iterator[None]:
+    """While our kernel is lowered with `TileConfig.row_swizzle`, TileLang's wgmma layout
+    inference gives shared operands whose rows are 128 B the 128-B swizzle over the whole row
+    (it would infer a 32-B swizzle from a 32-wide k-slice). Restored on exit; tied to TileLang
+    0.1.15's `GemmWGMMA.infer_layout`, so any other version is refused with the reason."""
+    if not on:
+        yield
+        return
+    try:
+        from tilelang.cuda.op.gemm.gemm_wgmma import GemmWGMMA
+        from tilelang.layout import make_full_bank_swizzled_layout
+    except ImportError as e:
+        raise NotImplementedError(
+            f"TileConfig.row_swizzle needs TileLang's GemmWGMMA layout inference (0.1.15): {e}"
+        ) from e
+    inferred = GemmWGMMA.infer_layout
+
+    def infer_layout(self, target, thread_nums):
+        layouts = inferred(self, target, thread_nums)
+        for buf in (self.A, self.B):
+            if buf in layouts and buf.shape[-1] * buf.dtype.bits == 128 * 8:
+                layouts[buf] = make_full_bank_swizzled_layout(buf)
+        return layouts
+
+    GemmWGMMA.infer_layout = infer_layout
+    try:
+        yield
+    finally:
+        GemmWGMMA.infer_layout = inferred
+
+
 def lower_source(
     n: int, k: int, out_dtype: str = "bfloat16", cfg: TileConfig = DEFAULT_CONFIG
 ) -> str:
@@ -471,7 +516,7 @@ def lower_source(
     from tvm.target import Target
 
     target = Target(SM90A)
-    with target:
+    with target, _row_swizzle(cfg.row_swizzle):
         artifact = tilelang.lower(build_kernel(n, k, out_dtype, cfg), target=target)
     return artifact.kernel_source
 
@@ -489,7 +534,8 @@ def compiled_kernel(n: int, k: int, out_dtype: str, cfg: TileConfig):
         import tilelang
 
         start = time.perf_counter()
-        kernel = tilelang.compile(build_kernel(n, k, out_dtype, cfg), target=SM90A)
+        with _row_swizzle(cfg.row_swizzle):
+            kernel = tilelang.compile(build_kernel(n, k, out_dtype, cfg), target=SM90A)
         _COMPILED[key] = kernel
         log.info(
             "compiled the TileLang FP8 GEMM for N=%d K=%d %s in %.1f s (once per process)",
