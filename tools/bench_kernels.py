@@ -17,60 +17,21 @@ T <= 256, eager and CUDA-graph replays, auto and batch-invariant, plus decode-ke
 each checked against the reference before it is timed); `--only sweep` / `--only probe` the
 first pass's tile sweep and batch-invariance probe; `--only tilelang` the TileLang FP8 GEMM
 (`fp8_gemm[tilelang]` and tile variants, a trailing `!` marks a variant that failed its check).
+Sections live beside it: `bench_moe.py` (the MoE layer), `bench_decode.py` (decode rows),
+`bench_common.py` (timing helpers); this file is the command line and the dense GEMM rows.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
 
 import torch
-import torch.nn.functional as F
-
-FP8_CEILING_TFLOPS = 1495.0
-
-
-def _bench(fn, rep_ms: int = 100) -> float:
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")
-
-
-def _bench_graphs(fn, arg_sets) -> float:
-    """Median time of replaying one CUDA graph per argument set (rotating): the way the engine
-    runs decode, without the host's launch overhead."""
-    graphs = []
-    for args in arg_sets:
-        fn(*args)  # compile and warm outside the capture
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn(*args)
-        graphs.append(g)
-    return _bench(Rotating(lambda g: g.replay(), [(g,) for g in graphs]))
-
-
-def measure_copy_gbs() -> float:
-    """Device-to-device copy of 2 GiB: bytes read + bytes written over the time."""
-    a = torch.empty(1 << 31, dtype=torch.uint8, device="cuda").random_()
-    b = torch.empty_like(a)
-    ms = _bench(lambda: b.copy_(a))
-    return 2 * a.numel() / ms / 1e6
-
-
-class Rotating:
-    """Calls fn(*args_i) cycling over several argument sets (to defeat the L2 cache)."""
-
-    def __init__(self, fn, arg_sets):
-        self.fn, self.arg_sets, self.i = fn, arg_sets, 0
-
-    def __call__(self):
-        args = self.arg_sets[self.i % len(self.arg_sets)]
-        self.i += 1
-        return self.fn(*args)
+from bench_common import FP8_CEILING_TFLOPS, Rotating, bench_graphs, bench_ms, measure_copy_gbs
+from bench_decode import decode3_rows, decode_rows
+from bench_moe import moe_rows
 
 
 def gemm_rows(shapes, quick):
@@ -94,8 +55,8 @@ def gemm_rows(shapes, quick):
             return x @ wd.t()
 
         w_bf16 = [quant.dequantize_fp8_blocks(s[3], s[4], torch.bfloat16) for s in sets]
-        t_torch = _bench(Rotating(torch_base, sets))
-        t_mm = _bench(
+        t_torch = bench_ms(Rotating(torch_base, sets))
+        t_mm = bench_ms(
             Rotating(
                 lambda x, wd: x @ wd.t(), [(s[0], wd) for s, wd in zip(sets, w_bf16, strict=True)]
             )
@@ -105,7 +66,7 @@ def gemm_rows(shapes, quick):
             from deepinfer_kernels.triton.quant import act_fake_quant_bf16
 
             xa_sets = [(act_fake_quant_bf16(st[0]), st[3], st[4]) for st in sets]
-            ms = _bench(
+            ms = bench_ms(
                 Rotating(
                     lambda xa, w, ws: tl_linear.fp8_gemm(xa, xa, w, ws, torch.bfloat16), xa_sets
                 )
@@ -121,7 +82,7 @@ def gemm_rows(shapes, quick):
                     mm_only_ms=t_mm,
                 )
             )
-            ms = _bench(Rotating(lambda x, xq, xs, w, ws: tl_linear.fp8_linear(x, w, ws), sets))
+            ms = bench_ms(Rotating(lambda x, xq, xs, w, ws: tl_linear.fp8_linear(x, w, ws), sets))
             rows.append(
                 dict(
                     op="fp8_linear",
@@ -147,7 +108,7 @@ def gemm_rows(shapes, quick):
                 ),
                 sets,
             )
-            ms = _bench(fn)
+            ms = bench_ms(fn)
             rows.append(
                 dict(
                     op=f"fp8_gemm[{name}]",
@@ -207,15 +168,15 @@ def tilelang_rows(quick):
             return x @ quant.dequantize_fp8_blocks(w, ws, torch.bfloat16).t()
 
         w_bf16 = [quant.dequantize_fp8_blocks(s[3], s[4], torch.bfloat16) for s in sets]
-        t_torch = _bench(Rotating(torch_base, sets))
-        t_mm = _bench(
+        t_torch = bench_ms(Rotating(torch_base, sets))
+        t_mm = bench_ms(
             Rotating(
                 lambda x, wd: x @ wd.t(), [(s[0], wd) for s, wd in zip(sets, w_bf16, strict=True)]
             )
         )
         del w_bf16
         base = dict(shape=shape, flops=flops, bytes=nbytes, torch_ms=t_torch, mm_only_ms=t_mm)
-        ms = _bench(
+        ms = bench_ms(
             Rotating(
                 lambda x, xq, xs, w, ws: tl_linear.fp8_gemm(xq, xs, w, ws, torch.bfloat16), sets
             )
@@ -232,7 +193,7 @@ def tilelang_rows(quick):
             diff = got.double() - want.double()
             rel = (diff.norm() / want.double().norm()).item()
             ok = bool(torch.isfinite(got).all()) and rel < 1e-2
-            ms = _bench(
+            ms = bench_ms(
                 Rotating(
                     lambda x, xq, xs, w, ws, cfg=cfg: tg.fp8_gemm(
                         xq, xs, w, ws, torch.bfloat16, config=cfg
@@ -246,504 +207,6 @@ def tilelang_rows(quick):
             rows.append(dict(op=f"fp8_gemm[{name}]" + ("" if ok else "!"), ms=ms, rel=rel, **base))
         del sets, want
     return rows
-
-
-# One V4.1 MoE layer: hidden, expert intermediate, routed experts, top-k, SwiGLU limit.
-MOE_D, MOE_I, MOE_E, MOE_K, MOE_LIMIT = 5120, 2304, 384, 6, 10.0
-
-
-def moe_layer_weights(g: torch.Generator):
-    """Random FP4 experts of one MoE layer on CUDA: (w1, s1, w3, s3, w2, s2), and the bytes one
-    expert's three matrices occupy (packed values + UE8M0 scales)."""
-    d, i, e = MOE_D, MOE_I, MOE_E
-
-    def fp4(n, kk):
-        packed = torch.randint(
-            -128, 128, (e, n, kk // 2), device="cuda", generator=g, dtype=torch.int8
-        )
-        scale = torch.randint(
-            118, 123, (e, n, kk // 32), device="cuda", generator=g, dtype=torch.uint8
-        )
-        return packed, scale.view(torch.float8_e8m0fnu)
-
-    (w1, s1), (w3, s3), (w2, s2) = fp4(i, d), fp4(i, d), fp4(d, i)
-    return (w1, s1, w3, s3, w2, s2), 3 * (i * d // 2 + i * d // 32)
-
-
-def moe_routed_inputs(t: int, n_sets: int, g: torch.Generator):
-    """n_sets random routed batches of t tokens: [(x [t, D] bf16, weights [t, k], ids [t, k])]."""
-    sets = []
-    for _ in range(n_sets):
-        x = torch.randn(t, MOE_D, device="cuda", generator=g).bfloat16()
-        ids = torch.rand(t, MOE_E, device="cuda", generator=g).topk(MOE_K, dim=-1).indices
-        sets.append((x, torch.rand(t, MOE_K, device="cuda", generator=g), ids))
-    return sets
-
-
-def moe_rows(tokens_list, quick):
-    from deepinfer_kernels import quant
-    from deepinfer_kernels.triton import moe as tmoe
-
-    d, i, e, k, limit = MOE_D, MOE_I, MOE_E, MOE_K, MOE_LIMIT
-    g = torch.Generator(device="cuda").manual_seed(0)
-    (w1, s1, w3, s3, w2, s2), per_expert_bytes = moe_layer_weights(g)
-    rows = []
-    for t in tokens_list:
-        sets = moe_routed_inputs(t, 8 if t <= 256 else 1, g)
-        active = sum(int(torch.unique(s[2]).numel()) for s in sets) / len(sets)
-        nbytes = active * per_expert_bytes + 2 * t * d * 2 + t * k * 12
-        flops = 6.0 * t * k * d * i
-
-        def base(x, tw, ids):
-            y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-            for ex in torch.unique(ids).tolist():
-                r, c = torch.nonzero(ids == ex, as_tuple=True)
-                a = quant.dequantize_fp4(w1[ex], s1[ex], torch.bfloat16)
-                b = quant.dequantize_fp4(w3[ex], s3[ex], torch.bfloat16)
-                o = quant.dequantize_fp4(w2[ex], s2[ex], torch.bfloat16)
-                xe = x[r]
-                gte, up = (
-                    (xe @ a.t()).float().clamp(max=limit),
-                    (xe @ b.t()).float().clamp(-limit, limit),
-                )
-                h = (F.silu(gte) * up * tw[r, c, None]).bfloat16()
-                y.index_add_(0, r, (h @ o.t()).float())
-            return y.bfloat16()
-
-        t_torch = (
-            _bench(Rotating(base, sets), rep_ms=50 if t > 256 else 100)
-            if (t <= 256 or not quick)
-            else float("nan")
-        )
-        route_ms = _bench(Rotating(lambda x, tw, ids: tmoe.build_routing(tw, ids, e, 16), sets))
-        rows.append(
-            dict(
-                op="moe_routing",
-                shape=f"T={t} E=384 k=6",
-                ms=route_ms,
-                flops=0.0,
-                bytes=t * k * 12,
-                torch_ms=float("nan"),
-                mm_only_ms=float("nan"),
-            )
-        )
-        if t <= 256:
-            ms_graph = _bench_graphs(
-                lambda x, tw, ids: tmoe.moe_experts(x, tw, ids, w1, s1, w3, s3, w2, s2, limit),
-                sets,
-            )
-            rows.append(
-                dict(
-                    op="moe_experts[graph]",
-                    shape=f"T={t} E=384 k=6 D=5120 I=2304",
-                    ms=ms_graph,
-                    flops=flops,
-                    bytes=nbytes,
-                    torch_ms=t_torch,
-                    mm_only_ms=float("nan"),
-                )
-            )
-        for name, inv in (("auto", False), ("inv", True)):
-            fn = Rotating(
-                lambda x, tw, ids, inv=inv: tmoe.moe_experts(
-                    x, tw, ids, w1, s1, w3, s3, w2, s2, limit, batch_invariant=inv
-                ),
-                sets,
-            )
-            rows.append(
-                dict(
-                    op=f"moe_experts[{name}]",
-                    shape=f"T={t} E=384 k=6 D=5120 I=2304",
-                    ms=_bench(fn),
-                    flops=flops,
-                    bytes=nbytes,
-                    torch_ms=t_torch,
-                    mm_only_ms=float("nan"),
-                )
-            )
-    # the gate at one decode and one prefill size
-    wg = (torch.randn(e, d, device="cuda", generator=g) * 0.02).bfloat16()
-    bias = torch.randn(e, device="cuda", generator=g) * 0.1
-    for t in (64, 8192):
-        x = torch.randn(t, d, device="cuda", generator=g).bfloat16()
-        ms = _bench(lambda x=x: tmoe.moe_gate(x, wg, bias, k, 1.5))
-        ref_ms = _bench(lambda x=x: _torch_gate(x, wg, bias, k, 1.5))
-        rows.append(
-            dict(
-                op="moe_gate",
-                shape=f"T={t} E=384 D=5120",
-                ms=ms,
-                flops=2.0 * t * e * d,
-                bytes=e * d * 2 + t * d * 2 + t * k * 12,
-                torch_ms=ref_ms,
-                mm_only_ms=float("nan"),
-            )
-        )
-    return rows
-
-
-def decode_rows(quick):
-    """The decode (weight-bandwidth) rows: dense FP8 GEMM at M <= 256 and the MoE layer at
-    T <= 256, each timed eagerly and as CUDA-graph replays (how the engine runs decode), in auto
-    and batch-invariant mode, plus a few candidate configurations of the decode kernels."""
-    from deepinfer_kernels import quant
-    from deepinfer_kernels.ref import linear as ref_linear
-    from deepinfer_kernels.triton import gemv
-    from deepinfer_kernels.triton import linear as tl_linear
-    from deepinfer_kernels.triton import moe as tmoe
-
-    rows = []
-
-    def row(op, shape, ms, flops, nbytes, torch_ms=float("nan"), mm_ms=float("nan")):
-        # printed as measured too, so a run cut off by a timeout still reports its rows
-        print(f"row {op:<28}{shape:<30}{ms:>9.4f} ms {nbytes / ms / 1e6:>7.0f} GB/s", flush=True)
-        rows.append(
-            dict(
-                op=op,
-                shape=shape,
-                ms=ms,
-                flops=flops,
-                bytes=nbytes,
-                torch_ms=torch_ms,
-                mm_only_ms=mm_ms,
-            )
-        )
-
-    D = gemv.DecodeConfig
-    sweep = {  # candidates for M=1/16 (block_m 16) and M=64 (block_m 64); split fixed per row
-        "swap k128 s8": D(split_k=8),  # the default tiles at M > 64 (M tiles of 64 rows)
-        "swap k128 s16": D(split_k=16),
-        "swap k128 st3 s8": D(num_stages=3, split_k=8),
-        "fp8 n64 st6 s8": D(block_k=32, num_stages=6, split_k=8, mma_fp8=True),
-        "fp8 n128 st6 s4": D(block_n=128, block_k=32, num_stages=6, split_k=4, mma_fp8=True),
-        "fp8 n128 st6 s8": D(block_n=128, block_k=32, num_stages=6, split_k=8, mma_fp8=True),
-        "fp8 n128 st8 s16": D(block_n=128, block_k=32, num_stages=8, split_k=16, mma_fp8=True),
-        "fp8 n256 w8 st4 s8": D(
-            block_n=256, block_k=32, num_warps=8, num_stages=4, split_k=8, mma_fp8=True
-        ),
-        "fold A16 s8": D(block_n=32, split_k=8, fold=True),
-    }
-    shapes = [
-        (1, 5120, 8192),
-        (16, 5120, 8192),
-        (64, 5120, 8192),
-        (128, 5120, 8192),
-        (256, 5120, 8192),
-        (1, 2112, 7168),
-        (64, 32768, 1280),
-        (2048, 5120, 8192),
-        (8192, 5120, 8192),
-    ]
-    for m, n, k in shapes:
-        sets = []
-        for _ in range(max(2, min(6, (256 << 20) // (n * k)))):
-            w, ws = quant.quantize_fp8_blocks(torch.randn(n, k, device="cuda") * 0.02)
-            x = torch.randn(m, k, device="cuda").bfloat16()
-            xq, xs = quant.act_quant_fp8(x)
-            sets.append((x, xq, xs, w, ws))
-        flops = 2.0 * m * n * k
-        nbytes = n * k + (n // 32 + 1) * (k // 32)  # weight bytes (what decode must stream)
-        shape = f"{m}x{n}x{k}"
-
-        def torch_base(x, xq, xs, w, ws):
-            return x @ quant.dequantize_fp8_blocks(w, ws, torch.bfloat16).t()
-
-        t_torch = _bench(Rotating(torch_base, sets))
-        for name, inv in (("auto", False), ("inv", True)):
-
-            def fn(x, xq, xs, w, ws, inv=inv):
-                return tl_linear.fp8_gemm(xq, xs, w, ws, torch.bfloat16, batch_invariant=inv)
-
-            try:
-                ms_eager = _bench(Rotating(fn, sets))
-                ms_graph = _bench_graphs(fn, sets) if m <= 256 else float("nan")
-            except Exception as exc:  # reported, the other rows still run
-                print(f"decode: fp8_gemm {name} {shape} failed: {type(exc).__name__}: {exc}")
-                continue
-            row(f"fp8_gemm[{name}]", shape, ms_eager, flops, nbytes, t_torch)
-            if m <= 256:
-                row(f"fp8_gemm[graph {name}]", shape, ms_graph, flops, nbytes, t_torch)
-        if quick or m > 256 or n != 5120:
-            continue
-        for name, cfg in sweep.items():
-            cfg = dataclasses.replace(cfg, block_m=16 if m <= 16 else 64)
-            if m <= 64 and name == "swap k128 s8":
-                continue  # the fp8_gemm[graph auto] row
-            if m > 16 and name in ("swap k128 s16", "fp8 n128 st8 s16", "fp8 n256 w8 st4 s8"):
-                continue
-            if m > 64 and name not in ("swap k128 st3 s8", "fp8 n128 st6 s8", "swap k128 s8"):
-                continue
-            if cfg.fold:
-                cfg = dataclasses.replace(cfg, block_m=64)
-            a16 = "A16" in name
-            # every candidate is checked against the fp32 reference before it is timed
-            _, xq0, xs0, w0, ws0 = sets[0]
-            want = ref_linear.fp8_gemm(xq0, xs0, w0, ws0, torch.float32)
-            try:
-                got = gemv.decode_gemm(
-                    quant.act_dequant_fp8(xq0, xs0, torch.bfloat16) if a16 else xq0,
-                    xs0,
-                    w0,
-                    ws0,
-                    torch.float32,
-                    cfg,
-                )
-                err = ((got.double() - want.double()).norm() / want.double().norm()).item()
-            except Exception as exc:
-                print(f"sweep: {name} failed: {type(exc).__name__}: {str(exc)[:300]}")
-                continue
-            name = f"{name} {'ok' if err < 1e-3 else 'BAD'}"
-            print(f"sweep: {name} {shape} rel err {err:.2e}")
-            try:
-                ms = _bench_graphs(
-                    lambda x, xq, xs, w, ws, cfg=cfg, a16=a16: gemv.decode_gemm(
-                        x if a16 else xq, xs, w, ws, torch.bfloat16, cfg
-                    ),
-                    [(quant.act_dequant_fp8(st[1], st[2], torch.bfloat16), *st[1:]) for st in sets]
-                    if a16
-                    else sets,
-                )
-            except Exception as exc:  # a config that does not compile is reported, not fatal
-                print(f"sweep: {name} failed: {type(exc).__name__}: {str(exc)[:300]}")
-                continue
-            row(f"sweep dec[{name}]", shape, ms, flops, nbytes)
-        del sets
-
-    # MoE decode: graph replays of the whole layer's experts, a few tile configurations
-    d, i, e, k, limit = MOE_D, MOE_I, MOE_E, MOE_K, MOE_LIMIT
-    g = torch.Generator(device="cuda").manual_seed(0)
-    experts, per_expert = moe_layer_weights(g)
-    M = tmoe.MoeConfig
-    moe_cands = {
-        "auto": None,
-        "mma k128 m0": M(16, 64, 64, 4, 4, 4, False, 128),
-        "mma k128 m2 n32": M(16, 32, 32, 4, 4, 4, False, 128, fp4_mode=2),
-        "mma k128 m2 n32/64": M(16, 32, 64, 4, 4, 4, False, 128, fp4_mode=2),
-        "mma k128 m2 st3": M(16, 64, 64, 4, 4, 3, False, 128, fp4_mode=2),
-    }
-    for t in (1, 16, 64, 256):
-        sets = moe_routed_inputs(t, 8, g)
-        active = sum(int(torch.unique(st[2]).numel()) for st in sets) / len(sets)
-        nbytes = active * per_expert
-        shape = f"T={t} E=384 k=6 D=5120 I=2304"
-        ms = _bench_graphs(lambda x, tw, ids: tmoe.build_routing(tw, ids, e, 16), sets)
-        row("moe_routing[graph]", f"T={t} E=384 k=6", ms, 0.0, t * k * 12)
-        base = tmoe.moe_experts(*sets[0], *experts, limit)
-        for name, cfg in moe_cands.items():
-            if cfg is not None:  # candidates are checked against the default before timing
-                got = tmoe.moe_experts(*sets[0], *experts, limit, config=cfg)
-                err = ((got.double() - base.double()).norm() / base.double().norm()).item()
-                print(f"sweep: moe {name} T={t} rel diff to auto {err:.2e}")
-                name = f"{name} {'ok' if err < 1e-2 else 'BAD'}"
-            for inv in (False, True) if cfg is None else (False,):
-                try:
-                    ms = _bench_graphs(
-                        lambda x, tw, ids, cfg=cfg, inv=inv: tmoe.moe_experts(
-                            x,
-                            tw,
-                            ids,
-                            *experts,
-                            limit,
-                            batch_invariant=inv,
-                            config=cfg,
-                        ),
-                        sets,
-                    )
-                except Exception as exc:
-                    print(f"sweep: moe {name} failed: {type(exc).__name__}: {str(exc)[:300]}")
-                    continue
-                label = ("graph inv" if inv else "graph auto") if cfg is None else name
-                row(f"moe_experts[{label}]", shape, ms, 6.0 * t * k * d * i, nbytes)
-    return rows
-
-
-def decode3_rows():
-    """Third-pass decode rows, graph replays only (the engine's decode): the dense FP8 GEMM's
-    defaults (auto, batch-invariant) at M = 1 / 2 / 16 / 64 (5120x8192) and M=1 (2112x7168,
-    32768x1280), CUDA-core GEMV and swap candidates at M = 1 / 2 (each checked against the
-    reference first; ` BAD` marks a miss), two floor probes (a graph of one tiny kernel; a bare
-    streaming read of 42 MB), and the MoE layer's defaults at T = 1 / 16 / 64 / 256. Rows:
-    `dec3[...]`, `probe[...]`, `moe3[...]`; call 1's other candidates are in NOTES.md."""
-    from deepinfer_kernels import quant
-    from deepinfer_kernels.ref import linear as ref_linear
-    from deepinfer_kernels.triton import gemv
-    from deepinfer_kernels.triton import linear as tl_linear
-    from deepinfer_kernels.triton import moe as tmoe
-
-    rows = []
-
-    def row(op, shape, ms, nbytes, torch_ms=float("nan")):
-        print(f"row {op:<34}{shape:<26}{ms:>9.4f} ms {nbytes / ms / 1e6:>7.0f} GB/s", flush=True)
-        rows.append(
-            dict(
-                op=op,
-                shape=shape,
-                ms=ms,
-                flops=0.0,
-                bytes=nbytes,
-                torch_ms=torch_ms,
-                mm_only_ms=float("nan"),
-            )
-        )
-
-    D = gemv.DecodeConfig
-    cands = {  # name: (config, the M it runs at); the default rows come first
-        # call 1 of the third pass: int32 scale words (swap, fp8, MoE) were slower, the chunked
-        # CUDA-core GEMV (n16 c1024, partials + sum kernel) 28 us at M=1
-        "swap bytes s8": (D(split_k=8), (1, 2)),
-        "gemv full n4 nopf": (D(cuda_core=True, block_n=4, split_k=1, prefetch=False), (1, 2)),
-        "gemv full n8": (D(cuda_core=True, block_n=8, split_k=1), (1,)),
-        "gemv full n2": (D(cuda_core=True, block_n=2, split_k=1), (1,)),
-        "gemv full n4 w8": (D(cuda_core=True, block_n=4, split_k=1, num_warps=8), (1,)),
-        "gemv full n4": (D(cuda_core=True, block_n=4, split_k=1), (2,)),
-        "gemv n16 c1024": (D(cuda_core=True, block_n=16, block_k=1024), (1, 2)),
-        "gemv n16 c1024 nopf": (D(cuda_core=True, block_n=16, block_k=1024, prefetch=False), (1,)),
-    }
-    weights = {}
-
-    def dense(n, k, m):
-        if (n, k) not in weights:
-            weights.clear()
-            weights[(n, k)] = [
-                quant.quantize_fp8_blocks(torch.randn(n, k, device="cuda") * 0.02)
-                for _ in range(max(2, min(6, (256 << 20) // (n * k))))
-            ]
-        nbytes = n * k + (n // 32 + 1) * (k // 32)
-        sets = []
-        for w, ws in weights[(n, k)]:
-            xq, xs = quant.act_quant_fp8(torch.randn(m, k, device="cuda").bfloat16())
-            sets.append((xq, xs, w, ws))
-        shape = f"{m}x{n}x{k}"
-        want = ref_linear.fp8_gemm(*sets[0], torch.float32).double()
-        t_torch = _bench(
-            Rotating(
-                lambda xq, xs, w, ws: (
-                    quant.act_dequant_fp8(xq, xs, torch.bfloat16)
-                    @ quant.dequantize_fp8_blocks(w, ws, torch.bfloat16).t()
-                ),
-                sets,
-            )
-        )
-        for inv in (False, True):
-
-            def fn(xq, xs, w, ws, inv=inv):
-                return tl_linear.fp8_gemm(xq, xs, w, ws, torch.bfloat16, batch_invariant=inv)
-
-            try:
-                label = f"dec3[default {'inv' if inv else 'auto'}]"
-                row(label, shape, _bench_graphs(fn, sets), nbytes, t_torch)
-            except Exception as exc:
-                print(f"dec3 default failed: {type(exc).__name__}: {str(exc)[:300]}")
-        for name, (cfg, ms_for) in cands.items():
-            if m not in ms_for or (n != 5120 and name != "gemv full n4 nopf"):
-                continue
-            if not cfg.cuda_core:
-                cfg = dataclasses.replace(cfg, block_m=16 if m <= 16 else 64)
-            try:
-                got = gemv.decode_gemm(*sets[0], torch.float32, cfg).double()
-                err = ((got - want).norm() / want.norm()).item()
-                ms = _bench_graphs(
-                    lambda xq, xs, w, ws, cfg=cfg: gemv.decode_gemm(
-                        xq, xs, w, ws, torch.bfloat16, cfg
-                    ),
-                    sets,
-                )
-            except Exception as exc:
-                print(f"dec3 {name} failed: {type(exc).__name__}: {str(exc)[:300]}")
-                continue
-            row(f"dec3[{name}{'' if err < 1e-3 else ' BAD'}]", shape, ms, nbytes, t_torch)
-
-    def moe():
-        limit = MOE_LIMIT
-        g = torch.Generator(device="cuda").manual_seed(0)
-        experts, per_expert = moe_layer_weights(g)
-        moe_cands = {"default": None}  # words (call 1): 0.124 / 1.18 / 3.20 / 4.95 ms
-        for t in (1, 16, 64, 256):
-            sets = moe_routed_inputs(t, 8, g)
-            active = sum(int(torch.unique(st[2]).numel()) for st in sets) / len(sets)
-            nbytes = active * per_expert
-            base = tmoe.moe_experts(*sets[0], *experts, limit).double()
-            for name, cfg in moe_cands.items():
-                for inv in (False, True) if cfg is None else (False,):
-                    try:
-                        got = tmoe.moe_experts(
-                            *sets[0],
-                            *experts,
-                            limit,
-                            batch_invariant=inv,
-                            config=cfg,
-                        ).double()
-                        err = ((got - base).norm() / base.norm()).item()
-                        ms = _bench_graphs(
-                            lambda x, tw, ids, cfg=cfg, inv=inv: tmoe.moe_experts(
-                                x,
-                                tw,
-                                ids,
-                                *experts,
-                                limit,
-                                batch_invariant=inv,
-                                config=cfg,
-                            ),
-                            sets,
-                        )
-                    except Exception as exc:
-                        print(f"moe3 {name} failed: {type(exc).__name__}: {str(exc)[:300]}")
-                        continue
-                    label = f"{name} inv" if inv else name
-                    row(f"moe3[{label}{'' if err < 1e-2 else ' BAD'}]", f"T={t}", ms, nbytes)
-
-    def floor_probes():
-        """What the harness itself costs: a graph of one tiny kernel, and a plain streaming read
-        of the 5120x8192 weight (1280 programs x 32 KB, 16-byte loads, one add per 4 bytes)."""
-        import triton
-        import triton.language as tl
-
-        @triton.jit
-        def read_kernel(w_ptr, out_ptr, BLOCK: tl.constexpr):
-            pid = tl.program_id(0)
-            v = tl.load(w_ptr + pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK))
-            tl.store(out_ptr + pid, tl.sum(v, axis=0))
-
-        tiny = torch.zeros(1, 1, 1, device="cuda")
-        row(
-            "probe[graph of one tiny kernel]",
-            "1",
-            _bench_graphs(lambda p: gemv.sum_splits(p, torch.float32), [(tiny,)] * 2),
-            4,
-        )
-        ws = [
-            torch.randint(0, 1 << 30, (5120 * 8192 // 4,), device="cuda", dtype=torch.int32)
-            for _ in range(6)
-        ]
-        outs = torch.empty(5120 * 8192 // 4 // 8192, device="cuda", dtype=torch.int32)
-        row(
-            "probe[read 42 MB, 32 KB/program]",
-            "5120x8192",
-            _bench_graphs(
-                lambda w: read_kernel[(outs.numel(),)](w, outs, BLOCK=8192, num_warps=4),
-                [(w,) for w in ws],
-            ),
-            5120 * 8192,
-        )
-        del ws
-
-    # most telling first, so that a run cut off by its time limit still has them
-    dense(5120, 8192, 1)
-    floor_probes()
-    dense(5120, 8192, 2)
-    moe()
-    for m in (16, 64):
-        dense(5120, 8192, m)
-    dense(2112, 7168, 1)
-    dense(32768, 1280, 1)
-    return rows
-
-
-def _torch_gate(x, wg, bias, k, route_scale):
-    s = torch.sqrt(F.softplus(x.float() @ wg.float().t()))
-    ids = (s + bias).topk(k, dim=-1).indices
-    w = s.gather(-1, ids)
-    return w / (w.sum(-1, keepdim=True) + 1e-20) * route_scale, ids
 
 
 def quant_rows():
@@ -761,7 +224,7 @@ def quant_rows():
             dict(
                 op=name,
                 shape="8192x5120 bf16",
-                ms=_bench(fn),
+                ms=bench_ms(fn),
                 flops=0.0,
                 bytes=nbytes,
                 torch_ms=float("nan"),
@@ -776,7 +239,7 @@ def quant_rows():
         dict(
             op="swiglu_act_quant_fp8",
             shape="49152x2304 bf16",
-            ms=_bench(lambda: tq.swiglu_act_quant_fp8(gate, up, rw, 10.0)),
+            ms=bench_ms(lambda: tq.swiglu_act_quant_fp8(gate, up, rw, 10.0)),
             flops=0.0,
             bytes=nb,
             torch_ms=float("nan"),
@@ -831,7 +294,7 @@ def sweep_rows():
                     for a, b, w, ws in sets
                 ]
                 try:
-                    ms = _bench(
+                    ms = bench_ms(
                         Rotating(
                             lambda a, b, w, ws, cfg=cfg: tl_linear.fp8_gemm(
                                 a, b, w, ws, torch.bfloat16, config=cfg
@@ -895,7 +358,7 @@ def sweep_rows():
         active = sum(int(torch.unique(st[2]).numel()) for st in sets) / len(sets)
         for cfg in moe_cands[t]:
             try:
-                ms = _bench_graphs(
+                ms = bench_graphs(
                     lambda x, tw, ids, cfg=cfg: tmoe.moe_experts(
                         x, tw, ids, w1, s1, w3, s3, w2, s2, 10.0, config=cfg
                     ),

@@ -1,0 +1,49 @@
+"""Timing helpers shared by the kernel benchmarks (`bench_kernels.py` and its sections): event
+timing through triton.testing.do_bench (median), CUDA-graph replays, rotation over argument sets so
+the L2 cache does not serve repeated inputs, and the measured copy ceiling."""
+
+from __future__ import annotations
+
+import torch
+
+FP8_CEILING_TFLOPS = 1495.0
+
+
+def bench_ms(fn, rep_ms: int = 100) -> float:
+    import triton.testing
+
+    return triton.testing.dobench_ms(fn, warmup=25, rep=rep_ms, return_mode="median")
+
+
+def bench_graphs(fn, arg_sets) -> float:
+    """Median time of replaying one CUDA graph per argument set (rotating): the way the engine
+    runs decode, without the host's launch overhead."""
+    graphs = []
+    for args in arg_sets:
+        fn(*args)  # compile and warm outside the capture
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn(*args)
+        graphs.append(g)
+    return bench_ms(Rotating(lambda g: g.replay(), [(g,) for g in graphs]))
+
+
+def measure_copy_gbs() -> float:
+    """Device-to-device copy of 2 GiB: bytes read + bytes written over the time."""
+    a = torch.empty(1 << 31, dtype=torch.uint8, device="cuda").random_()
+    b = torch.empty_like(a)
+    ms = bench_ms(lambda: b.copy_(a))
+    return 2 * a.numel() / ms / 1e6
+
+
+class Rotating:
+    """Calls fn(*args_i) cycling over several argument sets (to defeat the L2 cache)."""
+
+    def __init__(self, fn, arg_sets):
+        self.fn, self.arg_sets, self.i = fn, arg_sets, 0
+
+    def __call__(self):
+        args = self.arg_sets[self.i % len(self.arg_sets)]
+        self.i += 1
+        return self.fn(*args)
