@@ -102,8 +102,8 @@ def test_fp8_gemm_fp32_output(m, n, k):
         {"n_split": 2, "depth": 4},
         {"block_n": 192, "n_split": 3, "depth": 3},
         {"block_n": 256, "n_split": 2, "depth": 1},
-        {"row_swizzle": True},
-        {"row_swizzle": True, "block_n": 256, "n_split": 2, "depth": 1},
+        {"row_swizzle": False},
+        {"row_swizzle": False, "block_n": 256, "n_split": 2, "depth": 1},
     ],
 )
 def test_fp8_gemm_configs(cfg_kwargs):

@@ -270,8 +270,8 @@ LOWERED_CONFIGS = [
     tg.TileConfig(depth=1),
     tg.TileConfig(block_n=256, n_split=2, depth=1),
     tg.TileConfig(n_split=2, depth=4),
-    tg.TileConfig(row_swizzle=True),
-    tg.TileConfig(row_swizzle=True, block_n=256, n_split=2, depth=1),
+    tg.TileConfig(row_swizzle=False),
+    tg.TileConfig(row_swizzle=False, block_n=256, n_split=2, depth=1),
 ]
 
 
@@ -334,7 +334,7 @@ def test_row_swizzle_lowering(n_split):
     from tilelang.cuda.op.gemm.gemm_wgmma import GemmWGMMA
 
     inferred = GemmWGMMA.infer_layout
-    cfg = tg.TileConfig(row_swizzle=True, n_split=n_split, depth=2 if n_split == 1 else 3)
+    cfg = tg.TileConfig(n_split=n_split, depth=2 if n_split == 1 else 3)
     src = tg.lower_source(5120, 8192, "bfloat16", cfg)
     assert GemmWGMMA.infer_layout is inferred
     for desc, buf in (("A_desc", "a_tile"), ("B_desc", "b_tile")):
@@ -348,8 +348,9 @@ def test_row_swizzle_lowering(n_split):
     chunk_bytes = cfg.chunk_n * 128
     want = sorted(s * 32 + h * chunk_bytes for s in range(tg.SLICES) for h in range(n_split))
     assert sorted(int(o or 0) for o in offsets) == want
-    plain = tg.lower_source(5120, 8192, "bfloat16", tg.TileConfig(n_split=n_split, depth=cfg.depth))
-    assert "initialize_wgmma_descriptor<3, 1, 16>" in plain  # the default keeps 32-B slices
+    plain_cfg = tg.TileConfig(row_swizzle=False, n_split=n_split, depth=cfg.depth)
+    plain = tg.lower_source(5120, 8192, "bfloat16", plain_cfg)
+    assert "initialize_wgmma_descriptor<3, 1, 16>" in plain  # TileLang's own: 32-B slices
 
 
 @needs_tilelang
@@ -382,7 +383,7 @@ def _cuda_tools() -> tuple[str, str] | None:
         tg.DEFAULT_CONFIG,
         tg.TileConfig(block_n=192, depth=1),
         tg.TileConfig(block_n=256, n_split=2, depth=1),
-        tg.TileConfig(row_swizzle=True),
+        tg.TileConfig(row_swizzle=False),
     ],
     ids=str,
 )

@@ -19,16 +19,17 @@ promoted, the last depth-1 after a full wait (``wait_group 0``), after which the
 the producer (the wait must come first: an issued wgmma still reads the stage). The two consumer
 warpgroups run unsynchronised, so one's promotion also overlaps the other's wgmma.
 
-Budget (per SM and clock): the tensor cores do 4096 FP8 FMA, the CUDA cores 128 FFMA; per output
-element and 32-slice the wgmma does 32 FMA and the promotion one FFMA (the sa*sb products are
-hoisted: 8 FMUL per slice per thread), the same ratio, so both pipes would be busy at peak. What
-the H200 measured is another bound: at 128x128 Nsight Compute shows L2 94% busy, SM issue 47%,
-and a warp waits ~6 cycles per instruction, 40% of it on L1TEX/shared-memory scoreboards. A
-128x256 tile (25% fewer L2 bytes per FLOP) or column-major activation scales gain 0-10%, and more
-wgmmas in flight (depth 3-4 with 64-wide chunks) lose 5-12% (NOTES.md): ~500-575 TFLOP/s, 2x the
-Triton tiles, ~38% of DeepGEMM's 1495. Our reading: TileLang lays each 32-wide k-slice out as its
-own 32-byte-swizzled sub-tile, so every TMA box row is one 32-B sector (4x the L2 requests of
-DeepGEMM's 128-B rows); slicing k inside a 128-B-swizzled tile is the next thing to try.
+Budget (per SM sub-partition and 128-deep K tile, 128x128 tile): each of its two consumer warps
+runs 4 QGMMA (16 rows x 128 x 32 on this sub-partition's tensor core, 64 cycles each at the dense
+FP8 rate) and promotes 4 x 64 accumulator values, one FFMA each (the sa*sb products are hoisted: 8
+FMUL per slice and thread). So the tensor core needs 512 cycles per K tile and the promotion alone
+512 issue slots, of the one instruction per cycle a sub-partition issues: at V4.1's 32-wide scale
+granularity the CUDA-core promotion costs as many issue cycles as the wgmmas take (DeepGEMM's
+128-wide blocks need a quarter of that). The compiled loop has 396 instructions per warp and K
+tile (256 FFMA), i.e. 792 issue cycles against 512 tensor cycles: even at full issue the kernel
+cannot exceed 512/792 of the FP8 peak (~1240 TFLOP/s at the 1.78 GHz Nsight Compute saw), and
+1000 TFLOP/s would need 80% of all issue slots. Measured: ~570 TFLOP/s at 8K rows (46% issue;
+NOTES.md has the stall reasons), 2x the Triton tiles.
 
 The kernel's arithmetic for one row does not depend on M or on the other rows (fixed tiles, no
 split-K), so it is batch-invariant by construction (checked bitwise by the GPU tests).
@@ -85,7 +86,8 @@ class TileConfig:
         the TMA moves a K tile as one box of 128-B rows instead of four of 32-B rows. TileLang
         infers a 32-B swizzle from each slice's K of 32 and merges a conflicting annotation down
         to it, so this option also overrides that inference while our kernel is lowered
-        (`_row_swizzle`). Not yet run on hardware: opt-in, not the default.
+        (`_row_swizzle`). H200: 1-17% faster than 32-B slices at every measured prefill shape
+        (NOTES.md), so it is the default.
     """
 
     block_m: int = 128
@@ -93,9 +95,9 @@ class TileConfig:
     n_split: int = 1
     num_stages: int = 4
     depth: int = 2
-    sa_col_major: bool = False
+    sa_col_major: bool = True
     swizzle_panel: int = 8
-    row_swizzle: bool = False
+    row_swizzle: bool = True
 
     def __post_init__(self) -> None:
         if self.block_m not in (64, 128):
@@ -163,9 +165,9 @@ class TileConfig:
         return -(-(self.block_n // SCALE_BLOCK) // rows_per_align) * rows_per_align
 
 
-# 128x128, column-major activation scales: best or within 5% of the best variant at every
-# measured M (128 .. 16384) on the H200 (NOTES.md); 128x256 loses 2x at M=128.
-DEFAULT_CONFIG = TileConfig(sa_col_major=True)
+# 128x128, column-major activation scales, 128-B rows: best or within 5% of the best variant at
+# every measured M (128 .. 16384) on the H200 (NOTES.md); 128x256 loses 2x at M=128.
+DEFAULT_CONFIG = TileConfig()
 
 
 # -- host-side logic (pure torch; CPU-testable) ----------------------------------------------------
