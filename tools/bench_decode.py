@@ -365,3 +365,251 @@ def decode3_rows():
     dense(2112, 7168, 1)
     dense(32768, 1280, 1)
     return rows
+
+
+# -- fourth pass: the engine's harness (L consecutive calls in one graph) ------------------------
+
+CHAIN_L = 16
+"""Calls per captured graph in the chained harness: L distinct weight sets (> L2 in total)."""
+
+
+def _median_ms(fn, rep_ms: int = 100) -> float:
+    """Median of CUDA-event timings (triton's do_bench), warm-up first."""
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")
+
+
+def single_graph_ms(fn, arg_sets) -> float:
+    """The third pass's harness: one CUDA graph of ONE call per argument set, replays rotating
+    over the sets; ms per replay (includes the ~5 us a replay costs before any byte moves)."""
+    graphs = []
+    for args in arg_sets:
+        fn(*args)  # compile and warm outside the capture
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn(*args)
+        graphs.append(g)
+    state = {"i": 0}
+
+    def replay():
+        graphs[state["i"] % len(graphs)].replay()
+        state["i"] += 1
+
+    return _median_ms(replay)
+
+
+def chain_graph_ms(fn, arg_sets) -> float:
+    """The engine's harness: ONE CUDA graph of len(arg_sets) consecutive calls, each on its own
+    argument set (its own weights), as a decode step runs one graph over all layers; ms per call
+    (replay time / L), so the replay's fixed cost is shared as it is in the engine."""
+    for args in arg_sets:
+        fn(*args)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for args in arg_sets:
+            fn(*args)
+    torch.cuda.synchronize()
+    return _median_ms(g.replay) / len(arg_sets)
+
+
+def decode4_rows(rows: list | None = None):
+    """Fourth-pass decode rows. Every row twice: `1` = a graph of one call per weight set, replays
+    rotating (the third pass's harness, `decode3`); `L16` = one graph of 16 consecutive calls on
+    16 distinct weight sets (672 MB for 5120x8192, > L2), replay time / 16 (the engine's: one graph
+    per decode step over all layers). Dense FP8 GEMM 5120x8192 at M = 1 / 2 / 16 / 64 (auto and
+    batch-invariant defaults, and the TileLang swap-AB decode kernel `tl ...`, each candidate
+    checked against the fp32 reference first; ` BAD` marks a miss), M=1 at 2112x7168 and
+    32768x1280, floor probes (a tiny kernel; a bare streaming read of 42 MB), the MoE layer at
+    T = 1 / 16 / 64 / 256 through `moe_experts` (auto / invariant; the chain is 8 calls on one
+    layer's weights with 8 distinct routings: each call reads 6-384 distinct experts, 113 MB to
+    7 GB, so L2 does not serve them either). Rows print as measured and are appended to `rows`
+    (returned), so a caller keeps those measured before an interruption."""
+    from deepinfer_kernels import quant
+    from deepinfer_kernels.ref import linear as ref_linear
+    from deepinfer_kernels.tilelang import decode_gemm as tld
+    from deepinfer_kernels.triton import gemv
+    from deepinfer_kernels.triton import linear as tl_linear
+    from deepinfer_kernels.triton import moe as tmoe
+
+    rows = [] if rows is None else rows
+
+    def row(op, harness, shape, ms, nbytes):
+        gbs = nbytes / ms / 1e6
+        print(f"row {op:<30}{harness:<4}{shape:<16}{ms * 1e3:>9.2f} us {gbs:>7.0f} GB/s")
+        rows.append(dict(op=op, harness=harness, shape=shape, ms=ms, bytes=nbytes))
+
+    def both(op, shape, fn, sets, nbytes):
+        try:
+            row(op, "1", shape, single_graph_ms(fn, sets[:4]), nbytes)
+            row(op, f"L{len(sets)}", shape, chain_graph_ms(fn, sets), nbytes)
+        except Exception as exc:  # reported; the other rows still run
+            print(f"dec4 {op} {shape} failed: {type(exc).__name__}: {str(exc)[:400]}")
+
+    T = tld.DecodeTileConfig
+    tl_cands = {  # name: (config or None for pick_tile_config, the M it runs at)
+        "tl default": (None, (1, 2, 16, 64)),
+        "tl rowswz": (T(row_swizzle=True), (1, 16)),
+        "tl 1cta": (T(min_blocks=1), (16,)),
+        "tl st4 mb4": (T(num_stages=4, min_blocks=4), (1, 16)),
+        "tl s8 st4 mb3": (T(split_k=8, num_stages=4, min_blocks=3), (1, 16)),
+        "tl t64 s8 st4 mb3": (T(block_t=64, split_k=8, num_stages=4, min_blocks=3), (64,)),
+        "tl n128 t32": (T(block_n=128, block_t=32), (16,)),
+    }
+    weights = {}
+
+    def dense(n, k, ms_list, cands=True):
+        weights.clear()
+        weights[(n, k)] = [
+            quant.quantize_fp8_blocks(torch.randn(n, k, device="cuda") * 0.02)
+            for _ in range(CHAIN_L)
+        ]
+        nbytes = n * k + (n // 32 + 1) * (k // 32)
+        for m in ms_list:
+            sets = []
+            for w, ws in weights[(n, k)]:
+                xq, xs = quant.act_quant_fp8(torch.randn(m, k, device="cuda").bfloat16())
+                sets.append((xq, xs, w, ws))
+            shape = f"{m}x{n}x{k}"
+            want = ref_linear.fp8_gemm(*sets[0], torch.float32).double()
+            for inv in (False, True):
+                both(
+                    f"fp8_gemm[{'inv' if inv else 'auto'}]",
+                    shape,
+                    lambda xq, xs, w, ws, inv=inv: tl_linear.fp8_gemm(
+                        xq, xs, w, ws, torch.bfloat16, batch_invariant=inv
+                    ),
+                    sets,
+                    nbytes,
+                )
+            for name, (cfg, ms_for) in tl_cands.items():
+                if m not in ms_for or (not cands and name != "tl default"):
+                    continue
+                cfg = cfg if cfg is not None else tld.pick_tile_config(m, n, k)
+                if cfg.block_t < m:
+                    cfg = dataclasses.replace(cfg, block_t=64 if m > 32 else 32)
+                try:
+                    got = tld.decode_gemm(*sets[0], torch.float32, cfg).double()
+                    err = ((got - want).norm() / want.norm()).item()
+                except Exception as exc:
+                    print(f"dec4 {name} failed: {type(exc).__name__}: {str(exc)[:400]}")
+                    continue
+                print(f"dec4 {name} {shape} rel err {err:.2e}")
+                both(
+                    f"{name}{'' if err < 1e-4 else ' BAD'}",
+                    shape,
+                    lambda xq, xs, w, ws, cfg=cfg: tld.decode_gemm(
+                        xq, xs, w, ws, torch.bfloat16, cfg
+                    ),
+                    sets,
+                    nbytes,
+                )
+        weights.clear()
+
+    def probes():
+        """A tiny kernel (the graph's own cost per replay / per node) and a plain streaming read
+        of a 42 MB weight (1280 programs x 32 KB, 16-byte loads), in both harnesses."""
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def read_kernel(w_ptr, out_ptr, BLOCK: tl.constexpr):
+            pid = tl.program_id(0)
+            v = tl.load(w_ptr + pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK))
+            tl.store(out_ptr + pid, tl.sum(v, axis=0))
+
+        tiny = [(torch.zeros(1, 1, 1, device="cuda"),) for _ in range(CHAIN_L)]
+        both("probe[tiny kernel]", "1", lambda p: gemv.sum_splits(p, torch.float32), tiny, 4)
+        ws = [
+            torch.randint(0, 1 << 30, (5120 * 8192 // 4,), device="cuda", dtype=torch.int32)
+            for _ in range(CHAIN_L)
+        ]
+        outs = torch.empty(5120 * 8192 // 4 // 8192, device="cuda", dtype=torch.int32)
+        both(
+            "probe[read 42 MB]",
+            "5120x8192",
+            lambda w: read_kernel[(outs.numel(),)](w, outs, BLOCK=8192, num_warps=4),
+            [(w,) for w in ws],
+            5120 * 8192,
+        )
+        del ws
+
+    def moe():
+        g = torch.Generator(device="cuda").manual_seed(0)
+        experts, per_expert = moe_layer_weights(g)
+        for t in (1, 16, 64, 256):
+            sets = moe_routed_inputs(t, 8, g)
+            active = sum(int(torch.unique(st[2]).numel()) for st in sets) / len(sets)
+            for inv in (False, True):
+                both(
+                    f"moe_experts[{'inv' if inv else 'auto'}]",
+                    f"T={t}",
+                    lambda x, tw, ids, inv=inv: tmoe.moe_experts(
+                        x, tw, ids, *experts, MOE_LIMIT, batch_invariant=inv
+                    ),
+                    sets,
+                    active * per_expert,
+                )
+
+    # most telling first, so that a run cut off by its time limit still has them
+    dense(5120, 8192, (16, 1, 64, 2))
+    probes()
+    moe()
+    dense(2112, 7168, (1,), cands=False)
+    dense(32768, 1280, (1,), cands=False)
+    return rows
+
+
+def print_decode4_table(rows, copy_gbs: float) -> None:
+    """The decode4 rows side by side: single-call graph (`1`) and chained (`L`) per op."""
+    print(f"\ndecode4 (copy ceiling {copy_gbs:.0f} GB/s; %bw on weight/expert bytes)")
+    print(f"{'op':<30}{'shape':<16}{'us[1]':>8}{'%bw':>6}{'us[L]':>8}{'%bw':>6}")
+    seen = {}
+    for r in rows:
+        seen.setdefault((r["op"], r["shape"]), {})[r["harness"][:1]] = r
+    for (op, shape), h in seen.items():
+        cells = ""
+        for key in ("1", "L"):
+            r = h.get(key)
+            if r is None:
+                cells += f"{'-':>8}{'-':>6}"
+            else:
+                cells += f"{r['ms'] * 1e3:>8.1f}{100 * r['bytes'] / r['ms'] / 1e6 / copy_gbs:>6.1f}"
+        print(f"{op:<30}{shape:<16}{cells}")
+
+
+def _copy_gbs() -> float:
+    """Device-to-device copy of 2 GiB: bytes read + bytes written over the median time."""
+    a = torch.empty(1 << 31, dtype=torch.uint8, device="cuda").random_()
+    b = torch.empty_like(a)
+    return 2 * a.numel() / _median_ms(lambda: b.copy_(a)) / 1e6
+
+
+def main() -> None:
+    """`python tools/bench_decode.py` (on the GPU machine): the decode4 rows and their table,
+    JSON under $OUT. Standalone, with its own timing, so it needs nothing else of tools/."""
+    import json
+    import os
+    import signal
+    import sys
+
+    # `timeout` sends SIGTERM: leave through the finally below, so the table still prints
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("bench_decode: SIGTERM"))
+    if not torch.cuda.is_available():
+        sys.exit("bench_decode: needs a CUDA GPU")
+    copy_gbs = _copy_gbs()
+    print(f"copy ceiling {copy_gbs:.0f} GB/s", flush=True)
+    rows = []
+    try:
+        decode4_rows(rows)
+    finally:
+        path = os.path.join(os.environ.get("OUT", "."), "bench_decode4.json")
+        with open(path, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), copy_gbs=copy_gbs, rows=rows), f)
+        print_decode4_table(rows, copy_gbs)
+
+
+if __name__ == "__main__":
+    main()

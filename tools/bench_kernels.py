@@ -30,7 +30,7 @@ import sys
 
 import torch
 from bench_common import FP8_CEILING_TFLOPS, Rotating, bench_graphs, bench_ms, measure_copy_gbs
-from bench_decode import decode3_rows, decode_rows
+from bench_decode import decode3_rows, decode4_rows, decode_rows, print_decode4_table
 from bench_moe import moe_rows
 
 
@@ -415,7 +415,8 @@ def main() -> None:
         "--only",
         default="gemm,moe,quant",
         help="comma list of gemm, moe, quant, decode (decode GEMM/MoE rows + candidates), "
-        "decode3 (third-pass decode candidates, graph replays), sweep, "
+        "decode3 (third-pass decode candidates, graph replays), decode4 (single-call and "
+        "16-call chained graphs, TileLang decode candidates), sweep, "
         "probe, tilelang (the TileLang FP8 GEMM at prefill shapes)",
     )
     args = ap.parse_args()
@@ -450,6 +451,8 @@ def main() -> None:
         rows += decode_rows(args.quick)
     if "decode3" in parts:
         rows += decode3_rows()
+    if "decode4" in parts:  # its own table (single-call and chained graphs side by side)
+        print_decode4_table(decode4_rows(), copy_gbs)
     if "tilelang" in parts:
         rows += tilelang_rows(args.quick)
     if "sweep" in parts:

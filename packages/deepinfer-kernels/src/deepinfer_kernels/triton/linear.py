@@ -150,14 +150,57 @@ DECODE_MAX_M = 64
 """Calls with at most this many rows take the weight-streaming decode kernel (`gemv.py`). Above,
 the tiled kernel is faster (M=128: 77 us graph-replayed against 89 us, 5120x8192, H200)."""
 
+TILELANG_DECODE_M = (2, 0)
+"""Auto mode sends calls with lo <= M <= hi rows (and a shape it takes) to the TileLang swap-AB
+decode kernel (`tilelang/decode_gemm.py`) where it can run (Hopper, tilelang importable); (2, 0)
+sends none. Its rows are not bitwise those of the Triton kernels, so batch-invariant mode keeps
+the Triton kernels."""
+
+
+def tilelang_decode_reason(
+    x_fp8: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor
+) -> str | None:
+    """Why the TileLang decode kernel cannot run this call here (device, library, shape), or
+    None. Cheap after the first call (the capability and the import check are cached)."""
+    if x_fp8.device.type != "cuda":
+        return f"input on {x_fp8.device.type}"
+    if not _hopper_with_tilelang(x_fp8.device.index or 0):
+        return "needs sm_90a and tilelang"
+    from ..tilelang.decode_gemm import shape_reason
+
+    return shape_reason(x_fp8, x_scale, w, w_scale)
+
+
+_HOPPER_TILELANG: dict[int, bool] = {}
+
+
+def _hopper_with_tilelang(device: int) -> bool:
+    ok = _HOPPER_TILELANG.get(device)
+    if ok is None:
+        import importlib.util
+
+        ok = torch.cuda.get_device_capability(device) == (9, 0) and (
+            importlib.util.find_spec("tilelang") is not None
+        )
+        _HOPPER_TILELANG[device] = ok
+    return ok
+
 
 def pick_config(
-    m: int, n: int, k: int, batch_invariant: bool, a_bf16: bool = False, num_sms: int = 132
-) -> GemmConfig | DecodeConfig:
+    m: int,
+    n: int,
+    k: int,
+    batch_invariant: bool,
+    a_bf16: bool = False,
+    num_sms: int = 132,
+    tilelang_decode: bool = False,
+):
     """Decode shapes (M <= DECODE_MAX_M) take the weight-streaming kernel of `gemv.py`, whose
     split of K depends on (N, K) only; in auto mode M <= GEMV_AUTO_MAX_M takes its CUDA-core GEMV
-    instead (`gemv.gemv_config`). Larger M: tile shapes by M bucket; in auto mode, M <= 256
-    adds split-K until there are ~4 CTAs per SM.
+    instead (`gemv.gemv_config`), and with `tilelang_decode` (the TileLang kernel can run the
+    call: `tilelang_decode_reason`) M in TILELANG_DECODE_M takes the TileLang swap-AB kernel
+    (a `tilelang.decode_gemm.DecodeTileConfig`). Larger M: tile shapes by M bucket; in auto mode,
+    M <= 256 adds split-K until there are ~4 CTAs per SM.
 
     Every configuration expands the FP8 operands exactly to bf16 and runs on wgmma: on Triton
     the depth-32 FP8 dots with per-step promotion neither pipeline their loads nor fit in
@@ -168,6 +211,11 @@ def pick_config(
     (`decode_split(N, K)`, K/split per slice, fixed-order sum), so a row's bits do not depend on M
     across the decode/prefill boundary either.
     """
+    lo, hi = TILELANG_DECODE_M
+    if tilelang_decode and not batch_invariant and lo <= m <= hi:
+        from ..tilelang.decode_gemm import pick_tile_config
+
+        return pick_tile_config(m, n, k)
     if m <= GEMV_AUTO_MAX_M and not batch_invariant:
         return gemv_config(n, k)  # CUDA-core GEMV, one kernel (not bitwise with the others)
     if m <= DECODE_MAX_M:
@@ -207,7 +255,19 @@ def fp8_gemm(
     """
     m, k = x_fp8.shape
     n = w.shape[0]
-    cfg = config or pick_config(m, n, k, batch_invariant, x_fp8.dtype == torch.bfloat16)
+    cfg = config or pick_config(
+        m,
+        n,
+        k,
+        batch_invariant,
+        x_fp8.dtype == torch.bfloat16,
+        tilelang_decode=_tilelang_decode_wanted(m, batch_invariant)
+        and tilelang_decode_reason(x_fp8, x_scale, w, w_scale) is None,
+    )
+    if not isinstance(cfg, (GemmConfig, DecodeConfig)):  # tilelang.decode_gemm.DecodeTileConfig
+        from ..tilelang import decode_gemm as tl_decode
+
+        return tl_decode.decode_gemm(x_fp8, x_scale, w, w_scale, out_dtype, cfg)
     if isinstance(cfg, DecodeConfig):
         return decode_gemm(x_fp8, x_scale, w, w_scale, out_dtype, cfg)
     x_fp8, x_scale, w = x_fp8.contiguous(), x_scale.contiguous(), w.contiguous()
@@ -260,6 +320,12 @@ def fp8_gemm(
     return c[0]
 
 
+def _tilelang_decode_wanted(m: int, batch_invariant: bool) -> bool:
+    """Whether M and the mode fall in TILELANG_DECODE_M (before any device check)."""
+    lo, hi = TILELANG_DECODE_M
+    return not batch_invariant and lo <= m <= hi
+
+
 def fp8_linear(
     x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, *, batch_invariant: bool = False
 ) -> torch.Tensor:
@@ -272,7 +338,14 @@ def fp8_linear(
     from .quant import act_fake_quant_bf16, act_quant_fp8
 
     x2 = x.reshape(-1, x.shape[-1])
-    cfg = pick_config(x2.shape[0], w.shape[0], x2.shape[1], batch_invariant, a_bf16=True)
+    m, k = x2.shape
+    if _tilelang_decode_wanted(m, batch_invariant) and x.is_cuda:
+        # the TileLang decode kernel takes FP8 activations: quantise, then route by fp8_gemm
+        xq, xs = act_quant_fp8(x2)
+        if tilelang_decode_reason(xq, xs, w, w_scale) is None:
+            y = fp8_gemm(xq, xs, w, w_scale, x.dtype, batch_invariant=batch_invariant)
+            return y.reshape(*x.shape[:-1], w.shape[0])
+    cfg = pick_config(m, w.shape[0], k, batch_invariant, a_bf16=True)
     if isinstance(cfg, DecodeConfig) and cfg.mma_fp8:  # FP8 dots take the FP8 activations
         xq, xs = act_quant_fp8(x2)
         y = fp8_gemm(xq, xs, w, w_scale, x.dtype, batch_invariant=batch_invariant, config=cfg)

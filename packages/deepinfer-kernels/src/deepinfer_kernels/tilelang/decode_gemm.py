@@ -1,0 +1,353 @@
+"""TileLang swap-AB FP8 decode GEMM for V4.1's block-scaled format on Hopper (sm_90a), M <= 64.
+
+out[M, N] = sum_k (x[m, k] * sx[m, k // 32]) * (w[n, k] * sw[n // 32, k // 32]), fp32 accumulation,
+with x [M, K] e4m3, sx [M, K/32] fp32 powers of two, w [N, K] e4m3, sw [ceil(N/32), K/32] UE8M0.
+
+Why a second kernel: at decode sizes the op streams the weight (42 MB for 5120x8192) and does
+almost no arithmetic. The Triton swap kernel (`triton/gemv.py`) converts and stores the activation
+tile to shared memory every K step behind block barriers, and that per-step chain bounds it
+(~30% of HBM at M=2..16, NOTES.md). Here the weight is the wgmma's A operand (64 weight rows per
+consumer warpgroup, straight from TMA'd shared memory, FP8 as stored: no conversion), the tokens
+are its B operand (N = `block_t`, 16..64 rows, zero-filled by TMA past M), and TileLang
+warp-specialises the K loop: one producer warpgroup issues the TMA loads of a `num_stages`-deep
+ring of 128-deep K tiles, the consumer waits only on mbarriers. Per 32-slice one
+``wgmma.m64n{block_t}k32`` makes an unscaled partial, promoted on CUDA cores:
+``acc[n, m] += part[n, m] * (sw[n // 32, kb] * sx[m, kb])`` (the prefill kernel's scheme,
+`fp8_gemm.py`, with the operands swapped).
+
+The weight scales are not TMA'd per stage (a 2-row x 4-byte box is below TMA's 16-B minimum and the
+fp32 copy the prefill kernel takes would cost a conversion kernel per call): the CTA copies its
+whole K range of UE8M0 bytes (block_n/32 rows x K-chunk/32) to shared memory once, before the
+loop, and each promotion turns a byte into 2**(e - 127) with a shift (exact; e = 0, the subnormal
+2**-127, is read as 0 here: quantisation never produces it).
+
+K is split into `split` equal chunks (a multiple of 128 each) chosen from (N, K) only
+(`decode_tile_split`), one CTA per (token tile, weight tile, chunk); the chunks' fp32 partials are
+summed in ascending order by `triton.gemv.sum_splits`. Nothing depends on M except the grid's
+token tiles, so a row's bits do not depend on the other rows as long as a wgmma column's result
+does not depend on the wgmma's N (the GPU tests check M=1 against M=13/64 bitwise).
+"""
+
+# No `from __future__ import annotations`: TileLang evaluates the kernel's argument annotations.
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .fp8_gemm import OUT_DTYPES, SM90A, _row_swizzle, tma_ready
+
+SCALE_BLOCK = 32  # V4.1's scale granularity along K (both operands) and along N (weights)
+BLOCK_K = 128  # K per pipeline stage: 4 scale slices of 32
+SLICES = BLOCK_K // SCALE_BLOCK
+WARPGROUP_ROWS = 64
+NUM_SMS = 132  # H200: the split policy's target (a constant: the split is a function of (N, K))
+MAX_SHARED_BYTES = 227 * 1024
+
+
+@dataclass(frozen=True)
+class DecodeTileConfig:
+    """One compiled decode kernel's tile and schedule.
+
+    block_n: weight rows per CTA (64 or 128: one consumer warpgroup per 64).
+    block_t: token rows per CTA, the wgmma's N (8, 16, 32 or 64); M is tiled by it.
+    split_k: K chunks (0: `decode_tile_split(N, K)`); each chunk a multiple of 128.
+    num_stages: TMA ring depth (each stage (block_n + block_t) x 128 B + block_t x 16 B).
+    min_blocks: CTAs per SM asked of the compiler (``__launch_bounds__(threads, min_blocks)``),
+        with TileLang's per-warpgroup register re-allocation (setmaxnreg 24 / 240) switched off:
+        the consumer needs few registers (2 x block_t/2 fp32 per thread), and at one CTA per SM
+        (TileLang's default) a 42 MB weight gets 2.4 waves of 320 CTAs with only num_stages K
+        tiles in flight per SM.
+    row_swizzle: K tiles as 128-B rows with the 128-B swizzle (one TMA box per operand and stage,
+        each slice's wgmma 32 B further inside the swizzle atom), through the prefill kernel's
+        `fp8_gemm._row_swizzle`; off, TileLang gives each 32-wide slice its own 32-B-swizzled
+        sub-tile (four TMA boxes of 32-B rows per operand and stage).
+    """
+
+    block_n: int = 64
+    block_t: int = 16
+    split_k: int = 0
+    num_stages: int = 6
+    min_blocks: int = 2
+    row_swizzle: bool = False
+
+    def __post_init__(self) -> None:
+        if self.block_n not in (64, 128):
+            raise ValueError(f"DecodeTileConfig.block_n must be 64 or 128, got {self.block_n}")
+        if self.block_t not in (8, 16, 32, 64):
+            raise ValueError(
+                f"DecodeTileConfig.block_t must be one of 8, 16, 32, 64, got {self.block_t}"
+            )
+        if self.split_k < 0:
+            raise ValueError(f"DecodeTileConfig.split_k must be >= 0, got {self.split_k}")
+        if not 1 <= self.min_blocks <= 8:
+            raise ValueError(
+                f"DecodeTileConfig.min_blocks must be in [1, 8], got {self.min_blocks}"
+            )
+        if not 1 <= self.num_stages <= 12:
+            raise ValueError(
+                f"DecodeTileConfig.num_stages must be in [1, 12], got {self.num_stages}"
+            )
+
+    @property
+    def threads(self) -> int:
+        """Consumer threads (TileLang adds one producer warpgroup)."""
+        return self.block_n // WARPGROUP_ROWS * 128
+
+    def shared_bytes(self, k_chunk: int) -> int:
+        """Ring of operand and activation-scale stages, plus the chunk's weight-scale bytes."""
+        stage = (self.block_n + self.block_t) * BLOCK_K + self.block_t * SLICES * 4
+        return self.num_stages * stage + (self.block_n // SCALE_BLOCK) * (k_chunk // SCALE_BLOCK)
+
+
+def decode_tile_split(n: int, k: int, block_n: int = 64) -> int:
+    """K chunks for an [N, K] weight: a function of (N, K) only. Doubles from 1 while there are
+    fewer than 2 CTAs per SM (weight tiles x chunks), a chunk keeps >= 1024 columns and stays a
+    multiple of 128 (whole pipeline stages)."""
+    tiles = -(-n // block_n)
+    s = 1
+    while tiles * s < 2 * NUM_SMS and k % (2 * s * BLOCK_K) == 0 and k // (2 * s) >= 1024:
+        s *= 2
+    return s
+
+
+def pick_tile_config(m: int, n: int, k: int) -> DecodeTileConfig:
+    """Token tile from M (the smallest of 16 / 32 / 64 that holds M; larger M takes several 64-row
+    tiles), weight tile 64 rows, split from (N, K)."""
+    bt = 16 if m <= 16 else 32 if m <= 32 else 64
+    return DecodeTileConfig(block_t=bt, split_k=decode_tile_split(n, k))
+
+
+def shape_reason(
+    x_fp8: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor
+) -> str | None:
+    """Why the kernel cannot take these operands, or None. K must be a multiple of 128 (whole
+    stages; 16-B aligned TMA row strides for the scales)."""
+    if x_fp8.dtype != torch.float8_e4m3fn or w.dtype != torch.float8_e4m3fn:
+        return "x_fp8 and w must be float8_e4m3fn"
+    if x_scale.dtype != torch.float32:
+        return f"x_scale must be float32, got {x_scale.dtype}"
+    if w_scale.dtype not in (torch.float8_e8m0fnu, torch.float32):
+        return f"w_scale must be float8_e8m0fnu or float32, got {w_scale.dtype}"
+    if x_fp8.dim() != 2 or w.dim() != 2 or w.shape[1] != x_fp8.shape[1]:
+        return f"x_fp8 [M, K] and w [N, K] must share K, got {list(x_fp8.shape)}, {list(w.shape)}"
+    m, k = x_fp8.shape
+    if k % BLOCK_K:
+        return f"K must be a multiple of {BLOCK_K}, got {k}"
+    if list(x_scale.shape) != [m, k // SCALE_BLOCK]:
+        return f"x_scale must be [{m}, {k // SCALE_BLOCK}], got {list(x_scale.shape)}"
+    rows = -(-w.shape[0] // SCALE_BLOCK)
+    if list(w_scale.shape) != [rows, k // SCALE_BLOCK]:
+        return f"w_scale must be [{rows}, {k // SCALE_BLOCK}], got {list(w_scale.shape)}"
+    return None
+
+
+def weight_scale_bytes(w_scale: torch.Tensor) -> torch.Tensor:
+    """w_scale [ceil(N/32), K/32] as UE8M0 bytes (uint8): a view for e8m0, the exponent field for
+    fp32 powers of two (exact for every normal power of two)."""
+    if w_scale.dtype == torch.float8_e8m0fnu:
+        return w_scale.view(torch.uint8).contiguous()
+    if w_scale.dtype != torch.float32:
+        raise ValueError(f"w_scale must be float8_e8m0fnu or float32, got {w_scale.dtype}")
+    return ((w_scale.contiguous().view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
+
+
+def promote_reference(
+    x_fp8: torch.Tensor,
+    x_scale: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    split: int,
+) -> torch.Tensor:
+    """The kernel's arithmetic in torch fp32, for CPU checks of the host logic: per K chunk and
+    32-slice, the unscaled partial w[:, slice] @ x[:, slice]^T promoted with the slice's two
+    scales (decoded from the bytes as the kernel decodes them), then the chunks summed in
+    ascending order. Returns [M, N] fp32."""
+    m, k = x_fp8.shape
+    n = w.shape[0]
+    e = weight_scale_bytes(w_scale).to(torch.int32)
+    sw = torch.where(e == 0, 0, (e << 23)).view(torch.float32)  # 2**(e-127), e=0 read as 0
+    row_block = torch.arange(n) // SCALE_BLOCK
+    a = x_fp8.float()
+    b = w.float()
+    chunk = k // split
+    parts = []
+    for s in range(split):
+        acc = torch.zeros(n, m, dtype=torch.float32)
+        for kb in range(s * chunk // 32, (s + 1) * chunk // 32):
+            ks = slice(kb * 32, (kb + 1) * 32)
+            part = b[:, ks] @ a[:, ks].t()
+            acc += part * (sw[row_block, kb][:, None] * x_scale[:, kb][None, :])
+        parts.append(acc)
+    out = parts[0]
+    for p in parts[1:]:
+        out = out + p
+    return out.t().contiguous()
+
+
+# -- the kernel (tilelang imported here only) ----------------------------------------------------
+
+
+def build_kernel(n: int, k: int, split: int, out_dtype: str, cfg: DecodeTileConfig):
+    """The TileLang prim_func for weight [n, k] cut into `split` K chunks (M dynamic).
+
+    Arguments: X [M, K] e4m3, SX [M, K/32] fp32, W [N, K] e4m3, SW [ceil(N/32), K/32] uint8
+    (UE8M0 bytes), P: [split, M, N] fp32 partials when split > 1, else C [M, N] out_dtype.
+    """
+    import tilelang.language as T
+
+    if k % (split * BLOCK_K):
+        raise ValueError(f"build_kernel: K={k} must split into {split} chunks of 128s")
+    if out_dtype not in OUT_DTYPES.values():
+        raise ValueError(f"build_kernel: out_dtype must be one of {list(OUT_DTYPES.values())}")
+    bn, bt = cfg.block_n, cfg.block_t
+    kc = k // split
+    kbc = kc // SCALE_BLOCK  # scale groups per chunk
+    bn_blocks = bn // SCALE_BLOCK
+    kb_total = k // SCALE_BLOCK
+    sw_rows = -(-n // SCALE_BLOCK)
+    m = T.dynamic("m")
+    fp8 = "float8_e4m3fn"
+    policy = T.GemmWarpPolicy.FullRow
+    p_shape = (split, m, n) if split > 1 else (m, n)
+    p_dtype = "float32" if split > 1 else out_dtype
+
+    @T.prim_func
+    def decode_gemm_kernel(
+        X: T.Tensor((m, k), fp8),
+        SX: T.Tensor((m, kb_total), "float32"),
+        W: T.Tensor((n, k), fp8),
+        SW: T.Tensor((sw_rows, kb_total), "uint8"),
+        P: T.Tensor(p_shape, p_dtype),
+    ):
+        with T.Kernel(T.ceildiv(m, bt), T.ceildiv(n, bn), split, threads=cfg.threads) as (
+            bx,
+            by,
+            bz,
+        ):
+            w_tile = T.alloc_shared((bn, BLOCK_K), fp8)
+            x_tile = T.alloc_shared((bt, BLOCK_K), fp8)
+            sx_tile = T.alloc_shared((bt, SLICES), "float32")
+            sw_chunk = T.alloc_shared((bn_blocks, kbc), "uint8")
+            acc = T.alloc_fragment((bn, bt), "float32")
+            part = T.alloc_fragment((bn, bt), "float32")
+            if cfg.min_blocks > 1:
+                T.annotate_min_blocks_per_sm(cfg.min_blocks)
+                T.no_set_max_nreg()
+            if cfg.row_swizzle:
+                from tilelang.layout import make_full_bank_swizzled_layout as row_swizzled
+
+                T.annotate_layout({w_tile: row_swizzled(w_tile), x_tile: row_swizzled(x_tile)})
+            T.clear(acc)
+            # the chunk's weight-scale bytes, once (rows past ceil(N/32) are never read for a
+            # stored output: the store clips rows >= N)
+            for r, c in T.Parallel(bn_blocks, kbc):
+                row = by * bn_blocks + r
+                sw_chunk[r, c] = T.if_then_else(row < sw_rows, SW[row, bz * kbc + c], 0)
+            for kt in T.Pipelined(kc // BLOCK_K, num_stages=cfg.num_stages):
+                T.copy(W[by * bn, bz * kc + kt * BLOCK_K], w_tile)
+                T.copy(X[bx * bt, bz * kc + kt * BLOCK_K], x_tile)
+                T.copy(SX[bx * bt, bz * kbc + kt * SLICES], sx_tile)
+                for s in T.unroll(SLICES):
+                    T.gemm(
+                        w_tile[:, s * SCALE_BLOCK : (s + 1) * SCALE_BLOCK],
+                        x_tile[:, s * SCALE_BLOCK : (s + 1) * SCALE_BLOCK],
+                        part, transpose_B=True, clear_accum=True, policy=policy,
+                    )  # fmt: skip
+                    for i, j in T.Parallel(bn, bt):
+                        e = T.Cast("uint32", sw_chunk[i // SCALE_BLOCK, kt * SLICES + s])
+                        acc[i, j] += part[i, j] * (
+                            T.reinterpret(T.shift_left(e, 23), "float32") * sx_tile[j, s]
+                        )
+            for i, j in T.Parallel(bn, bt):
+                row = bx * bt + j
+                col = by * bn + i
+                if row < m:  # noqa: SIM102 (nested: one TIR condition each)
+                    if col < n:
+                        if split > 1:
+                            P[bz, row, col] = acc[i, j]
+                        else:
+                            P[row, col] = T.Cast(out_dtype, acc[i, j])
+
+    return decode_gemm_kernel
+
+
+def lower_source(
+    n: int, k: int, split: int, out_dtype: str = "float32", cfg: DecodeTileConfig | None = None
+) -> str:
+    """CUDA source of the kernel for sm_90a, lowered without nvcc (inspection and CPU tests)."""
+    import tilelang
+    from tvm.target import Target
+
+    target = Target(SM90A)
+    cfg = cfg or DecodeTileConfig()
+    with target, _row_swizzle(cfg.row_swizzle):
+        artifact = tilelang.lower(build_kernel(n, k, split, out_dtype, cfg), target=target)
+    return artifact.kernel_source
+
+
+# Compiled kernels per (N, K, split, out dtype, config): seconds each, once per process.
+_COMPILED: dict[tuple[int, int, int, str, DecodeTileConfig], Any] = {}
+
+
+def compiled_kernel(n: int, k: int, split: int, out_dtype: str, cfg: DecodeTileConfig):
+    """The JIT-compiled kernel for these static dimensions (compiled on first use)."""
+    key = (n, k, split, out_dtype, cfg)
+    kernel = _COMPILED.get(key)
+    if kernel is None:
+        import logging
+
+        import tilelang
+
+        start = time.perf_counter()
+        with _row_swizzle(cfg.row_swizzle):
+            kernel = tilelang.compile(build_kernel(n, k, split, out_dtype, cfg), target=SM90A)
+        _COMPILED[key] = kernel
+        logging.getLogger(__name__).info(
+            "compiled the TileLang decode GEMM for N=%d K=%d split=%d in %.1f s",
+            n, k, split, time.perf_counter() - start,
+        )  # fmt: skip
+    return kernel
+
+
+def decode_gemm(
+    x_fp8: torch.Tensor,
+    x_scale: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+    config: DecodeTileConfig | None = None,
+) -> torch.Tensor:
+    """x_fp8 [M, K] e4m3 with x_scale [M, K/32] fp32 powers of two, w [N, K] e4m3 with w_scale
+    [ceil(N/32), K/32] e8m0 (or fp32 powers of two) -> [M, N] out_dtype, fp32 accumulation.
+
+    Capturable in a CUDA graph (no host reads). With split > 1 the fp32 partials [split, M, N]
+    are summed in ascending order by a second kernel (`triton.gemv.sum_splits`).
+    """
+    why = shape_reason(x_fp8, x_scale, w, w_scale)
+    if why is not None:
+        raise ValueError(f"tilelang decode_gemm: {why}")
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"out_dtype must be one of {list(OUT_DTYPES)}, got {out_dtype}")
+    m, k = x_fp8.shape
+    n = w.shape[0]
+    cfg = config or pick_tile_config(m, n, k)
+    split = cfg.split_k or decode_tile_split(n, k, cfg.block_n)
+    if k % (split * BLOCK_K):
+        raise ValueError(f"tilelang decode_gemm: split_k={split} must cut K={k} into 128s")
+    if cfg.shared_bytes(k // split) > MAX_SHARED_BYTES:
+        raise ValueError(f"tilelang decode_gemm: {cfg} needs too much shared memory")
+    if m == 0 or n == 0:
+        return torch.empty(m, n, dtype=out_dtype, device=x_fp8.device)
+    sw = tma_ready(weight_scale_bytes(w_scale))
+    xq, xs, wq = tma_ready(x_fp8), tma_ready(x_scale), tma_ready(w)
+    if split == 1:
+        out = torch.empty(m, n, dtype=out_dtype, device=x_fp8.device)
+        compiled_kernel(n, k, 1, OUT_DTYPES[out_dtype], cfg)(xq, xs, wq, sw, out)
+        return out
+    from ..triton.gemv import sum_splits
+
+    partials = torch.empty(split, m, n, dtype=torch.float32, device=x_fp8.device)
+    compiled_kernel(n, k, split, "float32", cfg)(xq, xs, wq, sw, partials)
+    return sum_splits(partials, out_dtype)

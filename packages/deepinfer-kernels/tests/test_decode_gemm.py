@@ -1,0 +1,182 @@
+"""The TileLang swap-AB decode GEMM on CPU: config limits, the split of K (a function of N and K),
+the weight-scale bytes, the kernel's per-chunk promotion arithmetic against float64 loops written
+here, the routing in `triton.linear`, and, when tilelang is importable, the lowered CUDA source
+for sm_90a (TMA loads per stage, the wgmma shape, launch bounds, the guarded transposed store).
+Running the kernel needs the H200 (test_decode_gemm_gpu.py).
+Locally: PYTHONPATH=<site with tilelang 0.1.15> runs the lowering tests."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+
+import pytest
+import torch
+from deepinfer_kernels import quant
+from deepinfer_kernels.tilelang import decode_gemm as dg
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+HAVE_TILELANG = importlib.util.find_spec("tilelang") is not None
+needs_tilelang = pytest.mark.skipif(
+    not HAVE_TILELANG, reason="tilelang is not importable here (PYTHONPATH=<site with tilelang>)"
+)
+
+
+def _inputs(m: int, n: int, k: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    spread_x = torch.exp(2 * torch.randn(m, k // 32, generator=g)).repeat_interleave(32, 1)
+    x = torch.randn(m, k, generator=g) * spread_x
+    spread = torch.randint(-6, 7, (-(-n // 32), k // 32), generator=g).float().exp2()
+    spread = spread.repeat_interleave(32, 0)[:n].repeat_interleave(32, 1)
+    xq, xs = quant.act_quant_fp8(x)
+    wq, ws = quant.quantize_fp8_blocks(torch.randn(n, k, generator=g) * spread)
+    return xq, xs, wq, ws
+
+
+def _f64_gemm(xq, xs, w, ws) -> torch.Tensor:
+    """sum_k xq[m,k] xs[m,k//32] w[n,k] 2**(byte(ws[n//32,k//32]) - 127), plain float64 loops
+    over the scale groups; the weight scale decoded from its bit layout here."""
+    m, k = xq.shape
+    n = w.shape[0]
+    e = ws.view(torch.uint8).tolist()
+    out = torch.zeros(m, n, dtype=torch.float64)
+    a, b = xq.double(), w.double()
+    for kb in range(k // 32):
+        sw = torch.tensor([2.0 ** (e[j // 32][kb] - 127) for j in range(n)], dtype=torch.float64)
+        ks = slice(kb * 32, (kb + 1) * 32)
+        for mm in range(m):
+            prod = (a[mm, ks][None, :] * b[:, ks]).sum(1)  # exact products of e4m3 values
+            out[mm] += prod * xs[mm, kb].double() * sw
+    return out
+
+
+def test_config_limits():
+    with pytest.raises(ValueError, match="block_n"):
+        dg.DecodeTileConfig(block_n=96)
+    with pytest.raises(ValueError, match="block_t"):
+        dg.DecodeTileConfig(block_t=24)
+    with pytest.raises(ValueError, match="num_stages"):
+        dg.DecodeTileConfig(num_stages=0)
+    with pytest.raises(ValueError, match="min_blocks"):
+        dg.DecodeTileConfig(min_blocks=9)
+    with pytest.raises(ValueError, match="split_k"):
+        dg.DecodeTileConfig(split_k=-1)
+    assert dg.DecodeTileConfig(block_n=128).threads == 256
+
+
+@given(
+    n=st.sampled_from([32, 200, 512, 2112, 5120, 32768]),
+    kt=st.integers(1, 128),
+)
+@settings(max_examples=60, deadline=None)
+def test_split_depends_on_n_k_only_and_cuts_whole_stages(n, kt):
+    k = kt * dg.BLOCK_K
+    s = dg.decode_tile_split(n, k)
+    assert s >= 1 and k % (s * dg.BLOCK_K) == 0
+    assert s == 1 or k // s >= 1024
+    # doubling stops once there are >= 2 CTAs per SM (or K cannot be cut further)
+    assert s == 1 or -(-n // 64) * (s // 2) < 2 * dg.NUM_SMS
+    for m in (1, 7, 16, 33, 64):
+        assert dg.pick_tile_config(m, n, k).split_k == s
+
+
+def test_split_of_v41_shapes():
+    assert dg.decode_tile_split(5120, 8192) == 4  # 80 weight tiles x 4 = 320 CTAs
+    assert dg.decode_tile_split(2112, 7168) == 4  # 7168 / 8 is not whole 128-stages x 2
+    assert dg.decode_tile_split(32768, 1280) == 1
+
+
+def test_token_tile_by_m():
+    assert [dg.pick_tile_config(m, 5120, 8192).block_t for m in (1, 16, 17, 32, 33, 64, 300)] == [
+        16, 16, 32, 32, 64, 64, 64,
+    ]  # fmt: skip
+
+
+@given(e=st.lists(st.integers(1, 254), min_size=4, max_size=4))
+@settings(max_examples=30, deadline=None)
+def test_weight_scale_bytes_from_e8m0_and_fp32(e):
+    """The fp32 powers of two give the same UE8M0 bytes as the e8m0 tensor (exponent field)."""
+    b = torch.tensor(e, dtype=torch.uint8).reshape(2, 2)
+    e8 = b.view(torch.float8_e8m0fnu)
+    f32 = torch.tensor([[2.0 ** (v - 127) for v in row] for row in b.tolist()], dtype=torch.float64)
+    assert torch.equal(dg.weight_scale_bytes(e8), b)
+    assert torch.equal(dg.weight_scale_bytes(f32.float()), b)
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k", "split"), [(1, 64, 256, 1), (3, 40, 512, 2), (5, 96, 512, 4)]
+)
+def test_promotion_arithmetic_matches_float64(m, n, k, split):
+    xq, xs, w, ws = _inputs(m, n, k, seed=m + n + k + split)
+    got = dg.promote_reference(xq, xs, w, ws, split)
+    want = _f64_gemm(xq, xs, w, ws)
+    rel = ((got.double() - want).norm() / want.norm()).item()
+    assert rel < 1e-6
+    assert torch.equal(got, dg.promote_reference(xq, xs, w, ws.float(), split))
+
+
+def test_shape_reason():
+    xq, xs, w, ws = _inputs(2, 64, 256, seed=1)
+    assert dg.shape_reason(xq, xs, w, ws) is None
+    assert "multiple of 128" in dg.shape_reason(xq[:, :96], xs[:, :3], w[:, :96], ws[:, :3])
+    assert "x_scale" in dg.shape_reason(xq, xs[:, :4], w, ws)
+    assert "w_scale" in dg.shape_reason(xq, xs, w, ws[:, :4])
+    assert "float8_e4m3fn" in dg.shape_reason(xq.float(), xs, w, ws)
+    with pytest.raises(ValueError, match="tilelang decode_gemm"):
+        dg.decode_gemm(xq, xs, w, ws[:, :4])
+
+
+def test_triton_linear_routing(monkeypatch):
+    """pick_config hands out the TileLang tile only when asked (`tilelang_decode`), in auto mode,
+    for M inside TILELANG_DECODE_M; CPU inputs are never routed there."""
+    pytest.importorskip("triton")
+    from deepinfer_kernels.triton import gemv
+    from deepinfer_kernels.triton import linear as tl_linear
+
+    monkeypatch.setattr(tl_linear, "TILELANG_DECODE_M", (2, 64))
+
+    def pick(m, inv, tilelang=True):
+        return tl_linear.pick_config(m, 5120, 8192, inv, tilelang_decode=tilelang)
+
+    assert pick(16, False) == dg.pick_tile_config(16, 5120, 8192)
+    assert isinstance(pick(16, True), gemv.DecodeConfig)
+    assert isinstance(pick(1, False), gemv.DecodeConfig)
+    assert isinstance(pick(65, False), tl_linear.GemmConfig)
+    assert isinstance(pick(16, False, tilelang=False), gemv.DecodeConfig)
+    xq, xs, w, ws = _inputs(2, 64, 256, seed=2)
+    assert tl_linear.tilelang_decode_reason(xq, xs, w, ws) == "input on cpu"
+
+
+# -- lowering (tilelang on CPU) --------------------------------------------------------------------
+
+
+@needs_tilelang
+@pytest.mark.parametrize(
+    ("cfg", "split"),
+    [
+        (dg.DecodeTileConfig(), 4),
+        (dg.DecodeTileConfig(block_t=64, min_blocks=1), 1),
+        (dg.DecodeTileConfig(row_swizzle=True), 4),
+    ],
+)
+def test_lowered_source(cfg, split):
+    src = dg.lower_source(5120, 8192, split, "float32" if split > 1 else "bfloat16", cfg)
+    threads = cfg.threads + 128  # TileLang's producer warpgroup
+    bounds = f"__launch_bounds__({threads}, {cfg.min_blocks})"
+    assert bounds in src if cfg.min_blocks > 1 else f"__launch_bounds__({threads}" in src
+    # setmaxnreg only at one CTA per SM (several CTAs could not all raise their consumers to 240)
+    assert ("warpgroup_reg_alloc" in src) == (cfg.min_blocks == 1)
+    # one m64 x block_t x k32 FP8 wgmma per 32-slice, no other matrix instruction
+    wgmma = re.findall(r"wgmma_ss<([^>]*)>", src)
+    assert wgmma and all(f"64, {cfg.block_t}, 32" in w for w in wgmma)
+    fp8_fp32 = "kFloat8_e4m3, tl::DataType::kFloat8_e4m3, tl::DataType::kFloat32"
+    assert all(fp8_fp32 in w for w in wgmma)
+    # per stage: the weight and activation tiles (4 boxes of 32-B rows, or 1 with row_swizzle)
+    # and the activation scales; the weight scales are read once per CTA, not per stage
+    boxes = 1 if cfg.row_swizzle else 4
+    assert len(re.findall(r"tma_load\(W_desc", src)) == 1
+    assert f"for (int i = 0; i < {boxes}; ++i)" in src or boxes == 1
+    assert "tma_load(SX_desc" in src and "SW_desc" not in src
+    # the transposed store is guarded by the token count (M is dynamic)
+    assert re.search(r"if \(.*< m\)", src)
