@@ -27,8 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import quant
 from ..quant import ACT_AMAX_FLOOR
-from ._common import fp4_expand, quant_groups_fp8
+from ._common import fp4_expand, pow2_ceil_scale, quant_groups_fp8
 from .quant import act_fake_quant_bf16, swiglu_quant_tile
 
 # ---------------------------------------------------------------------------------------------
@@ -174,6 +175,10 @@ class MoeConfig:
     block_k: int = 32  # K per step (falls back to 32 where D or I is not a multiple)
     fp4_mode: int = 0  # FP4 expansion: 0 fp16 trick, 1 bits into bf16, 2 packed PTX (fp4_expand)
     scale_words: bool = False  # UE8M0 scales read as int32 words (4 groups; needs block_k 128)
+    cols_fast: bool = False  # grid order: a tile's column blocks run next to each other (see below)
+    block_k2: int = 0  # K step of the W2 kernel (0: block_k)
+    stages2: int = 0  # pipeline stages of the W2 kernel (0: stages)
+    prefetch_scales: bool = False  # load the next K step's scale bytes one step ahead
 
 
 DECODE = MoeConfig(16, 64, 64, 4, 4, 4, swap_ab=False, block_k=128, fp4_mode=2)
@@ -379,25 +384,152 @@ def build_routing(
 
 
 @triton.jit
-def _scale_bytes(s_ptrs, offs_g, WORDS: tl.constexpr):
+def _scale_bytes(s_ptrs, offs_g, WORDS: tl.constexpr, mask=None):
     """The UE8M0 scale bytes [rows, KG] of one K step: from per-row pointers to one int32 word of
     4 bytes, lowest first (WORDS, KG == 4), or from [rows, KG] byte pointers. The word is a 4-byte
     load, which the pipeliner turns into cp.async; a 1- or 2-byte load stays synchronous and puts
-    a memory latency into every K step."""
-    v = tl.load(s_ptrs)
+    a memory latency into every K step (unless loaded a step ahead: PREFETCH in the kernels)."""
+    if mask is None:  # noqa: SIM108 (a Triton constexpr branch)
+        v = tl.load(s_ptrs)
+    else:
+        v = tl.load(s_ptrs, mask=mask, other=0)
     if WORDS:
         v = (v[:, None] >> (8 * offs_g)[None, :]) & 0xFF
     return v
 
 
 @triton.jit
-def _tile_rows(tiles_ptr, BLOCK_M: tl.constexpr):
-    """This program's tile of sorted rows (tiles: [n, 3] int32 (expert, first row, end row)):
+def _program_tile(n_cols, COLS_FAST: tl.constexpr):
+    """(tile, column block) of this program. COLS_FAST: a 1-D grid in which consecutive programs
+    are the column blocks of one tile, so the programs resident at one time share a few tiles'
+    gathered rows (read from HBM once, then from L2) and a few experts' weights. Otherwise a 2-D
+    grid (tile, column block) with the tile fastest: resident programs then hold hundreds of
+    different tiles of one column block, and each tile's rows come from HBM again for every
+    column block (measured on the H200: see NOTES.md, MoE prefill, fourth session)."""
+    if COLS_FAST:
+        pid = tl.program_id(0)
+        tile = pid // n_cols
+        col = pid % n_cols
+    else:
+        tile = tl.program_id(0)
+        col = tl.program_id(1)
+    return tile, col
+
+
+@triton.jit
+def _tile_rows(tiles_ptr, tile, BLOCK_M: tl.constexpr):
+    """Tile `tile` of sorted rows (tiles: [n, 3] int32 (expert, first row, end row)):
     (first row, rows [BLOCK_M], mask of the rows before the end)."""
-    tile = tl.program_id(0)
     row0 = tl.load(tiles_ptr + tile * 3 + 1)
     rows = row0 + tl.arange(0, BLOCK_M)
     return row0, rows, rows < tl.load(tiles_ptr + tile * 3 + 2)
+
+
+@triton.jit
+def _expand(
+    packed,
+    scale_u8,
+    ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    MODE: tl.constexpr,
+    F32_MATH: tl.constexpr,
+):
+    """`fp4_expand` on the GPU. F32_MATH (the Triton interpreter on CPU, whose bf16 arithmetic is
+    wrong and which has no inline PTX): the same exact values through fp32 (the fp16 placement of
+    mode 0, then the power-of-two scale in fp32), from int8 bytes or int32 words."""
+    if F32_MATH:
+        if MODE == 2:  # int32 words: 8 nibbles each, lowest first
+            w = packed.to(tl.uint32, bitcast=True)
+            sh = tl.arange(0, 8) * 4
+            nib = (w[:, :, None] >> sh[None, None, :]) & 0xF
+            nib = tl.reshape(nib, (ROWS, BLOCK_K)).to(tl.int32)
+        else:
+            p = packed.to(tl.uint8, bitcast=True).to(tl.int32)
+            nib = tl.reshape(tl.join(p & 0xF, p >> 4), (ROWS, BLOCK_K))
+        bits = (((nib & 7) << 9) | ((nib & 8) << 12)).to(tl.int16)
+        v = bits.to(tl.float16, bitcast=True).to(tl.float32)  # e2m1 value * 2**-14
+        s = ((scale_u8.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
+        v3 = tl.reshape(v, (ROWS, BLOCK_K // 32, 32)) * s[:, :, None]
+        return tl.reshape(v3, (ROWS, BLOCK_K)).to(tl.bfloat16)
+    else:
+        return fp4_expand(packed, scale_u8, ROWS, BLOCK_K, MODE)
+
+
+@triton.jit
+def _dot(a, b, acc, F32_MATH: tl.constexpr):
+    """acc + a @ b for bf16 tiles (exact products, fp32 sums); F32_MATH: the same through an fp32
+    IEEE dot (the interpreter's bf16 dot is wrong)."""
+    if F32_MATH:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _round_to(v, DTYPE: tl.constexpr, F32_MATH: tl.constexpr):
+    """fp32 v rounded to DTYPE (to nearest, ties to even), returned as fp32. F32_MATH rounds to
+    bf16 on the float's bits: the interpreter's fp32 -> bf16 conversion does not round to nearest
+    (Triton 3.8 on CPU)."""
+    if F32_MATH and tl.bfloat16 == DTYPE:
+        b = v.to(tl.int32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
+        return b.to(tl.float32, bitcast=True)
+    else:
+        return v.to(DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _cast(v, DTYPE: tl.constexpr, F32_MATH: tl.constexpr):
+    """fp32 v -> DTYPE, rounded to nearest (F32_MATH: through `_round_to`)."""
+    if F32_MATH:
+        return _round_to(v, DTYPE, True).to(DTYPE)
+    else:
+        return v.to(DTYPE)
+
+
+@triton.jit
+def _swiglu(
+    g, u, w, limit, HAS_LIMIT: tl.constexpr, OUT_DTYPE: tl.constexpr, F32_MATH: tl.constexpr
+):
+    """`swiglu_quant_tile` (V4.1's clamped SwiGLU x routing weight, rounded to OUT_DTYPE, as
+    fp32); F32_MATH: the same formula with the rounding of `_round_to`."""
+    if F32_MATH:
+        if HAS_LIMIT:
+            u = tl.clamp(u, -limit, limit)
+            g = tl.minimum(g, limit)
+        return _round_to(w * (g / (1.0 + tl.exp(-g)) * u), OUT_DTYPE, True)
+    else:
+        return swiglu_quant_tile(g, u, w, limit, HAS_LIMIT, OUT_DTYPE)
+
+
+@triton.jit
+def _round_e4m3_f32(v):
+    """fp32 v (|v| <= 448) rounded to the nearest e4m3 value (ties to even), as fp32: the
+    interpreter's fp8 conversion rounds some values wrongly (Triton 3.8 on CPU), so F32_MATH does
+    it by arithmetic: the e4m3 step at v's binade (2**-9 below 2**-6), then a round-to-integer by
+    adding and subtracting 1.5 * 2**23."""
+    a = tl.abs(v)
+    e = tl.maximum((a.to(tl.int32, bitcast=True) >> 23) & 0xFF, 127 - 6)
+    step = ((e - 3) << 23).to(tl.float32, bitcast=True)
+    r = ((a / step + 12582912.0) - 12582912.0) * step
+    return tl.where(v < 0, -r, r)
+
+
+@triton.jit
+def _quant_dequant_groups(
+    h, ROWS: tl.constexpr, WIDTH: tl.constexpr, FLOOR: tl.constexpr, F32_MATH: tl.constexpr
+):
+    """h [ROWS, WIDTH] fp32 -> bf16 h_fp8 * scale (per-32 FP8 quantisation, expanded exactly)."""
+    if F32_MATH:
+        g3 = tl.reshape(h, (ROWS, WIDTH // 32, 32))
+        amax = tl.maximum(tl.max(tl.abs(g3), axis=2), FLOOR)
+        sc, inv = pow2_ceil_scale(amax, 1.0 / 448.0)
+        q = _round_e4m3_f32(tl.clamp(g3 * inv[:, :, None], -448.0, 448.0))
+        hd = q * sc[:, :, None]
+    else:
+        q, sc = quant_groups_fp8(h, ROWS, WIDTH, FLOOR)
+        hd = tl.reshape(q.to(tl.float32), (ROWS, WIDTH // 32, 32)) * sc[:, :, None]
+    return tl.reshape(hd, (ROWS, WIDTH)).to(tl.bfloat16)
 
 
 @triton.jit
@@ -427,20 +559,25 @@ def _w13_kernel(
     SWAP_AB: tl.constexpr,
     FP4_MODE: tl.constexpr,
     S_WORDS: tl.constexpr,
+    COLS_FAST: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False,
+    F32_MATH: tl.constexpr = False,
 ):
     """Rows of one expert's tile: gate/up = x_hat W1^T, x_hat W3^T (x_hat: bf16-expanded FP8 x,
     gathered by token), then h = swiglu(gate, up) * weight, quantised per 32 to FP8 and written
     expanded to bf16 (exactly h_fp8 * scale): the W2 kernel's A operand."""
-    expert = tl.load(tiles_ptr + tl.program_id(0) * 3)
+    tile, col = _program_tile(tl.cdiv(I, BLOCK_N), COLS_FAST)
+    expert = tl.load(tiles_ptr + tile * 3)
     if expert < 0:
         return
-    _, rows, rmask = _tile_rows(tiles_ptr, BLOCK_M)
+    _, rows, rmask = _tile_rows(tiles_ptr, tile, BLOCK_M)
     tok = tl.load(tok_ptr + rows, mask=rmask, other=0).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = col * BLOCK_N + tl.arange(0, BLOCK_N)
     ncl = tl.where(offs_n < I, offs_n, 0).to(tl.int64)
     ex = expert.to(tl.int64)
     KG: tl.constexpr = BLOCK_K // 32
     PACK: tl.constexpr = 8 if FP4_MODE == 2 else 2  # values per weight element (int32 / int8)
+    S_STEP: tl.constexpr = 1 if S_WORDS else KG
     offs_k = tl.arange(0, BLOCK_K)
     offs_p = tl.arange(0, BLOCK_K // PACK)
     offs_g = tl.arange(0, KG)
@@ -454,6 +591,9 @@ def _w13_kernel(
         s_off = ex * stride_se + ncl[:, None] * stride_sn + offs_g[None, :]
     s1_ptrs = s1_ptr + s_off
     s3_ptrs = s3_ptr + s_off
+    if PREFETCH:  # this step's scales were loaded during the previous step
+        sc1 = _scale_bytes(s1_ptrs, offs_g, S_WORDS)
+        sc3 = _scale_bytes(s3_ptrs, offs_g, S_WORDS)
     if SWAP_AB:  # weight rows fill the MMA's M: few tokens per expert (decode)
         acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -461,35 +601,43 @@ def _w13_kernel(
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # D is a multiple of BLOCK_K (checked on the host): no masks in the loop
-    for _ in range(0, D, BLOCK_K):
+    for k0 in range(0, D, BLOCK_K):
         a16 = tl.load(a_ptrs)
-        b1 = fp4_expand(
-            tl.load(w1_ptrs), _scale_bytes(s1_ptrs, offs_g, S_WORDS), BLOCK_N, BLOCK_K, FP4_MODE
-        )
-        b3 = fp4_expand(
-            tl.load(w3_ptrs), _scale_bytes(s3_ptrs, offs_g, S_WORDS), BLOCK_N, BLOCK_K, FP4_MODE
-        )
-        if SWAP_AB:
-            acc_g = tl.dot(b1, tl.trans(a16), acc_g)
-            acc_u = tl.dot(b3, tl.trans(a16), acc_u)
+        # each weight tile, then its scales, then its expansion: the order the decode path's
+        # SASS was measured in (a reordering changes its schedule)
+        wq1 = tl.load(w1_ptrs)
+        if PREFETCH:  # this step's scales came in during the previous step
+            cur1 = sc1
+            sc1 = _scale_bytes(s1_ptrs + S_STEP, offs_g, S_WORDS, k0 + BLOCK_K < D)
         else:
-            acc_g = tl.dot(a16, tl.trans(b1), acc_g)
-            acc_u = tl.dot(a16, tl.trans(b3), acc_u)
+            cur1 = _scale_bytes(s1_ptrs, offs_g, S_WORDS)
+        b1 = _expand(wq1, cur1, BLOCK_N, BLOCK_K, FP4_MODE, F32_MATH)
+        wq3 = tl.load(w3_ptrs)
+        if PREFETCH:
+            cur3 = sc3
+            sc3 = _scale_bytes(s3_ptrs + S_STEP, offs_g, S_WORDS, k0 + BLOCK_K < D)
+        else:
+            cur3 = _scale_bytes(s3_ptrs, offs_g, S_WORDS)
+        b3 = _expand(wq3, cur3, BLOCK_N, BLOCK_K, FP4_MODE, F32_MATH)
+        if SWAP_AB:
+            acc_g = _dot(b1, tl.trans(a16), acc_g, F32_MATH)
+            acc_u = _dot(b3, tl.trans(a16), acc_u, F32_MATH)
+        else:
+            acc_g = _dot(a16, tl.trans(b1), acc_g, F32_MATH)
+            acc_u = _dot(a16, tl.trans(b3), acc_u, F32_MATH)
         a_ptrs += BLOCK_K
         w1_ptrs += BLOCK_K // PACK
         w3_ptrs += BLOCK_K // PACK
-        s1_ptrs += 1 if S_WORDS else KG
-        s3_ptrs += 1 if S_WORDS else KG
+        s1_ptrs += S_STEP
+        s3_ptrs += S_STEP
     if SWAP_AB:
         acc_g = tl.trans(acc_g)
         acc_u = tl.trans(acc_u)
-    g = acc_g.to(OUT_DTYPE).to(tl.float32)
-    u = acc_u.to(OUT_DTYPE).to(tl.float32)
+    g = _round_to(acc_g, OUT_DTYPE, F32_MATH)
+    u = _round_to(acc_u, OUT_DTYPE, F32_MATH)
     rw = tl.load(rw_ptr + rows, mask=rmask, other=0.0)
-    h = swiglu_quant_tile(g, u, rw[:, None], limit, HAS_LIMIT, OUT_DTYPE)
-    q, sc = quant_groups_fp8(h, BLOCK_M, BLOCK_N, FLOOR)
-    hd = tl.reshape(q.to(tl.float32), (BLOCK_M, BLOCK_N // 32, 32)) * sc[:, :, None]
-    hd = tl.reshape(hd, (BLOCK_M, BLOCK_N)).to(tl.bfloat16)
+    h = _swiglu(g, u, rw[:, None], limit, HAS_LIMIT, OUT_DTYPE, F32_MATH)
+    hd = _quant_dequant_groups(h, BLOCK_M, BLOCK_N, FLOOR, F32_MATH)
     r64 = rows.to(tl.int64)
     omask = rmask[:, None] & (offs_n < I)[None, :]
     tl.store(h_ptr + r64[:, None] * I + offs_n[None, :], hd, mask=omask)
@@ -514,18 +662,23 @@ def _w2_kernel(
     SWAP_AB: tl.constexpr,
     FP4_MODE: tl.constexpr,
     S_WORDS: tl.constexpr,
+    COLS_FAST: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False,
+    F32_MATH: tl.constexpr = False,
 ):
     """y = h_hat W2^T for one expert's tile of sorted rows, rounded to y's dtype."""
-    expert = tl.load(tiles_ptr + tl.program_id(0) * 3)
+    tile, col = _program_tile(tl.cdiv(D, BLOCK_N), COLS_FAST)
+    expert = tl.load(tiles_ptr + tile * 3)
     if expert < 0:
         return
-    row0, rows, rmask = _tile_rows(tiles_ptr, BLOCK_M)
+    row0, rows, rmask = _tile_rows(tiles_ptr, tile, BLOCK_M)
     r64 = tl.where(rmask, rows, row0).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = col * BLOCK_N + tl.arange(0, BLOCK_N)
     ncl = tl.where(offs_n < D, offs_n, 0).to(tl.int64)
     ex = expert.to(tl.int64)
     KG: tl.constexpr = BLOCK_K // 32
     PACK: tl.constexpr = 8 if FP4_MODE == 2 else 2  # values per weight element (int32 / int8)
+    S_STEP: tl.constexpr = 1 if S_WORDS else KG
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = h_ptr + r64[:, None] * I + offs_k[None, :]
     w_ptrs = (
@@ -536,30 +689,39 @@ def _w2_kernel(
         s_ptrs = s2_ptr + ex * stride_se + ncl * stride_sn
     else:
         s_ptrs = s2_ptr + ex * stride_se + ncl[:, None] * stride_sn + offs_g[None, :]
+    if PREFETCH:
+        sc = _scale_bytes(s_ptrs, offs_g, S_WORDS)
     if SWAP_AB:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for _ in range(0, I, BLOCK_K):
+    for k0 in range(0, I, BLOCK_K):
         a16 = tl.load(a_ptrs)
-        b16 = fp4_expand(
-            tl.load(w_ptrs), _scale_bytes(s_ptrs, offs_g, S_WORDS), BLOCK_N, BLOCK_K, FP4_MODE
-        )
-        if SWAP_AB:  # noqa: SIM108 (a Triton constexpr branch)
-            acc = tl.dot(b16, tl.trans(a16), acc)
+        wq = tl.load(w_ptrs)  # before its scales (see _w13_kernel)
+        if PREFETCH:
+            cur = sc
+            sc = _scale_bytes(s_ptrs + S_STEP, offs_g, S_WORDS, k0 + BLOCK_K < I)
         else:
-            acc = tl.dot(a16, tl.trans(b16), acc)
+            cur = _scale_bytes(s_ptrs, offs_g, S_WORDS)
+        b16 = _expand(wq, cur, BLOCK_N, BLOCK_K, FP4_MODE, F32_MATH)
+        if SWAP_AB:
+            acc = _dot(b16, tl.trans(a16), acc, F32_MATH)
+        else:
+            acc = _dot(a16, tl.trans(b16), acc, F32_MATH)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K // PACK
-        s_ptrs += 1 if S_WORDS else KG
+        s_ptrs += S_STEP
     if SWAP_AB:
         acc = tl.trans(acc)
     omask = rmask[:, None] & (offs_n < D)[None, :]
-    tl.store(y_ptr + r64[:, None] * D + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=omask)
+    y = _cast(acc, y_ptr.dtype.element_ty, F32_MATH)
+    tl.store(y_ptr + r64[:, None] * D + offs_n[None, :], y, mask=omask)
 
 
 @triton.jit
-def _combine_kernel(y_ptr, pos_ptr, out_ptr, D, P, TOPK: tl.constexpr, BLOCK: tl.constexpr):
+def _combine_kernel(
+    y_ptr, pos_ptr, out_ptr, D, P, TOPK: tl.constexpr, BLOCK: tl.constexpr, F32_MATH: tl.constexpr
+):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     cmask = cols < D
@@ -568,7 +730,8 @@ def _combine_kernel(y_ptr, pos_ptr, out_ptr, D, P, TOPK: tl.constexpr, BLOCK: tl
         p = tl.load(pos_ptr + t * TOPK + j)
         y = tl.load(y_ptr + p.to(tl.int64) * D + cols, mask=cmask & (p < P), other=0.0)
         acc += y.to(tl.float32)
-    tl.store(out_ptr + t * D + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
+    out = _cast(acc, out_ptr.dtype.element_ty, F32_MATH)
+    tl.store(out_ptr + t * D + cols, out, mask=cmask)
 
 
 def _word_aligned(*scales: torch.Tensor) -> bool:
@@ -607,7 +770,10 @@ def moe_experts(
         if s.dtype != torch.float8_e8m0fnu:  # ops.moe routes other scale dtypes to ref
             raise NotImplementedError(f"triton moe_experts: {name} must be float8_e8m0fnu")
     route = build_routing(topk_weights, topk_ids, e, cfg.block_m)
-    xa = act_fake_quant_bf16(x)
+    if x.is_cuda:
+        xa = act_fake_quant_bf16(x)
+    else:  # the Triton interpreter: its fp8 conversion is wrong (see `_round_e4m3_f32`)
+        xa = quant.act_dequant_fp8(*quant.act_quant_fp8(x), torch.bfloat16)
     p = t * k
     h = torch.empty(p, i, dtype=torch.bfloat16, device=x.device)
     y = torch.empty(p, d, dtype=x.dtype, device=x.device)
@@ -616,7 +782,8 @@ def moe_experts(
         w1, w3, w2 = w1.view(torch.int32), w3.view(torch.int32), w2.view(torch.int32)
     s1u, s3u, s2u = (s.contiguous().view(torch.uint8) for s in (s1, s3, s2))
     bk1 = cfg.block_k if d % cfg.block_k == 0 else 32
-    bk2 = cfg.block_k if i % cfg.block_k == 0 else 32
+    k2 = cfg.block_k2 or cfg.block_k
+    bk2 = k2 if i % k2 == 0 else 32
     # scales as int32 words: one word is exactly one 128-wide K step's 4 groups
     words1 = cfg.scale_words and bk1 == 128 and _word_aligned(s1u, s3u)
     words2 = cfg.scale_words and bk2 == 128 and _word_aligned(s2u)
@@ -625,7 +792,11 @@ def moe_experts(
     if words2:
         s2u = s2u.view(torch.int32)
     n_tiles = route.tiles.shape[0]
-    _w13_kernel[(n_tiles, triton.cdiv(i, cfg.block_n1))](
+    f32_math = not x.is_cuda  # the Triton interpreter (CPU tensors): see `_dot`
+    cols1, cols2 = triton.cdiv(i, cfg.block_n1), triton.cdiv(d, cfg.block_n2)
+    grid1 = (n_tiles * cols1,) if cfg.cols_fast else (n_tiles, cols1)
+    grid2 = (n_tiles * cols2,) if cfg.cols_fast else (n_tiles, cols2)
+    _w13_kernel[grid1](
         xa,
         w1,
         s1u,
@@ -651,10 +822,13 @@ def moe_experts(
         SWAP_AB=cfg.swap_ab,
         FP4_MODE=cfg.fp4_mode,
         S_WORDS=words1,
+        COLS_FAST=cfg.cols_fast,
+        PREFETCH=cfg.prefetch_scales,
+        F32_MATH=f32_math,
         num_warps=cfg.warps1,
         num_stages=cfg.stages,
     )
-    _w2_kernel[(n_tiles, triton.cdiv(d, cfg.block_n2))](
+    _w2_kernel[grid2](
         h,
         w2,
         s2u,
@@ -672,11 +846,14 @@ def moe_experts(
         SWAP_AB=cfg.swap_ab,
         FP4_MODE=cfg.fp4_mode,
         S_WORDS=words2,
+        COLS_FAST=cfg.cols_fast,
+        PREFETCH=cfg.prefetch_scales,
+        F32_MATH=f32_math,
         num_warps=cfg.warps2,
-        num_stages=cfg.stages,
+        num_stages=cfg.stages2 or cfg.stages,
     )
     block = 1024
     _combine_kernel[(t, triton.cdiv(d, block))](
-        y, route.combine_pos, out, d, p, TOPK=k, BLOCK=block
+        y, route.combine_pos, out, d, p, TOPK=k, BLOCK=block, F32_MATH=f32_math
     )
     return out
