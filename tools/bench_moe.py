@@ -146,3 +146,277 @@ def _torch_gate(x, wg, bias, k, route_scale):
     ids = (s + bias).topk(k, dim=-1).indices
     w = s.gather(-1, ids)
     return w / (w.sum(-1, keepdim=True) + 1e-20) * route_scale, ids
+
+
+# ---------------------------------------------------------------------------------------------
+# Prefill variants (fourth session): candidate MoeConfigs at T = 8192, each timed whole and split
+# by kernel (torch.profiler), each checked against the ref tier and the old default.
+# ---------------------------------------------------------------------------------------------
+
+
+def prefill_variants() -> dict:
+    """name -> MoeConfig of the candidates (first call: round 1; second: round 2), old default
+    first."""
+    from deepinfer_kernels.triton import moe as tmoe
+
+    M = tmoe.MoeConfig
+    cf = dict(cols_fast=True, fp4_mode=2)
+    pf = dict(cf, prefetch_scales=True)
+    return {
+        "old PREFILL": M(128, 64, 64, 8, 8, 3, block_k=64),
+        # round 1
+        "cols": M(128, 64, 64, 8, 8, 3, block_k=64, cols_fast=True),
+        "cols m2": M(128, 64, 64, 8, 8, 3, block_k=64, **cf),
+        "cols m2 pf": M(128, 64, 64, 8, 8, 3, block_k=64, **pf),
+        "cols m2 pf n2=128": M(128, 64, 128, 8, 8, 3, block_k=64, **pf),
+        "cols m2 pf n1=n2=128": M(128, 128, 128, 8, 8, 3, block_k=64, **pf),
+        "cols m2 pf n2=256": M(128, 64, 256, 8, 8, 3, block_k=64, **pf),
+        "cols m2 pf st4": M(128, 64, 64, 8, 8, 4, block_k=64, **pf),
+        "cols m2 k128 words st2": M(128, 64, 64, 8, 8, 2, block_k=128, scale_words=True, **cf),
+        "cols m2 pf w2:k128 words st2": M(
+            128, 64, 64, 8, 8, 3, block_k=64, block_k2=128, stages2=2, scale_words=True, **pf
+        ),
+        "cols m2 pf m64 n1=n2=128": M(64, 128, 128, 8, 8, 3, block_k=64, **pf),
+        "cols m2 pf m64 w4 n2=128": M(64, 64, 128, 4, 4, 3, block_k=64, **pf),
+        # round 2: around the best of round 1 (m64, 4 warps); W13 / W2 parts varied together,
+        # read separately from the kernel split
+        "r2 m64w4 n64/n128 rowfast": M(
+            64, 64, 128, 4, 4, 3, block_k=64, fp4_mode=2, prefetch_scales=True
+        ),
+        "r2 m64w4 n64/n128 w13cols": M(64, 64, 128, 4, 4, 3, block_k=64, cols_fast2=False, **pf),
+        "r2 m64w4 n64st2/n256": M(64, 64, 256, 4, 4, 2, block_k=64, stages2=3, **pf),
+        "r2 m64w4 n32/n64": M(64, 32, 64, 4, 4, 3, block_k=64, **pf),
+        "r2 m64 w4n128/w8n256": M(64, 128, 256, 4, 8, 3, block_k=64, **pf),
+        "r2 m64w4 st4": M(64, 64, 128, 4, 4, 4, block_k=64, **pf),
+        "r2 m64w4 no-pf": M(64, 64, 128, 4, 4, 3, block_k=64, **cf),
+        "r2 m64w4 m0": M(64, 64, 128, 4, 4, 3, block_k=64, cols_fast=True, prefetch_scales=True),
+        "r2 m128 n128 rowfast": M(
+            128, 128, 128, 8, 8, 3, block_k=64, fp4_mode=2, prefetch_scales=True
+        ),
+        "r2 m64 w8n128/w8n256": M(64, 128, 256, 8, 8, 3, block_k=64, **pf),
+        "r2 m64w4 n64/n128 k2=128": M(64, 64, 128, 4, 4, 3, block_k=64, block_k2=128, **pf),
+    }
+
+
+ROUNDS = {
+    1: [
+        "old PREFILL",
+        "cols",
+        "cols m2",
+        "cols m2 pf",
+        "cols m2 pf n2=128",
+        "cols m2 pf n1=n2=128",
+        "cols m2 pf n2=256",
+        "cols m2 pf st4",
+        "cols m2 k128 words st2",
+        "cols m2 pf w2:k128 words st2",
+        "cols m2 pf m64 n1=n2=128",
+        "cols m2 pf m64 w4 n2=128",
+    ],
+    2: [
+        "old PREFILL",
+        "cols m2 pf m64 w4 n2=128",
+        "r2 m64w4 n64/n128 rowfast",
+        "r2 m64w4 n64/n128 w13cols",
+        "r2 m64w4 n64st2/n256",
+        "r2 m64w4 n32/n64",
+        "r2 m64 w4n128/w8n256",
+        "r2 m64w4 st4",
+        "r2 m64w4 no-pf",
+        "r2 m64w4 m0",
+        "r2 m128 n128 rowfast",
+        "r2 m64 w8n128/w8n256",
+        "r2 m64w4 n64/n128 k2=128",
+    ],
+}
+SWEEP = ["old PREFILL", "cols m2 pf m64 w4 n2=128", "r2 m64w4 n64/n128 w13cols"]
+"""The configs timed at other prefill sizes (T = 2048, 16384) in round 2."""
+
+
+def _median_ms(fn, rep_ms: int = 200) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")
+
+
+def _kernel_split_ms(fn, calls: int = 5) -> dict:
+    """Device time per call of each kernel group (W1/W3, W2, everything else), by the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    split = {"w13": 0.0, "w2": 0.0, "other": 0.0}
+    for ev in prof.key_averages():
+        us = getattr(ev, "device_time_total", None)
+        if us is None:
+            us = ev.cuda_time_total
+        key = "w13" if "_w13_kernel" in ev.key else "w2" if "_w2_kernel" in ev.key else "other"
+        split[key] += us / 1000.0 / calls
+    return split
+
+
+def _compile_one(name: str) -> None:
+    """Compile one variant's kernels (a small routed batch at the real D, I; E = 8): run in
+    parallel processes before timing so the Triton disk cache holds every variant."""
+    from deepinfer_kernels.triton import moe as tmoe
+
+    cfg = prefill_variants()[name]
+    g = torch.Generator(device="cuda").manual_seed(1)
+    e = 8
+
+    def fp4(n, kk):
+        packed = torch.randint(-128, 128, (e, n, kk // 2), device="cuda", generator=g)
+        scale = torch.randint(118, 123, (e, n, kk // 32), device="cuda", generator=g)
+        return packed.to(torch.int8), scale.to(torch.uint8).view(torch.float8_e8m0fnu)
+
+    (w1, s1), (w3, s3), (w2, s2) = fp4(MOE_I, MOE_D), fp4(MOE_I, MOE_D), fp4(MOE_D, MOE_I)
+    x = torch.randn(64, MOE_D, device="cuda", generator=g).bfloat16()
+    ids = torch.rand(64, e, device="cuda", generator=g).topk(MOE_K, dim=-1).indices
+    tw = torch.rand(64, MOE_K, device="cuda", generator=g)
+    tmoe.moe_experts(x, tw, ids, w1, s1, w3, s3, w2, s2, MOE_LIMIT, config=cfg)
+    torch.cuda.synchronize()
+
+
+def precompile_variants(names, jobs: int = 12) -> None:
+    import subprocess
+    import sys
+
+    procs = []
+    for name in names:
+        procs.append(subprocess.Popen([sys.executable, __file__, "--compile-one", name]))
+        while len([p for p in procs if p.poll() is None]) >= jobs:
+            import time
+
+            time.sleep(0.2)
+    for p in procs:
+        p.wait()
+
+
+def prefill_variant_rows(t: int = 8192, names=None) -> list[dict]:
+    """Every candidate at T tokens: median ms, TFLOP/s, kernel split, rel error vs ref and vs the
+    old default (same routed batch)."""
+    from deepinfer_kernels.ref import moe as ref_moe
+    from deepinfer_kernels.triton import moe as tmoe
+
+    variants = prefill_variants()
+    names = names or list(variants)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    experts, _ = moe_layer_weights(g)
+    (x, tw, ids) = moe_routed_inputs(t, 1, g)[0]
+    want = ref_moe.moe_experts(x, tw, ids, *experts, MOE_LIMIT).double()
+    flops = 6.0 * t * MOE_K * MOE_D * MOE_I
+    base = None
+    rows = []
+    for name in names:
+        cfg = variants[name]
+
+        def fn(cfg=cfg):
+            return tmoe.moe_experts(x, tw, ids, *experts, MOE_LIMIT, config=cfg)
+
+        try:
+            out = fn().double()
+            if base is None:
+                base = out
+            rel = ((out - want).norm() / want.norm()).item()
+            rel_old = ((out - base).norm() / base.norm()).item()
+            ms = _median_ms(fn)
+            split = _kernel_split_ms(fn)
+        except Exception as ex:  # a candidate that fails to compile or run: report, go on
+            print(f"{name}: FAILED {type(ex).__name__}: {str(ex)[:300]}", flush=True)
+            continue
+        row = dict(
+            variant=name, t=t, ms=ms, tflops=flops / ms / 1e9, rel_ref=rel, rel_old=rel_old, **split
+        )
+        print(
+            f"{name:32s} {ms:8.3f} ms {row['tflops']:7.1f} TF/s  w13 {split['w13']:7.3f}"
+            f"  w2 {split['w2']:7.3f}  other {split['other']:6.3f}  rel {rel:.2e} / {rel_old:.2e}",
+            flush=True,
+        )
+        rows.append(row)
+    return rows
+
+
+def decode_graph_rows(t: int) -> list[dict]:
+    """moe_experts at decode size T in auto mode (DECODE config), CUDA-graph replays rotating over
+    8 routed batches (> L2): the decode path this session leaves as it was."""
+    from deepinfer_kernels.triton import moe as tmoe
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    experts, _ = moe_layer_weights(g)
+    sets = moe_routed_inputs(t, 8, g)
+    graphs = []
+    for x, tw, ids in sets:
+        tmoe.moe_experts(x, tw, ids, *experts, MOE_LIMIT)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            tmoe.moe_experts(x, tw, ids, *experts, MOE_LIMIT)
+        graphs.append(graph)
+    state = {"i": 0}
+
+    def replay():
+        graphs[state["i"] % len(graphs)].replay()
+        state["i"] += 1
+
+    ms = _median_ms(replay)
+    flops = 6.0 * t * MOE_K * MOE_D * MOE_I
+    print(f"decode graph auto T={t}: {ms:.4f} ms", flush=True)
+    nan = float("nan")
+    return [
+        dict(
+            variant="decode graph auto",
+            t=t,
+            ms=ms,
+            tflops=flops / ms / 1e9,
+            rel_ref=nan,
+            rel_old=nan,
+            w13=nan,
+            w2=nan,
+            other=nan,
+        )
+    ]
+
+
+def main() -> None:
+    import argparse
+    import json
+    import os
+
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--compile-one", help="(internal) compile one prefill variant")
+    ap.add_argument("--prefill-variants", action="store_true", help="time the prefill candidates")
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--only", nargs="*", help="variant names (default: the round's)")
+    ap.add_argument("--round", type=int, default=2, help="candidate round (1 or 2)")
+    ap.add_argument("--sweep", nargs="*", type=int, default=[], help="more T for SWEEP configs")
+    ap.add_argument("--decode", nargs="*", type=int, default=[], help="T for decode graph rows")
+    args = ap.parse_args()
+    if args.compile_one:
+        _compile_one(args.compile_one)
+        return
+    if args.prefill_variants:
+        names = args.only or ROUNDS[args.round]
+        precompile_variants(names)
+        rows = prefill_variant_rows(args.tokens, names)
+        for t in args.sweep:
+            rows += prefill_variant_rows(t, [n for n in SWEEP if n in names])
+        for t in args.decode:
+            rows += decode_graph_rows(t)
+        out = os.environ.get("OUT")
+        if out:
+            with open(os.path.join(out, f"moe_prefill_variants_T{args.tokens}.json"), "w") as f:
+                json.dump(rows, f, indent=1)
+        print("\nMoE prefill variants (T, ms, TFLOP/s, W13/W2/other ms, rel err vs ref / old)")
+        for r in rows:
+            print(
+                f"{r['variant']:32s} {r['t']:6d} {r['ms']:8.3f} {r['tflops']:7.1f} {r['w13']:7.3f}"
+                f" {r['w2']:7.3f} {r['other']:6.3f} {r['rel_ref']:.1e} {r['rel_old']:.1e}"
+            )
+
+
+if __name__ == "__main__":
+    main()

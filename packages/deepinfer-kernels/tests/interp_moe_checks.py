@@ -34,6 +34,19 @@ CONFIGS = {
     "fp4 words k2=64 stages2": M(
         32, 64, 32, 4, 4, 2, block_k=128, fp4_mode=2, block_k2=64, stages2=3, cols_fast=True
     ),
+    "m64-like w13 cols, w2 rows": M(
+        16,
+        32,
+        64,
+        4,
+        4,
+        2,
+        block_k=64,
+        fp4_mode=2,
+        cols_fast=True,
+        cols_fast2=False,
+        prefetch_scales=True,
+    ),
     "swap prefetch": M(16, 32, 32, 4, 4, 2, swap_ab=True, block_k=64, prefetch_scales=True),
     "PREFILL": tmoe.PREFILL,
 }

@@ -217,6 +217,30 @@ def _moe_inputs(t, d, i, e, k, seed, neg=False):
     return x, tw, ids, w1, s1, w3, s3, w2, s2
 
 
+PREFILL_CANDIDATES = {
+    "m64w4": dict(cols_fast=True),
+    "m64w4_rowfast2": dict(cols_fast=True, cols_fast2=False),
+}
+"""Prefill configurations measured as candidates for `PREFILL` (64-row tiles, 4 warps)."""
+
+
+def _prefill_candidate(name):
+    from deepinfer_kernels.triton import moe as tmoe
+
+    return tmoe.MoeConfig(
+        64,
+        64,
+        128,
+        4,
+        4,
+        3,
+        block_k=64,
+        fp4_mode=2,
+        prefetch_scales=True,
+        **PREFILL_CANDIDATES[name],
+    )
+
+
 MOE_SHAPES = [
     (1, 256, 128, 8, 2),
     (3, 512, 256, 16, 6),
@@ -240,6 +264,10 @@ MOE_SHAPES = [
         "mma_words",
         "wg_bytes",
         "mma_words_n32",
+        "prefill_cols_pf",
+        "prefill_words_k2",
+        "prefill_m64",
+        *PREFILL_CANDIDATES,
     ],
 )
 def test_moe_experts_close_to_ref(t, d, i, e, k, cfg_name):
@@ -254,7 +282,31 @@ def test_moe_experts_close_to_ref(t, d, i, e, k, cfg_name):
         "mma_words": dataclasses.replace(tmoe.DECODE, scale_words=True),
         "wg_bytes": dataclasses.replace(tmoe.DECODE_WGMMA, scale_words=False),
         "mma_words_n32": tmoe.MoeConfig(16, 32, 32, 4, 4, 4, False, 128, 2, scale_words=True),
+        # prefill options: 1-D column-fast grid, scale prefetch, a W2 K step of its own
+        "prefill_cols_pf": tmoe.MoeConfig(
+            128, 64, 128, 8, 8, 3, block_k=64, fp4_mode=2, cols_fast=True, prefetch_scales=True
+        ),
+        "prefill_words_k2": tmoe.MoeConfig(
+            128,
+            64,
+            64,
+            8,
+            8,
+            3,
+            block_k=64,
+            fp4_mode=2,
+            cols_fast=True,
+            prefetch_scales=True,
+            block_k2=128,
+            stages2=2,
+            scale_words=True,
+        ),
+        "prefill_m64": tmoe.MoeConfig(
+            64, 128, 128, 8, 8, 3, block_k=64, fp4_mode=2, cols_fast=True, prefetch_scales=True
+        ),
     }
+    if cfg_name in PREFILL_CANDIDATES:
+        extra[cfg_name] = _prefill_candidate(cfg_name)
     cfg = None if cfg_name == "auto" else extra.get(cfg_name) or getattr(tmoe, cfg_name)
     _poison()
     got = tmoe.moe_experts(*args, 10.0, config=cfg)
@@ -289,9 +341,14 @@ def test_moe_experts_real_dims_decode():
     assert _rel(got, want) < 1.5e-2
 
 
-def test_moe_experts_batch_invariant_bitwise():
+@pytest.mark.parametrize("prefill", [None, *PREFILL_CANDIDATES])
+def test_moe_experts_batch_invariant_bitwise(prefill, monkeypatch):
+    """Rows bitwise equal whatever else is in the batch: decode-sized slices (DECODE_WGMMA) and
+    prefill-sized ones (PREFILL, or a candidate put in its place) against the full batch."""
     from deepinfer_kernels.triton import moe as tmoe
 
+    if prefill is not None:
+        monkeypatch.setattr(tmoe, "PREFILL", _prefill_candidate(prefill))
     x, tw, ids, *ws = _moe_inputs(200, 512, 256, 16, 6, seed=21)
     full = tmoe.moe_experts(x, tw, ids, *ws, 10.0, batch_invariant=True)
     for lo, hi in ((0, 1), (57, 58), (199, 200), (3, 40)):
@@ -421,18 +478,24 @@ def test_decode_gemm_close_to_ref(m, n, k, cfg_name):
 
 @pytest.mark.parametrize(("n", "k"), [(2112, 7168), (5120, 1024), (96, 320), (5120, 8192)])
 def test_decode_gemm_batch_invariant_across_paths(n, k):
-    """A row's bits are the same at M=1 (decode kernel), M=64 (decode) and M=301 (prefill tiles
-    with the decode kernel's split of K), in invariant mode; in auto mode too at M <= 64 where
-    auto splits K as invariant mode does."""
+    """A row's bits are the same at M=1, M=64 and M=301, in invariant mode (where the TileLang
+    decode kernel takes the shape: it at every M; else the Triton decode kernel at M <= 64 and the
+    prefill tiles with its split of K above); in auto mode too where auto runs the same kernel
+    (TileLang at 2 <= M <= 64; Triton where auto splits K as invariant mode does)."""
     from deepinfer_kernels.triton import gemv
     from deepinfer_kernels.triton import linear as tl_linear
 
     xq, xs, w, ws = _gemm_inputs(301, n, k, seed=n + k)
     full = tl_linear.fp8_gemm(xq, xs, w, ws, torch.bfloat16, batch_invariant=True)
     same_split = gemv.decode_split(n, k, False) == gemv.decode_split(n, k, True)
+    tilelang = tl_linear.tilelang_decode_reason(xq, xs, w, ws) is None
     for lo, hi in ((0, 1), (300, 301), (5, 69), (17, 30), (100, 300), (7, 9)):
         # auto mode at M <= GEMV_AUTO_MAX_M runs the CUDA-core GEMV: other sums, other bits
         auto_same = same_split and gemv.GEMV_AUTO_MAX_M < hi - lo <= 64
+        if tilelang:  # the same kernel in both modes exactly when both route to it
+            auto_same = tl_linear.tilelang_route(hi - lo, False) and tl_linear.tilelang_route(
+                hi - lo, True
+            )
         for inv in (True, False) if auto_same else (True,):
             part = tl_linear.fp8_gemm(
                 xq[lo:hi], xs[lo:hi], w, ws, torch.bfloat16, batch_invariant=inv

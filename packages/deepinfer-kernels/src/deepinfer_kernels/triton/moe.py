@@ -179,6 +179,7 @@ class MoeConfig:
     block_k2: int = 0  # K step of the W2 kernel (0: block_k)
     stages2: int = 0  # pipeline stages of the W2 kernel (0: stages)
     prefetch_scales: bool = False  # load the next K step's scale bytes one step ahead
+    cols_fast2: bool | None = None  # grid order of the W2 kernel (None: cols_fast)
 
 
 DECODE = MoeConfig(16, 64, 64, 4, 4, 4, swap_ab=False, block_k=128, fp4_mode=2)
@@ -795,7 +796,8 @@ def moe_experts(
     f32_math = not x.is_cuda  # the Triton interpreter (CPU tensors): see `_dot`
     cols1, cols2 = triton.cdiv(i, cfg.block_n1), triton.cdiv(d, cfg.block_n2)
     grid1 = (n_tiles * cols1,) if cfg.cols_fast else (n_tiles, cols1)
-    grid2 = (n_tiles * cols2,) if cfg.cols_fast else (n_tiles, cols2)
+    cols_fast2 = cfg.cols_fast if cfg.cols_fast2 is None else cfg.cols_fast2
+    grid2 = (n_tiles * cols2,) if cols_fast2 else (n_tiles, cols2)
     _w13_kernel[grid1](
         xa,
         w1,
@@ -846,7 +848,7 @@ def moe_experts(
         SWAP_AB=cfg.swap_ab,
         FP4_MODE=cfg.fp4_mode,
         S_WORDS=words2,
-        COLS_FAST=cfg.cols_fast,
+        COLS_FAST=cols_fast2,
         PREFETCH=cfg.prefetch_scales,
         F32_MATH=f32_math,
         num_warps=cfg.warps2,
