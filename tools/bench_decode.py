@@ -449,14 +449,14 @@ def decode4_rows(rows: list | None = None):
             print(f"dec4 {op} {shape} failed: {type(exc).__name__}: {str(exc)[:400]}")
 
     T = tld.DecodeTileConfig
-    tl_cands = {  # name: (config or None for pick_tile_config, the M it runs at)
+    tl_cands = {  # name: (config or None for pick_tile_config, the M it runs at); call 1 of the
+        # fourth pass measured 32-B-row boxes (row_swizzle off), one CTA per SM, 4 stages at
+        # 4 CTAs/SM, 8 chunks and 128-row weight tiles: none faster than the default
         "tl default": (None, (1, 2, 16, 64)),
-        "tl rowswz": (T(row_swizzle=True), (1, 16)),
-        "tl 1cta": (T(min_blocks=1), (16,)),
-        "tl st4 mb4": (T(num_stages=4, min_blocks=4), (1, 16)),
-        "tl s8 st4 mb3": (T(split_k=8, num_stages=4, min_blocks=3), (1, 16)),
-        "tl t64 s8 st4 mb3": (T(block_t=64, split_k=8, num_stages=4, min_blocks=3), (64,)),
-        "tl n128 t32": (T(block_n=128, block_t=32), (16,)),
+        "tl fused": (T(fused_sum=True), (1, 2, 16, 64)),
+        "tl d2": (T(depth=2), (1, 16, 64)),
+        "tl fused d2": (T(fused_sum=True, depth=2), (1, 16, 64)),
+        "tl fused st4 mb4": (T(fused_sum=True, num_stages=4, min_blocks=4), (1, 16)),
     }
     weights = {}
 
@@ -485,11 +485,12 @@ def decode4_rows(rows: list | None = None):
                     nbytes,
                 )
             for name, (cfg, ms_for) in tl_cands.items():
-                if m not in ms_for or (not cands and name != "tl default"):
+                if m not in ms_for or (not cands and name not in ("tl default", "tl fused")):
                     continue
-                cfg = cfg if cfg is not None else tld.pick_tile_config(m, n, k)
-                if cfg.block_t < m:
-                    cfg = dataclasses.replace(cfg, block_t=64 if m > 32 else 32)
+                if cfg is None:
+                    cfg = tld.pick_tile_config(m, n, k)
+                else:  # the candidate's schedule with the default's tile for this M
+                    cfg = dataclasses.replace(cfg, block_t=tld.pick_tile_config(m, n, k).block_t)
                 try:
                     got = tld.decode_gemm(*sets[0], torch.float32, cfg).double()
                     err = ((got - want).norm() / want.norm()).item()
@@ -553,12 +554,54 @@ def decode4_rows(rows: list | None = None):
                     active * per_expert,
                 )
 
+    def prefill_invariant(n, k):
+        """Batch-invariant mode above decode sizes: `fp8_gemm[inv]` (now the TileLang decode
+        kernel at every M, 64-token tiles) against the Triton invariant tiles it replaced
+        (`pick_config(..., tilelang_decode=False)`), eager, rotating over 2 weight sets."""
+        ws_sets = [
+            quant.quantize_fp8_blocks(torch.randn(n, k, device="cuda") * 0.02) for _ in range(2)
+        ]
+        for m in (256, 2048, 8192):
+            sets = []
+            for w, ws in ws_sets:
+                xq, xs = quant.act_quant_fp8(torch.randn(m, k, device="cuda").bfloat16())
+                sets.append((xq, xs, w, ws))
+            old = tl_linear.pick_config(m, n, k, True)
+            fns = {
+                "fp8_gemm[inv]": lambda xq, xs, w, ws: tl_linear.fp8_gemm(
+                    xq, xs, w, ws, torch.bfloat16, batch_invariant=True
+                ),
+                "triton inv tiles": lambda xq, xs, w, ws, old=old: tl_linear.fp8_gemm(
+                    xq, xs, w, ws, torch.bfloat16, batch_invariant=True, config=old
+                ),
+                "fp8_gemm[auto]": lambda xq, xs, w, ws: tl_linear.fp8_gemm(
+                    xq, xs, w, ws, torch.bfloat16
+                ),
+            }
+            for name, fn in fns.items():
+                try:
+                    state = {"i": 0}
+
+                    def call(fn=fn, state=state, sets=sets):
+                        fn(*sets[state["i"] % len(sets)])
+                        state["i"] += 1
+
+                    ms = _median_ms(call)
+                    tf = 2.0 * m * n * k / ms / 1e9
+                    print(f"row {name:<30}eager {m}x{n}x{k}: {ms:.4f} ms {tf:.0f} TFLOP/s")
+                    rows.append(
+                        dict(op=name, harness="eager", shape=f"{m}x{n}x{k}", ms=ms, bytes=n * k)
+                    )
+                except Exception as exc:
+                    print(f"dec4 {name} {m}x{n}x{k} failed: {type(exc).__name__}: {exc}")
+
     # most telling first, so that a run cut off by its time limit still has them
     dense(5120, 8192, (16, 1, 64, 2))
     probes()
+    dense(2112, 7168, (1, 16), cands=False)
+    dense(32768, 1280, (1, 16), cands=False)
+    prefill_invariant(5120, 8192)
     moe()
-    dense(2112, 7168, (1,), cands=False)
-    dense(32768, 1280, (1,), cands=False)
     return rows
 
 
@@ -568,7 +611,8 @@ def print_decode4_table(rows, copy_gbs: float) -> None:
     print(f"{'op':<30}{'shape':<16}{'us[1]':>8}{'%bw':>6}{'us[L]':>8}{'%bw':>6}")
     seen = {}
     for r in rows:
-        seen.setdefault((r["op"], r["shape"]), {})[r["harness"][:1]] = r
+        if r["harness"] != "eager":
+            seen.setdefault((r["op"], r["shape"]), {})[r["harness"][:1]] = r
     for (op, shape), h in seen.items():
         cells = ""
         for key in ("1", "L"):
@@ -578,6 +622,13 @@ def print_decode4_table(rows, copy_gbs: float) -> None:
             else:
                 cells += f"{r['ms'] * 1e3:>8.1f}{100 * r['bytes'] / r['ms'] / 1e6 / copy_gbs:>6.1f}"
         print(f"{op:<30}{shape:<16}{cells}")
+    eager = [r for r in rows if r["harness"] == "eager"]
+    if eager:
+        print(f"\n{'op (eager, prefill sizes)':<30}{'shape':<16}{'ms':>8}{'TFLOP/s':>9}")
+        for r in eager:
+            m, n, k = (int(v) for v in r["shape"].split("x"))
+            tf = 2.0 * m * n * k / r["ms"] / 1e9
+            print(f"{r['op']:<30}{r['shape']:<16}{r['ms']:>8.3f}{tf:>9.0f}")
 
 
 def _copy_gbs() -> float:

@@ -62,6 +62,8 @@ def test_config_limits():
         dg.DecodeTileConfig(min_blocks=9)
     with pytest.raises(ValueError, match="split_k"):
         dg.DecodeTileConfig(split_k=-1)
+    with pytest.raises(ValueError, match="depth"):
+        dg.DecodeTileConfig(depth=3)
     assert dg.DecodeTileConfig(block_n=128).threads == 256
 
 
@@ -128,22 +130,28 @@ def test_shape_reason():
 
 
 def test_triton_linear_routing(monkeypatch):
-    """pick_config hands out the TileLang tile only when asked (`tilelang_decode`), in auto mode,
-    for M inside TILELANG_DECODE_M; CPU inputs are never routed there."""
+    """pick_config hands out the TileLang tile only when asked (`tilelang_decode`: the kernel can
+    run the call): in auto mode for M inside TILELANG_DECODE_M, in invariant mode for every M
+    while TILELANG_INVARIANT; CPU inputs are never routed there."""
     pytest.importorskip("triton")
     from deepinfer_kernels.triton import gemv
     from deepinfer_kernels.triton import linear as tl_linear
 
-    monkeypatch.setattr(tl_linear, "TILELANG_DECODE_M", (2, 64))
-
     def pick(m, inv, tilelang=True):
         return tl_linear.pick_config(m, 5120, 8192, inv, tilelang_decode=tilelang)
 
+    monkeypatch.setattr(tl_linear, "TILELANG_DECODE_M", (2, 64))
+    monkeypatch.setattr(tl_linear, "TILELANG_INVARIANT", True)
     assert pick(16, False) == dg.pick_tile_config(16, 5120, 8192)
-    assert isinstance(pick(16, True), gemv.DecodeConfig)
-    assert isinstance(pick(1, False), gemv.DecodeConfig)
+    assert pick(2, False) == dg.pick_tile_config(2, 5120, 8192)
+    assert pick(1, False) == gemv.gemv_config(5120, 8192)  # the CUDA-core GEMV
     assert isinstance(pick(65, False), tl_linear.GemmConfig)
+    for m in (1, 16, 300, 8192):  # invariant: one kernel for every M
+        assert pick(m, True) == dg.pick_tile_config(m, 5120, 8192)
     assert isinstance(pick(16, False, tilelang=False), gemv.DecodeConfig)
+    assert isinstance(pick(16, True, tilelang=False), gemv.DecodeConfig)
+    monkeypatch.setattr(tl_linear, "TILELANG_INVARIANT", False)
+    assert isinstance(pick(16, True), gemv.DecodeConfig)
     xq, xs, w, ws = _inputs(2, 64, 256, seed=2)
     assert tl_linear.tilelang_decode_reason(xq, xs, w, ws) == "input on cpu"
 
@@ -157,7 +165,8 @@ def test_triton_linear_routing(monkeypatch):
     [
         (dg.DecodeTileConfig(), 4),
         (dg.DecodeTileConfig(block_t=64, min_blocks=1), 1),
-        (dg.DecodeTileConfig(row_swizzle=True), 4),
+        (dg.DecodeTileConfig(row_swizzle=False), 4),
+        (dg.DecodeTileConfig(fused_sum=True, depth=2), 4),
     ],
 )
 def test_lowered_source(cfg, split):
@@ -180,3 +189,11 @@ def test_lowered_source(cfg, split):
     assert "tma_load(SX_desc" in src and "SW_desc" not in src
     # the transposed store is guarded by the token count (M is dynamic)
     assert re.search(r"if \(.*< m\)", src)
+    # the in-kernel sum: one device-scope acq_rel arrival per thread (memory_order 4), the last
+    # arrival of a slot sums every chunk and resets its counter
+    assert ("AtomicAddRet" in src) == cfg.fused_sum
+    if cfg.fused_sum:
+        assert re.search(r"prev = AtomicAddRet\(\(&\(CNT\[.*\]\)\), 1, 4\);", src)
+        assert f"if (prev == {split - 1})" in src and "] = 0;" in src
+    # depth 2: slice s+1's wgmma in flight while slice s is promoted
+    assert ("wait_wgmma<1>" in src) == (cfg.depth == 2)

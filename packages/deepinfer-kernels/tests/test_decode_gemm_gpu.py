@@ -10,6 +10,7 @@ once per process (a few seconds; TILELANG_CACHE_DIR may hold them compiled befor
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import pytest
@@ -80,23 +81,69 @@ def test_decode_tilelang_close_to_ref(m, n, k):
 
 
 @pytest.mark.parametrize(
-    "cfg_name", ["row_swizzle", "one_cta_per_sm", "n128_t32", "split8_t64", "t8_st4_mb4"]
+    "cfg_name",
+    [
+        "no_row_swizzle",
+        "one_cta_per_sm",
+        "n128_t32",
+        "split8_t64",
+        "t8_st4_mb4",
+        "depth2",
+        "depth2_t64",
+        "fused",
+        "fused_depth2_t64",
+    ],
 )
 def test_decode_tilelang_variants_close_to_ref(cfg_name):
-    """The bench's candidate configurations compute the same function (5120x8192, M=16)."""
+    """The bench's candidate configurations compute the same function (5120x8192, M=16 or the
+    tile's token count); the in-kernel sum gives bitwise the two-kernel sum's result."""
     dg = _dg()
     cfg = {
-        "row_swizzle": dg.DecodeTileConfig(row_swizzle=True),
+        "no_row_swizzle": dg.DecodeTileConfig(row_swizzle=False),
         "one_cta_per_sm": dg.DecodeTileConfig(min_blocks=1),
         "n128_t32": dg.DecodeTileConfig(block_n=128, block_t=32),
         "split8_t64": dg.DecodeTileConfig(block_t=64, split_k=8, num_stages=4, min_blocks=3),
         "t8_st4_mb4": dg.DecodeTileConfig(block_t=8, num_stages=4, min_blocks=4),
+        "depth2": dg.DecodeTileConfig(depth=2),
+        "depth2_t64": dg.DecodeTileConfig(depth=2, block_t=64),
+        "fused": dg.DecodeTileConfig(fused_sum=True),
+        "fused_depth2_t64": dg.DecodeTileConfig(fused_sum=True, depth=2, block_t=64),
     }[cfg_name]
-    m = 8 if cfg.block_t == 8 else 16
+    m = {8: 8, 64: 61}.get(cfg.block_t, 16)
     xq, xs, w, ws = _inputs(m, 5120, 8192, seed=11)
     want = ref_linear.fp8_gemm(xq, xs, w, ws, torch.float32)
     _poison()
-    assert _rel(dg.decode_gemm(xq, xs, w, ws, torch.float32, cfg), want) < 1e-4
+    got = dg.decode_gemm(xq, xs, w, ws, torch.float32, cfg)
+    assert _rel(got, want) < 1e-4
+    if cfg.fused_sum:
+        for dtype in (torch.float32, torch.bfloat16):
+            plain = dataclasses.replace(cfg, fused_sum=False)
+            for _ in range(2):  # the counters are back at zero after every call
+                _poison()
+                fused = dg.decode_gemm(xq, xs, w, ws, dtype, cfg)
+                assert torch.equal(fused, dg.decode_gemm(xq, xs, w, ws, dtype, plain))
+
+
+def test_decode_tilelang_fused_sum_graph_replay():
+    """The in-kernel sum inside a CUDA graph of several calls (the counters created before the
+    capture), replayed twice on new inputs: bitwise the eager result each time."""
+    dg = _dg()
+    cfg = dg.DecodeTileConfig(fused_sum=True)
+    sets = [_inputs(2, 2112, 7168, seed=20 + i) for i in range(3)]
+    outs = [dg.decode_gemm(*st, torch.bfloat16, cfg) for st in sets]
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [dg.decode_gemm(*st, torch.bfloat16, cfg) for st in sets]
+    for seed in (30, 40):
+        for i, st in enumerate(sets):
+            x2, s2, *_ = _inputs(2, 2112, 7168, seed=seed + i)
+            st[0].copy_(x2)
+            st[1].copy_(s2)
+        graph.replay()
+        torch.cuda.synchronize()
+        for st, out in zip(sets, outs, strict=True):
+            assert torch.equal(out, dg.decode_gemm(*st, torch.bfloat16, cfg))
 
 
 @pytest.mark.parametrize(("n", "k"), [(2112, 7168), (5120, 8192)])
@@ -109,6 +156,9 @@ def test_decode_tilelang_batch_invariant_bitwise(n, k):
     for lo, hi in ((0, 1), (76, 77), (5, 7), (3, 16), (40, 70), (10, 74)):
         part = dg.decode_gemm(xq[lo:hi], xs[lo:hi], w, ws, torch.bfloat16)
         assert torch.equal(part, full[lo:hi]), (lo, hi)
+        cfg = dataclasses.replace(dg.pick_tile_config(hi - lo, n, k), fused_sum=True, depth=2)
+        fused = dg.decode_gemm(xq[lo:hi], xs[lo:hi], w, ws, torch.bfloat16, cfg)
+        assert torch.equal(fused, full[lo:hi]), (lo, hi, "fused depth 2")
 
 
 def test_decode_tilelang_graph_replay():
@@ -129,24 +179,25 @@ def test_decode_tilelang_graph_replay():
 
 def test_triton_linear_dispatches_to_tilelang_decode(monkeypatch):
     """`triton.linear.fp8_gemm` runs a DecodeTileConfig on the TileLang kernel (bitwise the same
-    as calling it); with TILELANG_DECODE_M covering M, auto mode routes fp8_gemm and fp8_linear
-    there and invariant mode does not."""
+    as calling it); auto mode routes fp8_gemm and fp8_linear there at 2 <= M <= 64, invariant mode
+    at every M (one kernel: the rows of a 300-row call equal the same rows at M=1 and M=16)."""
     dg = _dg()
-    from deepinfer_kernels.triton import gemv
     from deepinfer_kernels.triton import linear as tl_linear
 
-    xq, xs, w, ws = _inputs(16, 2112, 7168, seed=5)
-    cfg = dg.pick_tile_config(16, 2112, 7168)
-    direct = dg.decode_gemm(xq, xs, w, ws, torch.bfloat16, cfg)
-    assert torch.equal(tl_linear.fp8_gemm(xq, xs, w, ws, torch.bfloat16, config=cfg), direct)
     monkeypatch.setattr(tl_linear, "TILELANG_DECODE_M", (2, 64))
-    assert isinstance(tl_linear.pick_config(16, 2112, 7168, False, tilelang_decode=True), type(cfg))
-    assert isinstance(
-        tl_linear.pick_config(16, 2112, 7168, True, tilelang_decode=True), gemv.DecodeConfig
-    )
-    assert torch.equal(tl_linear.fp8_gemm(xq, xs, w, ws, torch.bfloat16), direct)
+    monkeypatch.setattr(tl_linear, "TILELANG_INVARIANT", True)
+    xq, xs, w, ws = _inputs(300, 2112, 7168, seed=5)
+    cfg = dg.pick_tile_config(16, 2112, 7168)
+    direct = dg.decode_gemm(xq[:16], xs[:16], w, ws, torch.bfloat16, cfg)
+    got = tl_linear.fp8_gemm(xq[:16], xs[:16], w, ws, torch.bfloat16, config=cfg)
+    assert torch.equal(got, direct)
+    assert torch.equal(tl_linear.fp8_gemm(xq[:16], xs[:16], w, ws, torch.bfloat16), direct)
     x = quant.act_dequant_fp8(xq, xs, torch.bfloat16)  # re-quantises to the same xq, xs
-    assert torch.equal(tl_linear.fp8_linear(x, w, ws), direct)
-    inv = tl_linear.fp8_gemm(xq, xs, w, ws, torch.bfloat16, batch_invariant=True)
-    triton_cfg = tl_linear.pick_config(16, 2112, 7168, True)
-    assert torch.equal(inv, gemv.decode_gemm(xq, xs, w, ws, torch.bfloat16, triton_cfg))
+    assert torch.equal(tl_linear.fp8_linear(x[:16], w, ws), direct)
+    full = tl_linear.fp8_gemm(xq, xs, w, ws, torch.bfloat16, batch_invariant=True)
+    assert torch.equal(full, dg.decode_gemm(xq, xs, w, ws, torch.bfloat16))
+    for lo, hi in ((0, 1), (0, 16), (250, 300)):
+        part = tl_linear.fp8_gemm(xq[lo:hi], xs[lo:hi], w, ws, torch.bfloat16, batch_invariant=True)
+        assert torch.equal(part, full[lo:hi]), (lo, hi)
+        lin = tl_linear.fp8_linear(x[lo:hi], w, ws, batch_invariant=True)
+        assert torch.equal(lin, full[lo:hi]), (lo, hi, "fp8_linear")
