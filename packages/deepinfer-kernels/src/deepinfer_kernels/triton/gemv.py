@@ -5,6 +5,11 @@ so the kernel is built to stream the weight: each program owns `block_n` output 
 fixed slice of K, loads the weight in full `block_k`-wide rows (no masks along K, so the loads stay
 cp.async vectors), and keeps the few activation rows of the tile in registers.
 
+On Hopper with tilelang, `linear.tilelang_route` sends auto-mode calls with 2 <= M <= 64 and
+every batch-invariant call whose shape it takes to the TileLang swap-AB kernel
+(`tilelang/decode_gemm.py`: 17 us against 28 us here at M=2..16, 5120x8192, 16-call graph); the
+kernels below then serve M=1 in auto mode (`_gemv_kernel`) and the shapes TileLang cannot take.
+
 Three ways to form the products (measured on the H200, 5120x8192, CUDA-graph replay: NOTES.md):
 - swap (default): 64 weight rows fill the wgmma's M and are expanded ``e4m3 * 2**e`` exactly to
   bf16 (the prefill kernel's expansion); the activation rows are the MMA's N (`block_m`; 16 or 64 as
