@@ -5,8 +5,9 @@ tiles of BLOCK_M rows that never straddle two experts: a tile list [max_tiles] o
 row, end row) built on the device with torch ops. max_tiles is a host-side upper bound
 (min(P, ceil(P / BLOCK_M) + E) for P pairs), so no step reads a count back to the host and the whole
 path can be captured in a CUDA graph; tiles past the real count see expert -1 and exit. Prefill
-uses large tiles (the contiguous grouped layout); decode uses 16-row tiles so that a handful of
-tokens per expert wastes little (the padded layout).
+uses 64-row tiles (the contiguous grouped layout; an expert holds ~128 rows at 8K tokens, so 64
+wastes less of the last tile than 128 and lets 3-4 programs share an SM); decode uses 16-row tiles
+so that a handful of tokens per expert wastes little (the padded layout).
 
 Kernels. (0) x is quantised per 32 to FP8 and expanded back to bf16 (exactly x_fp8 * scale).
 (1) W1 and W3 together: those bf16 rows gathered by token; FP4 weights (kept FP4 in memory)
@@ -17,6 +18,10 @@ the W2 input. (2) W2 on those sorted rows, rounded to x.dtype. (3) Combine: each
 expert outputs in fp32 in ascending expert order. Every product is the reference's exact product;
 only the fp32 summation order differs. Hopper has no FP4 (and Triton's FP8 path does not pipeline
 at depth-32 promotion, see triton/linear.py), hence the exact bf16 expansion.
+
+On CPU (the Triton interpreter, for tests) the kernels take F32_MATH paths: the same exact values
+through fp32 dots, with bf16 and e4m3 rounding done by arithmetic, since the interpreter's bf16
+dots and its fp32 -> bf16 / fp8 conversions are wrong (Triton 3.8).
 """
 
 from __future__ import annotations
@@ -175,7 +180,7 @@ class MoeConfig:
     block_k: int = 32  # K per step (falls back to 32 where D or I is not a multiple)
     fp4_mode: int = 0  # FP4 expansion: 0 fp16 trick, 1 bits into bf16, 2 packed PTX (fp4_expand)
     scale_words: bool = False  # UE8M0 scales read as int32 words (4 groups; needs block_k 128)
-    cols_fast: bool = False  # grid order: a tile's column blocks run next to each other (see below)
+    cols_fast: bool = False  # grid order: a tile's column blocks run together (`_program_tile`)
     block_k2: int = 0  # K step of the W2 kernel (0: block_k)
     stages2: int = 0  # pipeline stages of the W2 kernel (0: stages)
     prefetch_scales: bool = False  # load the next K step's scale bytes one step ahead
@@ -194,8 +199,15 @@ Its scales are read as int32 words: 6-8% faster on this wgmma path (H200, graph 
 64/256: 0.104/0.915/2.48/3.88 ms against 0.112/0.975/2.66/4.14), while on DECODE's mma.sync path
 words were slower (0.124/1.18/3.20/4.95 against 0.097/0.777/2.13/3.35: the converted tile then
 goes through shared memory, SASS sm_90: STS + LDSM per step)."""
-PREFILL = MoeConfig(128, 64, 64, 8, 8, 3, block_k=64)
-"""The contiguous grouped layout for prefill: 128-row tiles on wgmma."""
+PREFILL = MoeConfig(
+    64, 64, 128, 4, 4, 3, block_k=64, fp4_mode=2, cols_fast=True, prefetch_scales=True
+)
+"""The contiguous grouped layout for prefill: 64-row tiles on wgmma, one warpgroup per program
+(W1/W3: 64 + 64 columns, W2: 128), FP4 expanded with packed PTX, scale bytes loaded a K step
+ahead, the column-fast grid. H200, one V4.1 layer (T=8192, random routing): 13.0 ms = 267 TFLOP/s
+against 20.7 ms = 168 for the former MoeConfig(128, 64, 64, 8, 8, 3, block_k=64) in the same run
+(T=2048: 5.6 against 13.4 ms; T=16384: 23.3 against 35.3). Why this one and what bounds it:
+NOTES.md, "MoE prefill, fourth session"."""
 
 
 def pick_config(pairs: int, experts: int, batch_invariant: bool) -> MoeConfig:
@@ -403,10 +415,11 @@ def _scale_bytes(s_ptrs, offs_g, WORDS: tl.constexpr, mask=None):
 def _program_tile(n_cols, COLS_FAST: tl.constexpr):
     """(tile, column block) of this program. COLS_FAST: a 1-D grid in which consecutive programs
     are the column blocks of one tile, so the programs resident at one time share a few tiles'
-    gathered rows (read from HBM once, then from L2) and a few experts' weights. Otherwise a 2-D
-    grid (tile, column block) with the tile fastest: resident programs then hold hundreds of
-    different tiles of one column block, and each tile's rows come from HBM again for every
-    column block (measured on the H200: see NOTES.md, MoE prefill, fourth session)."""
+    gathered rows and a few experts' weights. Otherwise a 2-D grid (tile, column block) with the
+    tile fastest: resident programs hold hundreds of tiles of one column block. Measured on the
+    H200 (T=8192): column-fast is 9-10% faster for both kernels with the prefill tiles (64 rows,
+    4 warps) but 37% slower for W2 with 128-row, 8-warp, 64-column tiles, so it is a choice of
+    the config (NOTES.md, "MoE prefill, fourth session")."""
     if COLS_FAST:
         pid = tl.program_id(0)
         tile = pid // n_cols
