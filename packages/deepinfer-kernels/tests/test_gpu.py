@@ -221,7 +221,8 @@ PREFILL_CANDIDATES = {
     "m64w4": dict(cols_fast=True),
     "m64w4_rowfast2": dict(cols_fast=True, cols_fast2=False),
 }
-"""Prefill configurations measured as candidates for `PREFILL` (64-row tiles, 4 warps)."""
+"""Prefill configurations measured as candidates for `PREFILL` (64-row tiles, 4 warps); "m64w4" is
+the one chosen (now `PREFILL` itself), "m64w4_rowfast2" its variant with W2's row-fast grid."""
 
 
 def _prefill_candidate(name):
