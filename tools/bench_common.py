@@ -12,7 +12,7 @@ FP8_CEILING_TFLOPS = 1495.0
 def bench_ms(fn, rep_ms: int = 100) -> float:
     import triton.testing
 
-    return triton.testing.dobench_ms(fn, warmup=25, rep=rep_ms, return_mode="median")
+    return triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")
 
 
 def bench_graphs(fn, arg_sets) -> float:
@@ -47,3 +47,18 @@ class Rotating:
         args = self.arg_sets[self.i % len(self.arg_sets)]
         self.i += 1
         return self.fn(*args)
+
+
+def chain_graph_ms(fn, arg_sets) -> float:
+    """The engine's harness: ONE CUDA graph of len(arg_sets) consecutive calls, each on its own
+    argument set (its own weights), as a decode step runs one graph over all layers; ms per call
+    (replay time / L), so the replay's fixed cost is shared as it is in the engine."""
+    for args in arg_sets:
+        fn(*args)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for args in arg_sets:
+            fn(*args)
+    torch.cuda.synchronize()
+    return bench_ms(g.replay) / len(arg_sets)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from bench_common import Rotating, bench_graphs, bench_ms
+from bench_common import Rotating, bench_graphs, bench_ms, chain_graph_ms, measure_copy_gbs
 from bench_moe import MOE_D, MOE_E, MOE_I, MOE_K, MOE_LIMIT, moe_layer_weights, moe_routed_inputs
 
 
@@ -373,48 +373,6 @@ CHAIN_L = 16
 """Calls per captured graph in the chained harness: L distinct weight sets (> L2 in total)."""
 
 
-def _median_ms(fn, rep_ms: int = 100) -> float:
-    """Median of CUDA-event timings (triton's do_bench), warm-up first."""
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")
-
-
-def single_graph_ms(fn, arg_sets) -> float:
-    """The third pass's harness: one CUDA graph of ONE call per argument set, replays rotating
-    over the sets; ms per replay (includes the ~5 us a replay costs before any byte moves)."""
-    graphs = []
-    for args in arg_sets:
-        fn(*args)  # compile and warm outside the capture
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn(*args)
-        graphs.append(g)
-    state = {"i": 0}
-
-    def replay():
-        graphs[state["i"] % len(graphs)].replay()
-        state["i"] += 1
-
-    return _median_ms(replay)
-
-
-def chain_graph_ms(fn, arg_sets) -> float:
-    """The engine's harness: ONE CUDA graph of len(arg_sets) consecutive calls, each on its own
-    argument set (its own weights), as a decode step runs one graph over all layers; ms per call
-    (replay time / L), so the replay's fixed cost is shared as it is in the engine."""
-    for args in arg_sets:
-        fn(*args)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for args in arg_sets:
-            fn(*args)
-    torch.cuda.synchronize()
-    return _median_ms(g.replay) / len(arg_sets)
-
-
 def decode4_rows(rows: list | None = None):
     """Fourth-pass decode rows. Every row twice: `1` = a graph of one call per weight set, replays
     rotating (the third pass's harness, `decode3`); `L16` = one graph of 16 consecutive calls on
@@ -443,7 +401,7 @@ def decode4_rows(rows: list | None = None):
 
     def both(op, shape, fn, sets, nbytes):
         try:
-            row(op, "1", shape, single_graph_ms(fn, sets[:4]), nbytes)
+            row(op, "1", shape, bench_graphs(fn, sets[:4]), nbytes)
             row(op, f"L{len(sets)}", shape, chain_graph_ms(fn, sets), nbytes)
         except Exception as exc:  # reported; the other rows still run
             print(f"dec4 {op} {shape} failed: {type(exc).__name__}: {str(exc)[:400]}")
@@ -586,7 +544,7 @@ def decode4_rows(rows: list | None = None):
                         fn(*sets[state["i"] % len(sets)])
                         state["i"] += 1
 
-                    ms = _median_ms(call)
+                    ms = bench_ms(call)
                     tf = 2.0 * m * n * k / ms / 1e9
                     print(f"row {name:<30}eager {m}x{n}x{k}: {ms:.4f} ms {tf:.0f} TFLOP/s")
                     rows.append(
@@ -631,16 +589,9 @@ def print_decode4_table(rows, copy_gbs: float) -> None:
             print(f"{r['op']:<30}{r['shape']:<16}{r['ms']:>8.3f}{tf:>9.0f}")
 
 
-def _copy_gbs() -> float:
-    """Device-to-device copy of 2 GiB: bytes read + bytes written over the median time."""
-    a = torch.empty(1 << 31, dtype=torch.uint8, device="cuda").random_()
-    b = torch.empty_like(a)
-    return 2 * a.numel() / _median_ms(lambda: b.copy_(a)) / 1e6
-
-
 def main() -> None:
     """`python tools/bench_decode.py` (on the GPU machine): the decode4 rows and their table,
-    JSON under $OUT. Standalone, with its own timing, so it needs nothing else of tools/."""
+    JSON under $OUT (timing helpers from bench_common)."""
     import json
     import os
     import signal
@@ -650,7 +601,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("bench_decode: SIGTERM"))
     if not torch.cuda.is_available():
         sys.exit("bench_decode: needs a CUDA GPU")
-    copy_gbs = _copy_gbs()
+    copy_gbs = measure_copy_gbs()
     print(f"copy ceiling {copy_gbs:.0f} GB/s", flush=True)
     rows = []
     try:
