@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from bench_common import Rotating
+from bench_common import Rotating, bench_graphs, bench_ms
 
 # One V4.1 MoE layer: hidden, expert intermediate, routed experts, top-k, SwiGLU limit.
 MOE_D, MOE_I, MOE_E, MOE_K, MOE_LIMIT = 5120, 2304, 384, 6, 10.0
@@ -70,11 +70,11 @@ def moe_rows(tokens_list, quick):
             return y.bfloat16()
 
         t_torch = (
-            _median_ms(Rotating(base, sets), rep_ms=50 if t > 256 else 100)
+            bench_ms(Rotating(base, sets), rep_ms=50 if t > 256 else 100)
             if (t <= 256 or not quick)
             else float("nan")
         )
-        route_ms = _median_ms(Rotating(lambda x, tw, ids: tmoe.build_routing(tw, ids, e, 16), sets))
+        route_ms = bench_ms(Rotating(lambda x, tw, ids: tmoe.build_routing(tw, ids, e, 16), sets))
         rows.append(
             dict(
                 op="moe_routing",
@@ -87,7 +87,7 @@ def moe_rows(tokens_list, quick):
             )
         )
         if t <= 256:
-            ms_graph = _graph_ms(
+            ms_graph = bench_graphs(
                 lambda x, tw, ids: tmoe.moe_experts(x, tw, ids, w1, s1, w3, s3, w2, s2, limit),
                 sets,
             )
@@ -113,7 +113,7 @@ def moe_rows(tokens_list, quick):
                 dict(
                     op=f"moe_experts[{name}]",
                     shape=f"T={t} E=384 k=6 D=5120 I=2304",
-                    ms=_median_ms(fn),
+                    ms=bench_ms(fn),
                     flops=flops,
                     bytes=nbytes,
                     torch_ms=t_torch,
@@ -125,8 +125,8 @@ def moe_rows(tokens_list, quick):
     bias = torch.randn(e, device="cuda", generator=g) * 0.1
     for t in (64, 8192):
         x = torch.randn(t, d, device="cuda", generator=g).bfloat16()
-        ms = _median_ms(lambda x=x: tmoe.moe_gate(x, wg, bias, k, 1.5))
-        ref_ms = _median_ms(lambda x=x: _torch_gate(x, wg, bias, k, 1.5))
+        ms = bench_ms(lambda x=x: tmoe.moe_gate(x, wg, bias, k, 1.5))
+        ref_ms = bench_ms(lambda x=x: _torch_gate(x, wg, bias, k, 1.5))
         rows.append(
             dict(
                 op="moe_gate",
@@ -233,26 +233,6 @@ SWEEP = ["old PREFILL", "cols m2 pf m64 w4 n2=128", "r2 m64w4 n64/n128 w13cols"]
 """The configs timed at other prefill sizes (T = 2048, 16384) in round 2."""
 
 
-def _median_ms(fn, rep_ms: int = 200) -> float:
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")
-
-
-def _graph_ms(fn, arg_sets) -> float:
-    """Median time of replaying one CUDA graph of fn(*args) per argument set, rotating (how the
-    engine runs decode: no host launch time)."""
-    graphs = []
-    for args in arg_sets:
-        fn(*args)  # compile and warm outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn(*args)
-        graphs.append(graph)
-    return _median_ms(Rotating(lambda gr: gr.replay(), [(gr,) for gr in graphs]))
-
-
 def _kernel_split_ms(fn, calls: int = 5) -> dict:
     """Device time per call of each kernel group (W1/W3, W2, everything else), by the profiler."""
     from torch.profiler import ProfilerActivity, profile
@@ -337,7 +317,7 @@ def prefill_variant_rows(t: int = 8192, names=None) -> list[dict]:
                 base = out
             rel = ((out - want).norm() / want.norm()).item()
             rel_old = ((out - base).norm() / base.norm()).item()
-            ms = _median_ms(fn)
+            ms = bench_ms(fn)
             split = _kernel_split_ms(fn)
         except Exception as ex:  # a candidate that fails to compile or run: report, go on
             print(f"{name}: FAILED {type(ex).__name__}: {str(ex)[:300]}", flush=True)
@@ -362,7 +342,7 @@ def decode_graph_rows(t: int) -> list[dict]:
     g = torch.Generator(device="cuda").manual_seed(0)
     experts, _ = moe_layer_weights(g)
     sets = moe_routed_inputs(t, 8, g)
-    ms = _graph_ms(lambda x, tw, ids: tmoe.moe_experts(x, tw, ids, *experts, MOE_LIMIT), sets)
+    ms = bench_graphs(lambda x, tw, ids: tmoe.moe_experts(x, tw, ids, *experts, MOE_LIMIT), sets)
     flops = 6.0 * t * MOE_K * MOE_D * MOE_I
     print(f"decode graph auto T={t}: {ms:.4f} ms", flush=True)
     nan = float("nan")
