@@ -17,6 +17,7 @@ import pytest
 import torch
 from deepinfer_kernels import quant
 from deepinfer_kernels.ref import linear as ref_linear
+from gpu_checks import poison, rel
 
 DEV = "cuda"
 _hopper = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -26,18 +27,6 @@ pytestmark = [
         importlib.util.find_spec("tilelang") is None, reason="tilelang is not importable"
     ),
 ]
-
-
-def _poison() -> None:
-    """Fill the allocator's free blocks with NaN so an unwritten output element shows up."""
-    torch.cuda.synchronize()
-    blocks = [torch.full((1 << 24,), float("nan"), device=DEV) for _ in range(8)]
-    del blocks
-
-
-def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    assert not torch.isnan(got).any(), "NaN in output: an element was not written"
-    return ((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30)).item()
 
 
 def _inputs(m: int, n: int, k: int, seed: int):
@@ -70,14 +59,14 @@ def test_decode_tilelang_close_to_ref(m, n, k):
     dg = _dg()
     xq, xs, w, ws = _inputs(m, n, k, seed=m + n + k)
     want = ref_linear.fp8_gemm(xq, xs, w, ws, torch.float32)
-    _poison()
+    poison()
     got = dg.decode_gemm(xq, xs, w, ws, torch.float32)
     assert got.shape == (m, n)
-    assert _rel(got, want) < 1e-4
+    assert rel(got, want) < 1e-4
     if n == 200 and m == 3:  # the bf16 store of the split-1 path, fp32 weight scales
         got16 = dg.decode_gemm(xq, xs, w, ws.float(), torch.bfloat16)
         assert got16.dtype == torch.bfloat16
-        assert _rel(got16, want) < 1e-2
+        assert rel(got16, want) < 1e-2
 
 
 @pytest.mark.parametrize(
@@ -112,14 +101,14 @@ def test_decode_tilelang_variants_close_to_ref(cfg_name):
     m = {8: 8, 64: 61}.get(cfg.block_t, 16)
     xq, xs, w, ws = _inputs(m, 5120, 8192, seed=11)
     want = ref_linear.fp8_gemm(xq, xs, w, ws, torch.float32)
-    _poison()
+    poison()
     got = dg.decode_gemm(xq, xs, w, ws, torch.float32, cfg)
-    assert _rel(got, want) < 1e-4
+    assert rel(got, want) < 1e-4
     if cfg.fused_sum:
         for dtype in (torch.float32, torch.bfloat16):
             plain = dataclasses.replace(cfg, fused_sum=False)
             for _ in range(2):  # the counters are back at zero after every call
-                _poison()
+                poison()
                 fused = dg.decode_gemm(xq, xs, w, ws, dtype, cfg)
                 assert torch.equal(fused, dg.decode_gemm(xq, xs, w, ws, dtype, plain))
 

@@ -12,24 +12,12 @@ from deepinfer_kernels import quant
 from deepinfer_kernels.ref import linear as ref_linear
 from deepinfer_kernels.ref import moe as ref_moe
 from deepinfer_kernels.ref import quant as ref_quant
+from gpu_checks import poison, rel
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (triton tier)")
 pytestmark = cuda
 
 DEV = "cuda"
-
-
-def _poison() -> None:
-    """Fill the allocator's free blocks with NaN so an unwritten output element shows up."""
-    torch.cuda.synchronize()
-    free, _ = torch.cuda.mem_get_info()
-    blocks = [torch.full((1 << 24,), float("nan"), device=DEV) for _ in range(8)]
-    del blocks, free
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    assert not torch.isnan(a).any(), "NaN in output: an element was not written"
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -46,7 +34,7 @@ def test_act_quant_matches_ref_bitwise(dtype, shape):
 
     x = (torch.randn(shape, device=DEV, generator=_gen(1)) * 4).to(dtype)
     x.view(-1)[:32] = 0.0  # a zero group: the amax floor
-    _poison()
+    poison()
     q, s = tq.act_quant_fp8(x)
     rq, rs = ref_quant.act_quant_fp8(x)
     assert torch.equal(s, rs)
@@ -56,7 +44,7 @@ def test_act_quant_matches_ref_bitwise(dtype, shape):
 def _quantised_close(q, s, rq, rs):
     got = quant.act_dequant_fp8(q, s)
     want = quant.act_dequant_fp8(rq, rs)
-    assert _rel(got, want) < 1e-2
+    assert rel(got, want) < 1e-2
     assert (got != want).float().mean().item() < 0.01
 
 
@@ -68,7 +56,7 @@ def test_rms_norm_act_quant_close_to_ref(dtype, shape):
     g = _gen(2)
     x = (torch.randn(shape, device=DEV, generator=g) * 2).to(dtype)
     w = torch.rand(shape[-1], device=DEV, generator=g) + 0.5
-    _poison()
+    poison()
     q, s = tq.rms_norm_act_quant_fp8(x, w, 1e-6)
     _quantised_close(q, s, *ref_quant.rms_norm_act_quant_fp8(x, w, 1e-6))
 
@@ -81,7 +69,7 @@ def test_swiglu_act_quant_close_to_ref(limit):
     gate = (torch.randn(37, 2304, device=DEV, generator=g) * 4).bfloat16()
     up = (torch.randn(37, 2304, device=DEV, generator=g) * 4).bfloat16()
     rw = torch.rand(37, 1, device=DEV, generator=g)
-    _poison()
+    poison()
     q, s = tq.swiglu_act_quant_fp8(gate, up, rw, limit)
     _quantised_close(q, s, *ref_quant.swiglu_act_quant_fp8(gate, up, rw, limit))
 
@@ -120,11 +108,11 @@ def test_fp8_gemm_close_to_ref(m, n, k):
 
     xq, xs, w, ws = _gemm_inputs(m, n, k, seed=m + n + k)
     want = ref_linear.fp8_gemm(xq, xs, w, ws, torch.float32)
-    _poison()
+    poison()
     got = tl_linear.fp8_gemm(xq, xs, w, ws, torch.float32)
-    assert _rel(got, want) < 1e-3
+    assert rel(got, want) < 1e-3
     got16 = tl_linear.fp8_gemm(xq, xs, w, ws, torch.bfloat16)
-    assert got16.dtype == torch.bfloat16 and _rel(got16, want) < 1e-2
+    assert got16.dtype == torch.bfloat16 and rel(got16, want) < 1e-2
 
 
 @pytest.mark.parametrize(
@@ -146,9 +134,9 @@ def test_fp8_gemm_variants(mode):
         "invariant": tl_linear.pick_config(45, 384, 1280, True),
     }[mode]
     scale = ws.float() if mode == "fp32scale" else ws
-    _poison()
+    poison()
     got = tl_linear.fp8_gemm(xq, xs, w, scale, torch.float32, config=cfg)
-    assert _rel(got, want) < 1e-3
+    assert rel(got, want) < 1e-3
 
 
 def test_fp8_linear_op_dispatches_to_triton():
@@ -158,7 +146,7 @@ def test_fp8_linear_op_dispatches_to_triton():
     w, ws = quant.quantize_fp8_blocks(torch.randn(128, 256, device=DEV, generator=_gen(9)))
     assert REGISTRY.resolve("fp8_linear", x, w, ws).tier == "triton"
     got = ops.fp8_linear(x, w, ws)
-    assert _rel(got, ref_linear.fp8_linear(x, w, ws)) < 1e-2
+    assert rel(got, ref_linear.fp8_linear(x, w, ws)) < 1e-2
 
 
 @pytest.mark.parametrize(("n", "k"), [(2112, 7168), (512, 1280)])
@@ -186,14 +174,14 @@ def test_moe_gate_close_to_ref(t, e):
     bias = torch.randn(e, device=DEV, generator=g) * 0.1
     k = min(6, e)
     rw, ri = ref_moe.moe_gate(x, wg, bias, k, 1.5, 1.0)
-    _poison()
+    poison()
     gw, gi = tmoe.moe_gate(x, wg, bias, k, 1.5, 1.0)
     same = (gi.sort(-1).values == ri.sort(-1).values).all(-1)
     assert same.float().mean().item() >= 0.99  # near-ties in fp32 may swap an expert
     order_g, order_r = gi.argsort(-1), ri.argsort(-1)
     wg_sorted = gw.gather(-1, order_g)[same]
     wr_sorted = rw.gather(-1, order_r)[same]
-    assert _rel(wg_sorted, wr_sorted) < 1e-5
+    assert rel(wg_sorted, wr_sorted) < 1e-5
 
 
 def _moe_inputs(t, d, i, e, k, seed, neg=False):
@@ -309,10 +297,10 @@ def test_moe_experts_close_to_ref(t, d, i, e, k, cfg_name):
     if cfg_name in PREFILL_CANDIDATES:
         extra[cfg_name] = _prefill_candidate(cfg_name)
     cfg = None if cfg_name == "auto" else extra.get(cfg_name) or getattr(tmoe, cfg_name)
-    _poison()
+    poison()
     got = tmoe.moe_experts(*args, 10.0, config=cfg)
     assert got.dtype == torch.bfloat16
-    assert _rel(got, want) < 1.5e-2
+    assert rel(got, want) < 1.5e-2
 
 
 def test_fp4_expansion_modes_bitwise():
@@ -339,7 +327,7 @@ def test_moe_experts_real_dims_decode():
     args = _moe_inputs(24, 5120, 2304, 384, 6, seed=5)
     want = ref_moe.moe_experts(*args, 10.0)
     got = tmoe.moe_experts(*args, 10.0)
-    assert _rel(got, want) < 1.5e-2
+    assert rel(got, want) < 1.5e-2
 
 
 @pytest.mark.parametrize("prefill", [None, *PREFILL_CANDIDATES])
@@ -363,7 +351,7 @@ def test_moe_ops_dispatch_to_triton():
     x, tw, ids, *ws = _moe_inputs(4, 256, 128, 8, 2, seed=31)
     assert REGISTRY.resolve("moe_experts", x, tw, ids, *ws, 10.0).tier == "triton"
     assert (
-        _rel(ops.moe_experts(x, tw, ids, *ws, 10.0), ref_moe.moe_experts(x, tw, ids, *ws, 10.0))
+        rel(ops.moe_experts(x, tw, ids, *ws, 10.0), ref_moe.moe_experts(x, tw, ids, *ws, 10.0))
         < 1.5e-2
     )
 
@@ -382,9 +370,9 @@ def test_fp8_linear_prefill_path_close_to_ref(m):
 
     x = torch.randn(m, 1024, device=DEV, generator=_gen(m)).bfloat16()
     w, ws = quant.quantize_fp8_blocks(torch.randn(640, 1024, device=DEV, generator=_gen(3)) * 0.02)
-    _poison()
+    poison()
     got = tl_linear.fp8_linear(x, w, ws)
-    assert _rel(got, ref_linear.fp8_linear(x, w, ws)) < 1e-2
+    assert rel(got, ref_linear.fp8_linear(x, w, ws)) < 1e-2
 
 
 def test_fp8_linear_bf16_activation_path_is_bitwise_fp8_gemm():
@@ -467,14 +455,14 @@ def test_decode_gemm_close_to_ref(m, n, k, cfg_name):
         pytest.skip(f"the CUDA-core kernel takes M <= {gemv.GEMV_MAX_M}")
     xq, xs, w, ws = _gemm_inputs(m, n, k, seed=m * 7 + n + k)
     want = ref_linear.fp8_gemm(xq, xs, w, ws, torch.float32)
-    _poison()
+    poison()
     got = gemv.decode_gemm(xq, xs, w, ws, torch.float32, cfg)
-    assert _rel(got, want) < 1e-3
+    assert rel(got, want) < 1e-3
     if cfg is None or not cfg.mma_fp8:  # exact bf16 activations: the same products and bits
         xa = quant.act_dequant_fp8(xq, xs, torch.bfloat16)
         assert torch.equal(gemv.decode_gemm(xa, xa, w, ws, torch.float32, cfg), got)
     got16 = gemv.decode_gemm(xq, xs, w, ws.float(), torch.bfloat16, cfg)
-    assert _rel(got16, want) < 1e-2
+    assert rel(got16, want) < 1e-2
 
 
 @pytest.mark.parametrize(("n", "k"), [(2112, 7168), (5120, 1024), (96, 320), (5120, 8192)])

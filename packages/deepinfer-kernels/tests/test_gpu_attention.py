@@ -11,6 +11,7 @@ import pytest
 import torch
 from deepinfer_kernels import REGISTRY, ops, quant
 from deepinfer_kernels.ref import attention as ref_attention
+from gpu_checks import poison, rel
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU (the triton tier runs on CUDA only)"
@@ -19,13 +20,6 @@ pytestmark = pytest.mark.skipif(
 DEV = "cuda"
 HEADS, HEAD_DIM, WINDOW = 64, 512, 128
 SCALE = HEAD_DIM**-0.5
-
-
-def _poison() -> None:
-    """Fill the allocator's free blocks with NaN so an unwritten output element shows up."""
-    torch.cuda.synchronize()
-    blocks = [torch.full((1 << 24,), float("nan"), device=DEV) for _ in range(8)]
-    del blocks
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -69,17 +63,12 @@ def f64_attention(q, kv, idx, sink, scale) -> torch.Tensor:
     return out
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    assert not torch.isnan(a).any(), "NaN in output: an element was not written"
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
-
-
 @pytest.mark.parametrize("k", [640, 2176])
 @pytest.mark.parametrize("t", [1, 7, 64, 300])
 def test_attention_matches_float64_and_ref(t, k):
     q, kv, idx, sink = _inputs(t, k, seed=t * 7 + k)
     assert REGISTRY.resolve("sparse_sink_attention", q, kv, idx, sink, SCALE).tier == "triton"
-    _poison()
+    poison()
     got = ops.sparse_sink_attention(q, kv, idx, sink, SCALE)
     assert got.dtype == torch.bfloat16 and got.shape == q.shape
     want = f64_attention(q, kv, idx, sink, SCALE)
@@ -90,8 +79,8 @@ def test_attention_matches_float64_and_ref(t, k):
     assert (err <= tol).all(), f"{int((err > tol).sum())} elements off, worst {err.max().item()}"
     ref = ref_attention.sparse_sink_attention(q, kv, idx, sink, SCALE)
     # both round the same fp32-accurate values to bf16: only rare one-step flips differ
-    rel = _rel(got, ref)
-    assert rel < 2e-3, f"relative difference to the ref tier {rel:.3g}"
+    err = rel(got, ref)
+    assert err < 2e-3, f"relative difference to the ref tier {err:.3g}"
     assert torch.equal(got[15::16], torch.zeros_like(got[15::16]))
 
 
@@ -104,7 +93,7 @@ def test_attention_int32_indices_and_fp32_falls_back_to_ref():
     assert REGISTRY.resolve("sparse_sink_attention", qf, kvf, idx, sink, SCALE).tier == "ref"
     got = ops.sparse_sink_attention(qf, kvf, idx, sink, SCALE)
     want = f64_attention(qf, kvf, idx, sink, SCALE)
-    assert _rel(got, want) < 1e-5
+    assert rel(got, want) < 1e-5
 
 
 def test_attention_batch_invariant_bitwise():
@@ -141,7 +130,7 @@ def test_fake_quant_bitwise_vs_quant(op, shape, block, dtype):
     x[0] = 0.0
     x[1, ..., ::3] = -0.0
     assert REGISTRY.resolve(op, x, block).tier == "triton"
-    _poison()
+    poison()
     got = getattr(ops, op)(x, block)
     want = getattr(quant, op)(x, block)
     iv = torch.int16 if dtype == torch.bfloat16 else torch.int32

@@ -11,6 +11,7 @@ from deepinfer_kernels import REGISTRY, ops, quant
 from deepinfer_kernels.ref import mhc as ref_mhc
 from deepinfer_kernels.ref import norm as ref_norm
 from deepinfer_kernels.ref import rope as ref_rope
+from gpu_checks import poison, rel
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU (the triton tier runs on CUDA only)"
@@ -20,18 +21,6 @@ DEV = "cuda"
 D, HC, MIX = 5120, 4, 24  # hidden, hc_mult, (2 + hc) * hc
 HEADS, HEAD_DIM, RD = 64, 512, 64
 TOKENS = [1, 7, 64, 300]
-
-
-def _poison() -> None:
-    """Fill the allocator's free blocks with NaN so an unwritten output element shows up."""
-    torch.cuda.synchronize()
-    blocks = [torch.full((1 << 24,), float("nan"), device=DEV) for _ in range(8)]
-    del blocks
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    assert not torch.isnan(a).any(), "NaN in output: an element was not written"
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -74,29 +63,29 @@ def test_mhc_ops_match_ref(t):
     bi = REGISTRY.batch_invariant
     want_tier = "triton" if t <= 128 or bi else "ref"
     assert _tier("hc_mixes", a["h"], a["fn"], 1e-20, batch_invariant=bi) == want_tier
-    _poison()
+    poison()
     want = ref_mhc.hc_mixes(a["h"], a["fn"], 1e-20)
-    assert _rel(tri_mhc.hc_mixes(a["h"], a["fn"], 1e-20), want) < 1e-5
+    assert rel(tri_mhc.hc_mixes(a["h"], a["fn"], 1e-20), want) < 1e-5
 
     args = (a["mixes"], a["scale"], a["base"], HC, 20, 1e-6)
     assert _tier("hc_split_sinkhorn", *args) == "triton"
-    _poison()
+    poison()
     for got, want in zip(
         ops.hc_split_sinkhorn(*args), ref_mhc.hc_split_sinkhorn(*args), strict=True
     ):
-        assert _rel(got, want) < 1e-6
+        assert rel(got, want) < 1e-6
 
     assert _tier("hc_pre", a["h"], a["pre"]) == "triton"
-    _poison()
+    poison()
     got, want = ops.hc_pre(a["h"], a["pre"]), ref_mhc.hc_pre(a["h"], a["pre"])
-    assert _rel(got, want) < 1e-2
+    assert rel(got, want) < 1e-2
     assert (got != want).float().mean().item() < 0.02  # bf16 rounding of a near-equal fp32 sum
 
     post_args = (a["y"], a["h"], a["post"], a["comb"])
     assert _tier("hc_post", *post_args) == "triton"
-    _poison()
+    poison()
     got, want = ops.hc_post(*post_args), ref_mhc.hc_post(*post_args)
-    assert _rel(got, want) < 1e-2
+    assert rel(got, want) < 1e-2
     assert (got != want).float().mean().item() < 0.02
 
 
@@ -104,25 +93,25 @@ def test_mhc_ops_match_ref(t):
 def test_rms_norm_and_rope_match_ref(t):
     a = _inputs(t, 200 + t)
     assert _tier("rms_norm", a["y"], a["w"], 1e-20) == "triton"
-    _poison()
+    poison()
     got, want = ops.rms_norm(a["y"], a["w"], 1e-20), ref_norm.rms_norm(a["y"], a["w"], 1e-20)
-    assert _rel(got, want) < 1e-2
+    assert rel(got, want) < 1e-2
     assert (got != want).float().mean().item() < 0.02
     x32 = _randn(t, 1280, seed=5, scale=3.0)
     w32 = _randn(1280, seed=6)
-    assert _rel(ops.rms_norm(x32, w32, 1e-6), ref_norm.rms_norm(x32, w32, 1e-6)) < 1e-6
+    assert rel(ops.rms_norm(x32, w32, 1e-6), ref_norm.rms_norm(x32, w32, 1e-6)) < 1e-6
 
     for x in (a["q"][..., -RD:], a["kv"][..., -RD:]):  # the model's tail slices (strided)
         for inverse in (False, True):
             args = (x, a["pos"], a["inv_freq"], inverse)
             assert _tier("rope", *args) == "triton"
-            _poison()
+            poison()
             got, want = ops.rope(*args), ref_rope.rope(*args)
             assert got.shape == x.shape and got.dtype == x.dtype
-            assert _rel(got, want) < 1e-2
+            assert rel(got, want) < 1e-2
             assert (got != want).float().mean().item() < 0.02
             g32, w32_ = ops.rope(x.float(), *args[1:]), ref_rope.rope(x.float(), *args[1:])
-            assert _rel(g32, w32_) < 1e-6
+            assert rel(g32, w32_) < 1e-6
 
 
 def test_per_token_ops_are_batch_invariant(batch_invariant):

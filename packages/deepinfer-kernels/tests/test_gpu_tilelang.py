@@ -16,6 +16,7 @@ import pytest
 import torch
 from deepinfer_kernels import REGISTRY, KernelSettings, ops, quant
 from deepinfer_kernels.ref import linear as ref_linear
+from gpu_checks import poison, rel
 
 DEV = "cuda"
 _hopper = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -25,18 +26,6 @@ pytestmark = [
         importlib.util.find_spec("tilelang") is None, reason="tilelang is not importable"
     ),
 ]
-
-
-def _poison() -> None:
-    """Fill the allocator's free blocks with NaN so an unwritten output element shows up."""
-    torch.cuda.synchronize()
-    blocks = [torch.full((1 << 24,), float("nan"), device=DEV) for _ in range(8)]
-    del blocks
-
-
-def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    assert not torch.isnan(got).any(), "NaN in output: an element was not written"
-    return ((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30)).item()
 
 
 def _inputs(m: int, n: int, k: int, seed: int):
@@ -77,10 +66,10 @@ def test_fp8_gemm_close_to_ref(m, n, k):
     tg = _tg()
     xq, xs, wq, ws = _inputs(m, n, k, seed=m * 7 + n + k)
     want = ref_linear.fp8_gemm(xq, xs, wq, ws, torch.float32)
-    _poison()
+    poison()
     got = tg.fp8_gemm(xq, xs, wq, ws, torch.bfloat16)
     assert got.dtype == torch.bfloat16 and list(got.shape) == [m, n]
-    assert _rel(got, want) < 1e-2
+    assert rel(got, want) < 1e-2
 
 
 @pytest.mark.parametrize(("m", "n", "k"), [(257, 5120, 8192), (77, 200, 256)])
@@ -88,9 +77,9 @@ def test_fp8_gemm_fp32_output(m, n, k):
     tg = _tg()
     xq, xs, wq, ws = _inputs(m, n, k, seed=11 + m)
     want = ref_linear.fp8_gemm(xq, xs, wq, ws, torch.float32)
-    _poison()
+    poison()
     got = tg.fp8_gemm(xq, xs, wq, ws, torch.float32)
-    assert got.dtype == torch.float32 and _rel(got, want) < 1e-3
+    assert got.dtype == torch.float32 and rel(got, want) < 1e-3
 
 
 # the variants `bench_kernels.py --only tilelang` times (bf16 out: the same compiled kernels)
@@ -111,9 +100,9 @@ def test_fp8_gemm_configs(cfg_kwargs):
     cfg = tg.TileConfig(**cfg_kwargs)
     xq, xs, wq, ws = _inputs(515, 5120, 8192, seed=5)
     want = ref_linear.fp8_gemm(xq, xs, wq, ws, torch.float32)
-    _poison()
+    poison()
     got = tg.fp8_gemm(xq, xs, wq, ws, torch.bfloat16, config=cfg)
-    assert _rel(got, want) < 1e-2
+    assert rel(got, want) < 1e-2
 
 
 def test_fp32_weight_scales_same_bits():
@@ -167,7 +156,7 @@ def test_registry_routing_and_override():
         got = ops.fp8_linear(x, wq, ws)
         xq2, xs2 = quant.act_quant_fp8(x)
         want = ref_linear.fp8_gemm(xq2, xs2, wq, ws, torch.float32)
-        assert got.dtype == torch.bfloat16 and _rel(got, want) < 1e-2
+        assert got.dtype == torch.bfloat16 and rel(got, want) < 1e-2
         REGISTRY.configure(KernelSettings(overrides={}, batch_invariant=True))
         kw = {"batch_invariant": True}
         assert REGISTRY.resolve("fp8_gemm", xq, xs, wq, ws, torch.bfloat16, **kw).tier == "triton"
@@ -175,6 +164,6 @@ def test_registry_routing_and_override():
         assert REGISTRY.resolve("fp8_gemm", *small).tier == "tilelang"
         got = ops.fp8_gemm(*small[:4])
         want = ref_linear.fp8_gemm(*small[:4], torch.float32)
-        assert _rel(got, want) < 1e-2
+        assert rel(got, want) < 1e-2
     finally:
         REGISTRY.configure(before)

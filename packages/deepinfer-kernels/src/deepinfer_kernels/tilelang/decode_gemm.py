@@ -44,14 +44,20 @@ from typing import Any
 
 import torch
 
-from .fp8_gemm import OUT_DTYPES, SM90A, _row_swizzle, tma_ready
+from .fp8_gemm import (
+    BLOCK_K,
+    MAX_SHARED_BYTES,
+    OUT_DTYPES,
+    SCALE_BLOCK,
+    SLICES,
+    SM90A,
+    WARPGROUP_ROWS,
+    row_swizzle_lowering,
+    tma_ready,
+)
+from .fp8_gemm import shape_reason as prefill_shape_reason
 
-SCALE_BLOCK = 32  # V4.1's scale granularity along K (both operands) and along N (weights)
-BLOCK_K = 128  # K per pipeline stage: 4 scale slices of 32
-SLICES = BLOCK_K // SCALE_BLOCK
-WARPGROUP_ROWS = 64
 NUM_SMS = 132  # H200: the split policy's target (a constant: the split is a function of (N, K))
-MAX_SHARED_BYTES = 227 * 1024
 
 
 @dataclass(frozen=True)
@@ -69,9 +75,9 @@ class DecodeTileConfig:
         tiles in flight per SM.
     row_swizzle: K tiles as 128-B rows with the 128-B swizzle (one TMA box per operand and stage,
         each slice's wgmma 32 B further inside the swizzle atom), through the prefill kernel's
-        `fp8_gemm._row_swizzle`; off, TileLang gives each 32-wide slice its own 32-B-swizzled
-        sub-tile (four TMA boxes of 32-B rows per operand and stage): measured on the H200
-        (5120x8192, M=16, 16-call graph) 17.3 us with, 21.6 without.
+        `fp8_gemm.row_swizzle_lowering`; off, TileLang gives each 32-wide slice its own
+        32-B-swizzled sub-tile (four TMA boxes of 32-B rows per operand and stage): measured on
+        the H200 (5120x8192, M=16, 16-call graph) 17.3 us with, 21.6 without.
     depth: wgmmas in flight per consumer (1: issue, wait, promote each 32-slice; 2: slice s+1's
         wgmma is issued before slice s is promoted, each into its own partial).
     fused_sum: with split > 1 and one token tile (M <= block_t), the chunks' partials are summed
@@ -158,21 +164,13 @@ def pick_tile_config(m: int, n: int, k: int) -> DecodeTileConfig:
 def shape_reason(
     x_fp8: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor
 ) -> str | None:
-    """Why the kernel cannot take these operands, or None. K must be a multiple of 128 (whole
-    stages; 16-B aligned TMA row strides for the scales)."""
-    if x_fp8.dtype != torch.float8_e4m3fn or w.dtype != torch.float8_e4m3fn:
-        return "x_fp8 and w must be float8_e4m3fn"
-    if x_scale.dtype != torch.float32:
-        return f"x_scale must be float32, got {x_scale.dtype}"
-    if w_scale.dtype not in (torch.float8_e8m0fnu, torch.float32):
-        return f"w_scale must be float8_e8m0fnu or float32, got {w_scale.dtype}"
-    if x_fp8.dim() != 2 or w.dim() != 2 or w.shape[1] != x_fp8.shape[1]:
-        return f"x_fp8 [M, K] and w [N, K] must share K, got {list(x_fp8.shape)}, {list(w.shape)}"
-    m, k = x_fp8.shape
-    if k % BLOCK_K:
-        return f"K must be a multiple of {BLOCK_K}, got {k}"
-    if list(x_scale.shape) != [m, k // SCALE_BLOCK]:
-        return f"x_scale must be [{m}, {k // SCALE_BLOCK}], got {list(x_scale.shape)}"
+    """Why the kernel cannot take these operands, or None: the prefill kernel's limits (K a
+    multiple of 128: whole stages, 16-B aligned TMA row strides for the scales), and w_scale
+    [ceil(N/32), K/32] (this kernel reads its bytes directly)."""
+    why = prefill_shape_reason(x_fp8, x_scale, w, w_scale)
+    if why is not None:
+        return why
+    k = x_fp8.shape[1]
     rows = -(-w.shape[0] // SCALE_BLOCK)
     if list(w_scale.shape) != [rows, k // SCALE_BLOCK]:
         return f"w_scale must be [{rows}, {k // SCALE_BLOCK}], got {list(w_scale.shape)}"
@@ -379,7 +377,7 @@ def lower_source(
 
     target = Target(SM90A)
     cfg = cfg or DecodeTileConfig()
-    with target, _row_swizzle(cfg.row_swizzle):
+    with target, row_swizzle_lowering(cfg.row_swizzle):
         artifact = tilelang.lower(build_kernel(n, k, split, out_dtype, cfg), target=target)
     return artifact.kernel_source
 
@@ -398,7 +396,7 @@ def compiled_kernel(n: int, k: int, split: int, out_dtype: str, cfg: DecodeTileC
         import tilelang
 
         start = time.perf_counter()
-        with _row_swizzle(cfg.row_swizzle):
+        with row_swizzle_lowering(cfg.row_swizzle):
             kernel = tilelang.compile(build_kernel(n, k, split, out_dtype, cfg), target=SM90A)
         _COMPILED[key] = kernel
         logging.getLogger(__name__).info(

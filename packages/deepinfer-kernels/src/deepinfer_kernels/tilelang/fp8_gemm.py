@@ -86,8 +86,8 @@ class TileConfig:
         the TMA moves a K tile as one box of 128-B rows instead of four of 32-B rows. TileLang
         infers a 32-B swizzle from each slice's K of 32 and merges a conflicting annotation down
         to it, so this option also overrides that inference while our kernel is lowered
-        (`_row_swizzle`). H200: 1-17% faster than 32-B slices at every measured prefill shape
-        (NOTES.md), so it is the default.
+        (`row_swizzle_lowering`). H200: 1-17% faster than 32-B slices at every measured prefill
+        shape (NOTES.md), so it is the default.
     """
 
     block_m: int = 128
@@ -479,7 +479,7 @@ SM90A = {"kind": "cuda", "arch": "sm_90a"}
 
 
 @contextlib.contextmanager
-def _row_swizzle(on: bool) -> Iterator[None]:
+def row_swizzle_lowering(on: bool) -> Iterator[None]:
     """While our kernel is lowered with `TileConfig.row_swizzle`, TileLang's wgmma layout
     inference gives shared operands whose rows are 128 B the 128-B swizzle over the whole row
     (it would infer a 32-B swizzle from a 32-wide k-slice). Restored on exit; tied to TileLang
@@ -518,7 +518,7 @@ def lower_source(
     from tvm.target import Target
 
     target = Target(SM90A)
-    with target, _row_swizzle(cfg.row_swizzle):
+    with target, row_swizzle_lowering(cfg.row_swizzle):
         artifact = tilelang.lower(build_kernel(n, k, out_dtype, cfg), target=target)
     return artifact.kernel_source
 
@@ -536,7 +536,7 @@ def compiled_kernel(n: int, k: int, out_dtype: str, cfg: TileConfig):
         import tilelang
 
         start = time.perf_counter()
-        with _row_swizzle(cfg.row_swizzle):
+        with row_swizzle_lowering(cfg.row_swizzle):
             kernel = tilelang.compile(build_kernel(n, k, out_dtype, cfg), target=SM90A)
         _COMPILED[key] = kernel
         log.info(
