@@ -128,8 +128,8 @@ TILELANG_VARIANTS = [
     # (row name, TileConfig kwargs): the default (128x128, column-major activation scales, 128-B
     # rows, two wgmmas in flight) first, then one change each (H200 findings in NOTES.md)
     ("tilelang", {}),
-    ("tl sa rows", {"sa_col_major": False}),
     ("tl 32B slices", {"row_swizzle": False}),
+    ("tl sa rows", {"sa_col_major": False}),
     ("tl depth4 n2", {"n_split": 2, "depth": 4}),
     ("tl 128x192 n3 d3", {"block_n": 192, "n_split": 3, "depth": 3}),
     ("tl 128x256 n2 d1", {"block_n": 256, "n_split": 2, "depth": 1}),
