@@ -141,8 +141,9 @@ def test_fp8_gemm_cuda_graph_replay():
 
 
 def test_registry_routing_and_override():
-    """Prefill M goes to tilelang by default, decode M and batch-invariant mode stay on Triton;
-    the override sends every M there. fp8_linear likewise, through the act quantiser."""
+    """Prefill M goes to tilelang by default (in batch-invariant mode with INVARIANT_PREFILL),
+    decode M stays on the triton tier; the override sends every M there. fp8_linear likewise,
+    through the act quantiser."""
     xq, xs, wq, ws = _inputs(300, 5120, 8192, seed=10)
     x = torch.randn(300, 8192, device=DEV).bfloat16()
     before = REGISTRY.settings
@@ -159,7 +160,9 @@ def test_registry_routing_and_override():
         assert got.dtype == torch.bfloat16 and rel(got, want) < 1e-2
         REGISTRY.configure(KernelSettings(overrides={}, batch_invariant=True))
         kw = {"batch_invariant": True}
-        assert REGISTRY.resolve("fp8_gemm", xq, xs, wq, ws, torch.bfloat16, **kw).tier == "triton"
+        want_tier = "tilelang" if _tg().INVARIANT_PREFILL else "triton"
+        assert REGISTRY.resolve("fp8_gemm", xq, xs, wq, ws, torch.bfloat16, **kw).tier == want_tier
+        assert REGISTRY.resolve("fp8_gemm", *small, **kw).tier == "triton"
         REGISTRY.configure(KernelSettings(overrides={"fp8_gemm": "tilelang"}))
         assert REGISTRY.resolve("fp8_gemm", *small).tier == "tilelang"
         got = ops.fp8_gemm(*small[:4])
@@ -167,3 +170,29 @@ def test_registry_routing_and_override():
         assert rel(got, want) < 1e-2
     finally:
         REGISTRY.configure(before)
+
+
+@pytest.mark.parametrize(("n", "k"), [(5120, 8192), (2112, 7168), (1536, 512)])
+def test_invariant_rows_match_the_decode_kernel(n, k, monkeypatch):
+    """`invariant_config` (the decode kernel's K split) gives the TileLang decode kernel's bits,
+    head to head; and routed as `INVARIANT_PREFILL` would route (M <= 64 to the decode kernel
+    through the triton tier, M > 64 here) a row has the same bits at every M, through fp8_gemm
+    and fp8_linear. The gate for switching INVARIANT_PREFILL on."""
+    tg = _tg()
+    from deepinfer_kernels.tilelang import decode_gemm
+
+    xq, xs, wq, ws = _inputs(300, n, k, seed=n + k)
+    here = tg.fp8_gemm(xq, xs, wq, ws, torch.float32, batch_invariant=True)
+    there = decode_gemm.decode_gemm(xq, xs, wq, ws, torch.float32)
+    assert torch.equal(here, there)
+    assert rel(here, ref_linear.fp8_gemm(xq, xs, wq, ws, torch.float32)) < 1e-3
+    monkeypatch.setattr(tg, "INVARIANT_PREFILL", True)
+    x = torch.randn(300, k, device=DEV).bfloat16()
+    with REGISTRY.batch_invariant_mode():
+        kw = {"batch_invariant": True}
+        assert REGISTRY.resolve("fp8_gemm", xq, xs, wq, ws, torch.bfloat16, **kw).tier == "tilelang"
+        full = ops.fp8_gemm(xq, xs, wq, ws)
+        full_linear = ops.fp8_linear(x, wq, ws)
+        for lo, hi in ((0, 1), (5, 69), (17, 30), (100, 300), (299, 300)):
+            assert torch.equal(ops.fp8_gemm(xq[lo:hi], xs[lo:hi], wq, ws), full[lo:hi]), (lo, hi)
+            assert torch.equal(ops.fp8_linear(x[lo:hi], wq, ws), full_linear[lo:hi]), (lo, hi)

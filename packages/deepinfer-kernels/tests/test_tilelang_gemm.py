@@ -104,6 +104,8 @@ def test_weight_scale_stage_is_tma_aligned(block_n):
         ({"n_split": 0}, "n_split"),
         ({"block_n": 192, "depth": 1, "num_stages": 8}, "shared memory"),
         ({"swizzle_panel": -1}, "swizzle_panel"),
+        ({"k_split": 0}, "k_split"),
+        ({"k_split": 2}, "registers"),  # acc + total + two 128-wide partials
     ],
 )
 def test_bad_config_is_value_error(kwargs, field):
@@ -146,6 +148,47 @@ def test_promote_reference_against_float64(m, n, k_tiles, block_n, seed):
     want = _f64_gemm(xq, xs, wq, _e8m0_f64(ws))
     assert got.dtype == torch.float32 and list(got.shape) == [m, n]
     assert _rel(got, want) < 1e-6
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    m=st.integers(1, 5),
+    n=st.integers(1, 70),
+    split=st.sampled_from([2, 4]),
+    seed=st.integers(0, 2**31),
+)
+def test_promote_reference_k_split(m, n, split, seed):
+    """With k_split chunks: float64 math within fp32 rounding, and exactly the chunks' own
+    promote_reference sums added in ascending order (sum_splits' order, in fp32)."""
+    k = 128 * split
+    xq, xs, wq, ws = _inputs(m, n, k, seed)
+    sb = tg.weight_scale_fp32(ws, n)
+    cfg = tg.TileConfig(block_n=64, n_split=2, k_split=split)
+    got = tg.promote_reference(xq, xs, wq, sb, cfg)
+    assert _rel(got, _f64_gemm(xq, xs, wq, _e8m0_f64(ws))) < 1e-6
+    one = tg.TileConfig(block_n=64, n_split=2)
+    kb = k // 32 // split
+    cols = [slice(c * 128, (c + 1) * 128) for c in range(split)]
+    blocks = [slice(c * kb, (c + 1) * kb) for c in range(split)]
+    chunks = [
+        tg.promote_reference(xq[:, ks], xs[:, bs], wq[:, ks], sb[:, bs], one)
+        for ks, bs in zip(cols, blocks, strict=True)
+    ]
+    total = chunks[0]
+    for chunk in chunks[1:]:
+        total = total + chunk
+    assert torch.equal(got, total)
+
+
+@pytest.mark.parametrize(("n", "k"), [(5120, 8192), (2112, 7168), (32768, 1280), (40, 256)])
+def test_invariant_config_uses_the_decode_split(n, k):
+    from deepinfer_kernels.tilelang import decode_gemm
+
+    cfg = tg.invariant_config(n, k)
+    split = decode_gemm.decode_tile_split(n, k)
+    assert cfg.k_split == split and k % (split * tg.BLOCK_K) == 0
+    assert cfg.fragment_registers <= tg.MAX_ACC_REGS
+    assert cfg == (tg.DEFAULT_CONFIG if split == 1 else cfg)
 
 
 def test_shape_reason():
@@ -201,20 +244,25 @@ def test_tiers_are_registered(op, check):
     rows=st.integers(0, 20000),
     selected=st.booleans(),
     invariant=st.booleans(),
+    decode_tl=st.booleans(),
     cap=st.sampled_from([(9, 0), (8, 0), (10, 0), None]),
 )
-def test_route_reason(rows, selected, invariant, cap):
+def test_route_reason(rows, selected, invariant, decode_tl, cap):
     why = tg.route_reason(
-        "cuda", cap, selected=selected, batch_invariant=invariant, rows=rows, decode_max_m=64
-    )
-    takes = cap == (9, 0) and (selected or (not invariant and rows > 64))
+        "cuda", cap, selected=selected, batch_invariant=invariant, rows=rows, decode_max_m=64,
+        invariant_decode_tilelang=decode_tl,
+    )  # fmt: skip
+    takes = cap == (9, 0) and (selected or (rows > 64 and (decode_tl or not invariant)))
     assert (why is None) == takes
     if cap != (9, 0):
         assert "sm_90a" in why
     elif not takes:
-        assert ("batch-invariant" in why) if invariant else ("M=" in why)
-    assert tg.route_reason("cpu", (9, 0), selected=True, batch_invariant=False, rows=999,
-                           decode_max_m=64) == "input on cpu"  # fmt: skip
+        assert ("M=" in why) if rows <= 64 else ("batch-invariant" in why)
+    on_cpu = tg.route_reason(
+        "cpu", (9, 0), selected=True, batch_invariant=False, rows=999, decode_max_m=64,
+        invariant_decode_tilelang=True,
+    )  # fmt: skip
+    assert on_cpu == "input on cpu"
 
 
 def test_cpu_calls_resolve_elsewhere():
@@ -272,6 +320,7 @@ LOWERED_CONFIGS = [
     tg.TileConfig(n_split=2, depth=4),
     tg.TileConfig(row_swizzle=False),
     tg.TileConfig(row_swizzle=False, block_n=256, n_split=2, depth=1),
+    tg.invariant_config(5120, 8192),
 ]
 
 
@@ -291,10 +340,10 @@ def test_lowered_source_structure(cfg):
         assert f"tma_load({desc}" in src
     # promotion: 4 unrolled loops over the thread's 64 accumulator values, each reading sa/sb
     assert loop.count("sa_tile)[") >= 4 and loop.count("sb_tile)[") >= 4
-    # register fragments only: accumulator chunk(s) + partial(s), nothing else declared
+    # register fragments only: accumulator chunk(s) (+ their K-chunk totals) + partial(s)
     arrays = re.findall(r"^\s*float (\w+)\[(\d+)\];", src, flags=re.M)
     per_chunk = 64 * cfg.chunk_n // 128
-    count = cfg.n_split + cfg.depth
+    count = cfg.n_split * (2 if cfg.k_split > 1 else 1) + cfg.depth
     assert sorted(int(size) for _, size in arrays) == [per_chunk] * count
     # the oldest of `depth` in-flight wgmmas is promoted under the others, the last depth-1
     # after the full wait

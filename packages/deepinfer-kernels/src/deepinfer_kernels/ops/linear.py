@@ -32,8 +32,9 @@ for _op in ("fp8_gemm", "fp8_linear"):
         )
     )
 
-# TileLang FP8-wgmma GEMM with per-32 promotion: the prefill GEMMs on Hopper (M > 64, outside
-# batch-invariant mode; see `tilelang.fp8_gemm._route_reason`); decode sizes stay on Triton.
+# TileLang FP8-wgmma GEMM with per-32 promotion: the prefill GEMMs on Hopper (M > 64; in
+# batch-invariant mode only with `INVARIANT_PREFILL`; see `tilelang.fp8_gemm._route_reason`);
+# decode sizes go to the triton tier (which routes M = 2..64 to the TileLang decode kernel).
 for _op, _check in (("fp8_gemm", "supports"), ("fp8_linear", "supports_linear")):
     REGISTRY.register(
         Implementation(

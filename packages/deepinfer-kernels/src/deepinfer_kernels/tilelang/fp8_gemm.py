@@ -28,16 +28,20 @@ granularity the CUDA-core promotion costs as many issue cycles as the wgmmas tak
 128-wide blocks need a quarter of that). The compiled loop has 396 instructions per warp and K
 tile (256 FFMA), i.e. 792 issue cycles against 512 tensor cycles: even at full issue the kernel
 cannot exceed 512/792 of the FP8 peak (~1240 TFLOP/s at the 1.78 GHz Nsight Compute saw), and
-1000 TFLOP/s would need 80% of all issue slots. Measured: ~570 TFLOP/s at 8K rows (46% issue;
-NOTES.md has the stall reasons), 2x the Triton tiles.
+1000 TFLOP/s would need 80% of all issue slots. Measured: ~590 TFLOP/s at 8K rows (53% issue;
+NOTES.md has the stall reasons), 2.2x the Triton tiles.
 
-The kernel's arithmetic for one row does not depend on M or on the other rows (fixed tiles, no
-split-K), so it is batch-invariant by construction (checked bitwise by the GPU tests).
+The kernel's arithmetic for one row does not depend on M or on the other rows (fixed tiles; K
+cut, if at all, by `TileConfig.k_split` from (N, K) only), so it is batch-invariant by
+construction (checked bitwise by the GPU tests). With `invariant_config` it cuts K as the
+TileLang decode kernel (`decode_gemm.py`) does and adds the chunks in the same order, so the rows
+it gives at M > 64 should be those that kernel gives at M <= 64 (`INVARIANT_PREFILL`).
 
 Routing (`supports`): the registry picks this tier by default on Hopper for M > 64 outside
-batch-invariant mode (`_route_reason`); ``DEEPINFER_KERNELS=fp8_gemm=tilelang`` (or
-``fp8_linear=tilelang``) sends every call to it. tilelang is imported only inside the functions
-that build or run a kernel; each (N, K, dtype, config) compiles once per process (seconds).
+batch-invariant mode, and in it once `INVARIANT_PREFILL` is on (`_route_reason`);
+``DEEPINFER_KERNELS=fp8_gemm=tilelang`` (or ``fp8_linear=tilelang``) sends every call to it.
+tilelang is imported only inside the functions that build or run a kernel; each (N, K, dtype,
+config) compiles once per process (seconds).
 """
 
 # No `from __future__ import annotations`: TileLang evaluates the kernel's argument annotations
@@ -88,6 +92,11 @@ class TileConfig:
         to it, so this option also overrides that inference while our kernel is lowered
         (`row_swizzle_lowering`). H200: 1-17% faster than 32-B slices at every measured prefill
         shape (NOTES.md), so it is the default.
+    k_split: K cut into this many equal chunks (multiples of 128), each accumulated on its own
+        and the chunks' sums added in ascending order into a running total (fp32), the order
+        `triton.gemv.sum_splits` adds the decode kernel's chunk partials in. Batch-invariant mode
+        uses the TileLang decode kernel's split (`invariant_config`), so a row computed here at
+        M > 64 has the bits it has there at M <= 64. 1: one accumulator over all of K.
     """
 
     block_m: int = 128
@@ -98,6 +107,7 @@ class TileConfig:
     sa_col_major: bool = True
     swizzle_panel: int = 8
     row_swizzle: bool = True
+    k_split: int = 1
 
     def __post_init__(self) -> None:
         if self.block_m not in (64, 128):
@@ -118,6 +128,8 @@ class TileConfig:
             )
         if not 1 <= self.num_stages <= 8:
             raise ValueError(f"TileConfig.num_stages must be in [1, 8], got {self.num_stages}")
+        if self.k_split < 1:
+            raise ValueError(f"TileConfig.k_split must be >= 1, got {self.k_split}")
         if self.swizzle_panel < 0:
             raise ValueError(f"TileConfig.swizzle_panel must be >= 0, got {self.swizzle_panel}")
         if self.fragment_registers > MAX_ACC_REGS:
@@ -144,10 +156,11 @@ class TileConfig:
 
     @property
     def fragment_registers(self) -> int:
-        """fp32 registers per consumer thread for the accumulator and the partial(s)."""
+        """fp32 registers per consumer thread for the accumulator, the K-chunk total (with
+        k_split > 1) and the partial(s)."""
         acc = WARPGROUP_ROWS * self.block_n // 128
         partial = WARPGROUP_ROWS * self.chunk_n // 128
-        return acc + partial * self.depth
+        return acc * (2 if self.k_split > 1 else 1) + partial * self.depth
 
     @property
     def shared_bytes(self) -> int:
@@ -238,7 +251,8 @@ def promote_reference(
 ) -> torch.Tensor:
     """The kernel's arithmetic in torch (fp32), tile by tile: for every N tile and 32-slice, the
     unscaled partial a[:, slice] @ b[tile, slice]^T, then acc += partial * sa[:, kb] * sb[row, kb]
-    with sb's row = tile * block_n/32 + j // 32, rows past the end read as 0 (TMA's fill).
+    with sb's row = tile * block_n/32 + j // 32, rows past the end read as 0 (TMA's fill); with
+    `cfg.k_split` chunks, each chunk's acc starts at 0 and the chunk sums are added in order.
 
     Shapes as `fp8_gemm`, sb from `weight_scale_fp32`; returns [M, N] fp32. Used to check
     the host-side layout logic on CPU; the GPU test compares the kernel with `ref`.
@@ -249,6 +263,7 @@ def promote_reference(
     b = w.to(torch.float32)
     out = torch.zeros(m, n, dtype=torch.float32, device=x_fp8.device)
     blocks_per_tile = cfg.block_n // SCALE_BLOCK
+    chunk_blocks = k // SCALE_BLOCK // cfg.k_split
     for tile in range(-(-n // cfg.block_n)):
         cols = slice(tile * cfg.block_n, min(n, (tile + 1) * cfg.block_n))
         width = cols.stop - cols.start
@@ -256,12 +271,34 @@ def promote_reference(
         tile_rows = sb[tile * blocks_per_tile : (tile + 1) * blocks_per_tile]
         sb_tile[: tile_rows.shape[0]] = tile_rows  # [bn/32, K/32], zero-filled past the end
         col_block = torch.arange(width, device=x_fp8.device) // SCALE_BLOCK
-        for kb in range(k // SCALE_BLOCK):
-            ks = slice(kb * SCALE_BLOCK, (kb + 1) * SCALE_BLOCK)
-            partial = a[:, ks] @ b[cols, ks].t()
-            scale = x_scale[:, kb : kb + 1] * sb_tile[col_block, kb][None, :]
-            out[:, cols] += partial * scale
+        for chunk in range(cfg.k_split):
+            acc = torch.zeros(m, width, dtype=torch.float32, device=x_fp8.device)
+            for kb in range(chunk * chunk_blocks, (chunk + 1) * chunk_blocks):
+                ks = slice(kb * SCALE_BLOCK, (kb + 1) * SCALE_BLOCK)
+                partial = a[:, ks] @ b[cols, ks].t()
+                acc += partial * (x_scale[:, kb : kb + 1] * sb_tile[col_block, kb][None, :])
+            out[:, cols] = acc if chunk == 0 else out[:, cols] + acc
     return out
+
+
+INVARIANT_PREFILL = False
+"""Batch-invariant mode sends M > 64 here with `invariant_config`, instead of running the TileLang
+decode kernel at every M (~280 TFLOP/s at prefill sizes against ~590 here). Off until the GPU test
+`test_invariant_rows_match_the_decode_kernel` has shown the two kernels' rows bitwise equal on the
+H200: the split kernel is checked on CPU only (lowering; SASS: 168 registers, no spills)."""
+
+
+def invariant_config(n: int, k: int) -> TileConfig:
+    """The tile configuration batch-invariant mode runs an [N, K] weight with: the TileLang decode
+    kernel's K split (`decode_gemm.decode_tile_split`), so rows at M > 64 (here) and M <= 64
+    (there) get the same bits. A split needs a running total beside the accumulator, so the
+    columns go in two 64-wide wgmma chunks to stay within the register budget."""
+    from .decode_gemm import decode_tile_split
+
+    split = decode_tile_split(n, k)
+    if split == 1:
+        return DEFAULT_CONFIG
+    return TileConfig(n_split=2, depth=2, k_split=split)
 
 
 def route_reason(
@@ -272,15 +309,18 @@ def route_reason(
     batch_invariant: bool,
     rows: int,
     decode_max_m: int,
+    invariant_decode_tilelang: bool,
 ) -> str | None:
     """Why the registry should not pick this tier (device, mode, M), or None.
 
     Chosen by default on Hopper for M > decode_max_m (the prefill GEMMs; below that the
-    weight-streaming decode kernel of triton/gemv.py is faster) outside batch-invariant mode
-    (there the Triton tiles cut K exactly as the decode kernel does, so a row's bits do not
-    depend on M; this kernel's do not either, but they differ from the decode kernel's). Selected
-    explicitly (`selected`: ``DEEPINFER_KERNELS=<op>=tilelang``) it takes every M, invariant mode
-    included: one kernel for every M is invariant by construction.
+    weight-streaming decode kernels that triton/linear.py routes to are faster). In
+    batch-invariant mode too, when the decode path runs the TileLang decode kernel there
+    (`invariant_decode_tilelang`): this kernel then cuts K as that one does
+    (`invariant_config`), so a row's bits do not depend on M; otherwise the Triton tiles, whose
+    K split matches the Triton decode kernel, keep the rows equal. Selected explicitly
+    (`selected`: ``DEEPINFER_KERNELS=<op>=tilelang``) it takes every M: one kernel for every M is
+    invariant by construction.
     """
     if device_type != "cuda":
         return f"input on {device_type}"
@@ -288,12 +328,12 @@ def route_reason(
         return "needs sm_90a (Hopper wgmma)"
     if selected:
         return None
-    if batch_invariant:
-        return (
-            "batch-invariant mode keeps the Triton tiles (their K split matches the decode kernel)"
-        )
     if rows <= decode_max_m:
-        return f"M={rows} <= {decode_max_m}: the decode kernel (triton/gemv.py) is faster"
+        return f"M={rows} <= {decode_max_m}: the decode kernels (triton/linear.py) are faster"
+    if batch_invariant and not invariant_decode_tilelang:
+        return (
+            "batch-invariant mode with the Triton decode kernel: the Triton tiles cut K as it does"
+        )
     return None
 
 
@@ -303,7 +343,7 @@ def _route_reason(op: str, x: torch.Tensor, rows: int, batch_invariant: bool) ->
 
     if x.device.type != "cuda":
         return f"input on {x.device.type}"
-    from ..triton.linear import DECODE_MAX_M
+    from ..triton.linear import DECODE_MAX_M, TILELANG_INVARIANT
 
     return route_reason(
         "cuda",
@@ -312,6 +352,7 @@ def _route_reason(op: str, x: torch.Tensor, rows: int, batch_invariant: bool) ->
         batch_invariant=batch_invariant,
         rows=rows,
         decode_max_m=DECODE_MAX_M,
+        invariant_decode_tilelang=INVARIANT_PREFILL and TILELANG_INVARIANT,
     )
 
 
@@ -368,8 +409,10 @@ def build_kernel(n: int, k: int, out_dtype: str = "bfloat16", cfg: TileConfig = 
     """
     import tilelang.language as T
 
-    if k % BLOCK_K:
-        raise ValueError(f"build_kernel: k must be a multiple of {BLOCK_K}, got {k}")
+    if k % (cfg.k_split * BLOCK_K):
+        raise ValueError(
+            f"build_kernel: k={k} must cut into k_split={cfg.k_split} chunks of {BLOCK_K}s"
+        )
     if out_dtype not in OUT_DTYPES.values():
         raise ValueError(f"build_kernel: out_dtype must be one of {list(OUT_DTYPES.values())}")
     bm, bn, bk, cn = cfg.block_m, cfg.block_n, BLOCK_K, cfg.chunk_n
@@ -386,6 +429,7 @@ def build_kernel(n: int, k: int, out_dtype: str = "bfloat16", cfg: TileConfig = 
     # unrolls every loop over it
     steps = tuple((s, h) for s in range(SLICES) for h in range(cfg.n_split))
     frag_regs = WARPGROUP_ROWS * cn // 128  # fp32 registers per thread of one partial
+    chunk_tiles = k // bk // cfg.k_split  # K tiles per K chunk
 
     def sa_at(sa_tile, i, s):
         return sa_tile[s, i] if cfg.sa_col_major else sa_tile[i, s]
@@ -405,6 +449,13 @@ def build_kernel(n: int, k: int, out_dtype: str = "bfloat16", cfg: TileConfig = 
         for i, j in T.Parallel(bm, cn):
             acc[i, j] += part[i, j] * (sa_at(sa_tile, i, s) * sb_tile[(h * cn + j) // 32, s])
 
+    @T.macro
+    def fold(total, acc, first):
+        """End of a K chunk: total = acc (the first chunk) or total + acc, then acc = 0."""
+        for i, j in T.Parallel(bm, cn):
+            total[i, j] = T.if_then_else(first, acc[i, j], total[i, j] + acc[i, j])
+        T.clear(acc)
+
     @T.prim_func
     def fp8_gemm_kernel(
         A: T.Tensor((m, k), fp8),
@@ -421,6 +472,10 @@ def build_kernel(n: int, k: int, out_dtype: str = "bfloat16", cfg: TileConfig = 
             c_tile = T.alloc_shared((bm, bn), out_dtype)
             accs = tuple(T.alloc_fragment((bm, cn), "float32") for _ in range(cfg.n_split))
             parts = tuple(T.alloc_fragment((bm, cn), "float32") for _ in range(cfg.depth))
+            chunked = cfg.k_split > 1
+            totals = tuple(
+                T.alloc_fragment((bm, cn), "float32") for _ in range(cfg.n_split if chunked else 0)
+            )
 
             if cfg.row_swizzle:
                 from tilelang.layout import make_full_bank_swizzled_layout as row_swizzled
@@ -428,7 +483,7 @@ def build_kernel(n: int, k: int, out_dtype: str = "bfloat16", cfg: TileConfig = 
                 T.annotate_layout({a_tile: row_swizzled(a_tile), b_tile: row_swizzled(b_tile)})
             if cfg.swizzle_panel:
                 T.use_swizzle(panel_size=cfg.swizzle_panel)
-            for acc in accs:
+            for acc in accs + totals:  # (a total is first written, not added to, at chunk 0)
                 T.clear(acc)
             for kt in T.Pipelined(k // bk, num_stages=cfg.num_stages):
                 T.copy(A[by * bm, kt * bk], a_tile)
@@ -468,8 +523,12 @@ def build_kernel(n: int, k: int, out_dtype: str = "bfloat16", cfg: TileConfig = 
                     for old in tuple(range(len(steps) - d + 1, len(steps))):
                         T.warpgroup_fence_operand(parts[old % d], num_regs=frag_regs)
                         promote(accs[steps[old][1]], parts[old % d], sa_tile, sb_tile, *steps[old])
+                if chunked:  # noqa: SIM102 (a Python flag, then one TIR condition)
+                    if (kt + 1) % chunk_tiles == 0:
+                        for h in tuple(range(cfg.n_split)):
+                            fold(totals[h], accs[h], kt + 1 == chunk_tiles)
             for h in tuple(range(cfg.n_split)):
-                T.copy(accs[h], c_tile[:, h * cn : (h + 1) * cn])
+                T.copy((totals if chunked else accs)[h], c_tile[:, h * cn : (h + 1) * cn])
             T.copy(c_tile, C[by * bm, bx * bn])
 
     return fp8_gemm_kernel
@@ -559,17 +618,17 @@ def fp8_gemm(
     """x_fp8 [M, K] e4m3 with x_scale [M, K/32] fp32 powers of two, w [N, K] e4m3 with w_scale
     [ceil(N/32), K/32] e8m0 (or fp32) -> [M, N] out_dtype, fp32 accumulation.
 
-    `batch_invariant` needs nothing extra: the tiles do not depend on M and K is never split.
+    Every configuration is batch-invariant (the tiles do not depend on M); `batch_invariant`
+    picks `invariant_config` (the decode kernel's K split), unless `config` is given.
     """
-    del batch_invariant  # invariant by construction (see the module docstring)
     why = shape_reason(x_fp8, x_scale, w, w_scale)
     if why is not None:
         raise ValueError(f"tilelang fp8_gemm: {why}")
     if out_dtype not in OUT_DTYPES:
         raise ValueError(f"out_dtype must be one of {list(OUT_DTYPES)}, got {out_dtype}")
-    cfg = config or DEFAULT_CONFIG
     m, k = x_fp8.shape
     n = w.shape[0]
+    cfg = config or (invariant_config(n, k) if batch_invariant else DEFAULT_CONFIG)
     out = torch.empty(m, n, dtype=out_dtype, device=x_fp8.device)
     if m == 0 or n == 0:
         return out
