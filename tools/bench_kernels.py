@@ -130,6 +130,7 @@ TILELANG_VARIANTS = [
     ("tilelang", {}),
     ("tl 32B slices", {"row_swizzle": False}),
     ("tl invariant", None),  # batch-invariant mode: invariant_config(N, K), the decode K split
+    ("tl early scales", {"early_scales": True}),
     ("tl sa rows", {"sa_col_major": False}),
     ("tl depth4 n2", {"n_split": 2, "depth": 4}),
     ("tl 128x192 n3 d3", {"block_n": 192, "n_split": 3, "depth": 3}),
@@ -148,7 +149,7 @@ def tilelang_rows(quick):
 
     shapes = [(128, 5120, 8192), (512, 5120, 8192), (2048, 5120, 8192), (8192, 5120, 8192)]
     shapes += [(8192, 32768, 1280), (16384, 5120, 8192)]
-    variants = TILELANG_VARIANTS[:3] if quick else TILELANG_VARIANTS
+    variants = TILELANG_VARIANTS[:4] if quick else TILELANG_VARIANTS
     rows = []
     for m, n, k in shapes:
         copies = max(1, min(4, (256 << 20) // (n * k)))  # > 256 MiB of weights in rotation

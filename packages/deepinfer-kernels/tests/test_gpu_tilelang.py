@@ -93,6 +93,8 @@ def test_fp8_gemm_fp32_output(m, n, k):
         {"block_n": 256, "n_split": 2, "depth": 1},
         {"row_swizzle": False},
         {"row_swizzle": False, "block_n": 256, "n_split": 2, "depth": 1},
+        {"early_scales": True},
+        {"early_scales": True, "block_n": 256, "n_split": 2, "depth": 1},
     ],
 )
 def test_fp8_gemm_configs(cfg_kwargs):

@@ -321,6 +321,8 @@ LOWERED_CONFIGS = [
     tg.TileConfig(row_swizzle=False),
     tg.TileConfig(row_swizzle=False, block_n=256, n_split=2, depth=1),
     tg.invariant_config(5120, 8192),
+    tg.TileConfig(early_scales=True),
+    tg.TileConfig(early_scales=True, block_n=256, n_split=2, depth=1),
 ]
 
 
@@ -340,23 +342,36 @@ def test_lowered_source_structure(cfg):
         assert f"tma_load({desc}" in src
     # promotion: 4 unrolled loops over the thread's 64 accumulator values, each reading sa/sb
     assert loop.count("sa_tile)[") >= 4 and loop.count("sb_tile)[") >= 4
-    # register fragments only: accumulator chunk(s) (+ their K-chunk totals) + partial(s)
+    # register fragments only: accumulator chunk(s) (+ their K-chunk totals) + partial(s), and
+    # with early_scales per wgmma in flight a thread's 2 activation-scale rows and its weight
+    # scales (one per 32 columns of the chunk)
     arrays = re.findall(r"^\s*float (\w+)\[(\d+)\];", src, flags=re.M)
     per_chunk = 64 * cfg.chunk_n // 128
     count = cfg.n_split * (2 if cfg.k_split > 1 else 1) + cfg.depth
-    assert sorted(int(size) for _, size in arrays) == [per_chunk] * count
+    scales = [2, cfg.chunk_n // 32] * cfg.depth if cfg.early_scales else []
+    assert sorted(int(size) for _, size in arrays) == sorted([per_chunk] * count + scales)
+    if cfg.early_scales:  # the first step's scales are read before its wgmma is issued
+        head = loop[: loop.index("wgmma")]
+        assert "sa_tile)[" in head and "sb_tile)[" in head
     # the oldest of `depth` in-flight wgmmas is promoted under the others, the last depth-1
     # after the full wait
     steps = tg.SLICES * cfg.n_split
     if cfg.depth > 1:
         assert loop.count(f"wait_wgmma<{cfg.depth - 1}>") == steps - cfg.depth + 1
-    # no wgmma may still read a stage when it is handed back to the producer: the stage's
-    # release (mbarrier arrive) comes after a wait for all wgmma groups, with no issue between
-    first_arrive = loop.index(".arrive();")
+    # no wgmma may still read an operand stage when it is handed back to the producer: the
+    # release of A's and B's stage (an arrive on the barrier the producer waits on before that
+    # operand's TMA load) comes after a wait for all wgmma groups, with no issue between (the
+    # scale stages may go back earlier once their values are in registers: early_scales)
+    producer = src.split("warpgroup_reg_dealloc", 1)[1].split("warpgroup_reg_alloc", 1)[0]
+    empty = {}
+    for before, desc in zip(*[iter(re.split(r"tma_load\((\w+)_desc", producer))] * 2, strict=False):
+        empty[desc] = re.findall(r"mbarrier\[([^\]]+)\]\.wait", before)[-1].replace("kt", "kt_1")
     waits_all = [w.end() for w in re.finditer(r"(warpgroup_wait|wait_wgmma)<0>", loop)]
-    last_wait_all = max(w for w in waits_all if w < first_arrive)
-    assert "wgmma_ss<" not in loop[last_wait_all:first_arrive]
-    assert "wgmma_ss<" not in loop[first_arrive:]  # the stage's last wgmma came before it
+    for desc in ("A", "B"):
+        release = loop.index(f"mbarrier[{empty[desc]}].arrive();")
+        last_wait_all = max(w for w in waits_all if w < release)
+        assert "wgmma_ss<" not in loop[last_wait_all:release]
+        assert "wgmma_ss<" not in loop[release:]  # the stage's last wgmma came before it
     # every TMA destination is 128-B aligned in every stage: the buffer's base and the stage
     # stride (a 64-B weight-scale stage once gave "misaligned address" on the H200)
     bases = dict(
@@ -433,6 +448,7 @@ def _cuda_tools() -> tuple[str, str] | None:
         tg.TileConfig(block_n=192, depth=1),
         tg.TileConfig(block_n=256, n_split=2, depth=1),
         tg.TileConfig(row_swizzle=False),
+        tg.TileConfig(early_scales=True),
     ],
     ids=str,
 )

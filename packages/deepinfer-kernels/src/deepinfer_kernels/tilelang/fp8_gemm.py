@@ -108,6 +108,7 @@ class TileConfig:
     swizzle_panel: int = 8
     row_swizzle: bool = True
     k_split: int = 1
+    early_scales: bool = False
 
     def __post_init__(self) -> None:
         if self.block_m not in (64, 128):
@@ -450,6 +451,34 @@ def build_kernel(n: int, k: int, out_dtype: str = "bfloat16", cfg: TileConfig = 
             acc[i, j] += part[i, j] * (sa_at(sa_tile, i, s) * sb_tile[(h * cn + j) // 32, s])
 
     @T.macro
+    def load_scales(sa_reg, sb_reg, sa_tile, sb_tile, s, h):
+        """The scales step (s, h) will promote with, into registers (issued before the wait)."""
+        for i in T.Parallel(bm):
+            sa_reg[i] = sa_at(sa_tile, i, s)
+        for c in T.unroll(cn // SCALE_BLOCK):
+            sb_reg[c] = sb_tile[h * cn // SCALE_BLOCK + c, s]
+
+    @T.macro
+    def promote_from(acc, part, sa_reg, sb_reg):
+        """`promote` with the scales already in registers, one 32-column block at a time."""
+        for c in tuple(range(cn // SCALE_BLOCK)):
+            for i, j in T.Parallel(bm, SCALE_BLOCK):
+                col = c * SCALE_BLOCK + j
+                acc[i, col] += part[i, col] * (sa_reg[i] * sb_reg[c])
+
+    def regs(bufs, slot):
+        """Slot `slot` of the early-scale registers, or None without early_scales."""
+        return bufs[slot] if bufs else None
+
+    @T.macro
+    def promote_step(acc, part, sa_reg, sb_reg, sa_tile, sb_tile, s, h):
+        """Promote step (s, h): scales from registers (`early_scales`) or from shared memory."""
+        if cfg.early_scales:
+            promote_from(acc, part, sa_reg, sb_reg)
+        else:
+            promote(acc, part, sa_tile, sb_tile, s, h)
+
+    @T.macro
     def fold(total, acc, first):
         """End of a K chunk: total = acc (the first chunk) or total + acc, then acc = 0."""
         for i, j in T.Parallel(bm, cn):
@@ -473,6 +502,10 @@ def build_kernel(n: int, k: int, out_dtype: str = "bfloat16", cfg: TileConfig = 
             accs = tuple(T.alloc_fragment((bm, cn), "float32") for _ in range(cfg.n_split))
             parts = tuple(T.alloc_fragment((bm, cn), "float32") for _ in range(cfg.depth))
             chunked = cfg.k_split > 1
+            # with early_scales, each wgmma in flight has its slice's scales in registers
+            n_regs = cfg.depth if cfg.early_scales else 0
+            sa_regs = tuple(T.alloc_fragment((bm,), "float32") for _ in range(n_regs))
+            sb_regs = tuple(T.alloc_local((cn // SCALE_BLOCK,), "float32") for _ in range(n_regs))
             totals = tuple(
                 T.alloc_fragment((bm, cn), "float32") for _ in range(cfg.n_split if chunked else 0)
             )
@@ -496,24 +529,33 @@ def build_kernel(n: int, k: int, out_dtype: str = "bfloat16", cfg: TileConfig = 
                 d = cfg.depth
                 if d == 1:  # T.gemm issues the wgmma and waits for it
                     for s, h in steps:
+                        if cfg.early_scales:
+                            load_scales(sa_regs[0], sb_regs[0], sa_tile, sb_tile, s, h)
                         T.gemm(
                             a_tile[:, s * SCALE_BLOCK : (s + 1) * SCALE_BLOCK],
                             b_tile[h * cn : (h + 1) * cn, s * SCALE_BLOCK : (s + 1) * SCALE_BLOCK],
                             parts[0], transpose_B=True, clear_accum=True, policy=policy,
                         )  # fmt: skip
-                        promote(accs[h], parts[0], sa_tile, sb_tile, s, h)
+                        promote_step(
+                            accs[h], parts[0], regs(sa_regs, 0), regs(sb_regs, 0), sa_tile,
+                            sb_tile, s, h,
+                        )  # fmt: skip
                 else:
                     # issue step t into partial t % d; once d groups are in flight, wait until
                     # the oldest is done and promote it under the others
                     for t in tuple(range(len(steps))):
+                        if cfg.early_scales:
+                            load_scales(sa_regs[t % d], sb_regs[t % d], sa_tile, sb_tile, *steps[t])
                         issue(a_tile, b_tile, parts[t % d], *steps[t])
                         if t >= d - 1:
                             T.wait_wgmma(d - 1)
                             old = t - d + 1
                             T.warpgroup_fence_operand(parts[old % d], num_regs=frag_regs)
-                            promote(
-                                accs[steps[old][1]], parts[old % d], sa_tile, sb_tile, *steps[old]
-                            )
+                            slot = old % d
+                            promote_step(
+                                accs[steps[old][1]], parts[slot], regs(sa_regs, slot),
+                                regs(sb_regs, slot), sa_tile, sb_tile, *steps[old],
+                            )  # fmt: skip
                     T.wait_wgmma(0)
                     # TileLang hands a stage back to the producer right after the last statement
                     # that touches its buffers, and an issued wgmma still reads them: these two
@@ -522,7 +564,11 @@ def build_kernel(n: int, k: int, out_dtype: str = "bfloat16", cfg: TileConfig = 
                     T.evaluate(T.address_of(b_tile[0, 0]))
                     for old in tuple(range(len(steps) - d + 1, len(steps))):
                         T.warpgroup_fence_operand(parts[old % d], num_regs=frag_regs)
-                        promote(accs[steps[old][1]], parts[old % d], sa_tile, sb_tile, *steps[old])
+                        slot = old % d
+                        promote_step(
+                            accs[steps[old][1]], parts[slot], regs(sa_regs, slot),
+                            regs(sb_regs, slot), sa_tile, sb_tile, *steps[old],
+                        )  # fmt: skip
                 if chunked:  # noqa: SIM102 (a Python flag, then one TIR condition)
                     if (kt + 1) % chunk_tiles == 0:
                         for h in tuple(range(cfg.n_split)):
