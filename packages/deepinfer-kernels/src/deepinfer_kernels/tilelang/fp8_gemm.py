@@ -286,7 +286,9 @@ INVARIANT_PREFILL = False
 """Batch-invariant mode sends M > 64 here with `invariant_config`, instead of running the TileLang
 decode kernel at every M (~280 TFLOP/s at prefill sizes against ~590 here). Off until the GPU test
 `test_invariant_rows_match_the_decode_kernel` has shown the two kernels' rows bitwise equal on the
-H200: the split kernel is checked on CPU only (lowering; SASS: 168 registers, no spills)."""
+H200: the split kernel is checked on CPU only (lowering; SASS: 168 registers, no spills). (UE8M0
+weight-scale bytes 0 and 255, which quantisation never produces, decode differently in the two
+kernels: 2**-127 / NaN here through torch, 0 / inf from the byte in the decode kernel.)"""
 
 
 def invariant_config(n: int, k: int) -> TileConfig:
@@ -693,11 +695,13 @@ def fp8_linear(
     batch_invariant: bool = False,
     config: TileConfig | None = None,
 ) -> torch.Tensor:
-    """x [..., K] float -> [..., N] x.dtype: per-32 FP8 activation quantisation (`ops`), then
-    `fp8_gemm` on w [N, K] e4m3 / w_scale [ceil(N/32), K/32]."""
-    from .. import ops
+    """x [..., K] float -> [..., N] x.dtype: per-32 FP8 activation quantisation (the Triton
+    quantiser, as the triton tier's decode path uses, so both tiers see the same FP8 operands
+    whatever the registry's overrides), then `fp8_gemm` on w [N, K] e4m3 / w_scale
+    [ceil(N/32), K/32]."""
+    from ..triton.quant import act_quant_fp8
 
     x2 = x.reshape(-1, x.shape[-1])
-    xq, xs = ops.act_quant_fp8(x2)
+    xq, xs = act_quant_fp8(x2)
     y = fp8_gemm(xq, xs, w, w_scale, x.dtype, batch_invariant=batch_invariant, config=config)
     return y.reshape(*x.shape[:-1], w.shape[0])
