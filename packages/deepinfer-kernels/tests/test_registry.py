@@ -228,3 +228,18 @@ def test_batch_invariant_mode_keeps_overrides_and_restores():
     assert reg.batch_invariant is False
     reg.set_batch_invariant(True)
     assert reg.batch_invariant is True and reg.settings.overrides == {"op": "ref"}
+
+
+def test_report_shows_routing_of_tiers_that_can_run(monkeypatch):
+    """A tier that passes the device checks and splits its calls among kernels says how, on its
+    own line; one that cannot run here does not."""
+    from deepinfer_kernels.__main__ import report
+
+    routed = [i for op in REGISTRY.ops() for i in REGISTRY.implementations(op) if i.routing]
+    assert {(i.op, i.tier) for i in routed} >= {("fp8_gemm", "triton"), ("fp8_gemm", "tilelang")}
+    if not torch.cuda.is_available():  # only the cpu device is reported: no GPU tier can run
+        assert not any(line.startswith("      ") for line in report().splitlines())
+    monkeypatch.setattr(REGISTRY, "static_reason", lambda impl, dev, cap: None)
+    lines = report().splitlines()
+    for impl in routed:
+        assert f"      {impl.tier}: {impl.routing}" in lines

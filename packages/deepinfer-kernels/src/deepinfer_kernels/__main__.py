@@ -1,7 +1,8 @@
 """`python -m deepinfer_kernels`: which implementation each op resolves to here, and why.
 
 The device-level choice is shown; a tier with a per-call check (dtype, shape limits, an opt-in
-gate) says so, and a call it rejects goes to the next tier."""
+gate) says so, and a call it rejects goes to the next tier. Tiers that can run here and split
+their calls among several kernels say how (`Implementation.routing`), one line each."""
 
 from __future__ import annotations
 
@@ -21,15 +22,19 @@ def report() -> str:
         for op in REGISTRY.ops():
             chosen = None
             notes = []
+            routes = []
             for impl in REGISTRY.implementations(op):
                 why = REGISTRY.static_reason(impl, dev, cap)
                 if why is None and chosen is None:
                     chosen = impl.tier
+                if why is None and impl.routing:
+                    routes.append(f"      {impl.tier}: {impl.routing}")
                 if why is None and impl.supports is not None:
                     # argument-dependent: dtype/shape limits or an opt-in gate, decided per call
                     why = f"ok if {impl.supports.rpartition(':')[2]}(args) passes"
                 notes.append(f"{impl.tier}: {why or 'ok'}")
             lines.append(f"  {op:<24} -> {chosen or 'none':<9} [{'; '.join(notes)}]")
+            lines += routes
     return "\n".join(lines)
 
 

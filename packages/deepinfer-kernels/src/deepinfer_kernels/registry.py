@@ -27,6 +27,8 @@ class Implementation:
     `requires`: modules that must be importable (checked without importing them).
     `supports`: optional ``"module:function"`` taking the op's arguments and returning ``None`` when
     it can run them, else a short reason (dtype, shape limit, ...).
+    `routing`: how the tier shares its calls among its kernels (by M, mode, ...), for people
+    reading `python -m deepinfer_kernels`; empty when it has one kernel.
     """
 
     op: str
@@ -36,6 +38,7 @@ class Implementation:
     min_capability: tuple[int, int] | None = None
     requires: tuple[str, ...] = ()
     supports: str | None = None
+    routing: str = ""
 
     def __post_init__(self) -> None:
         if self.tier not in TIERS:

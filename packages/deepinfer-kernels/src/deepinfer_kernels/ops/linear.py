@@ -29,6 +29,10 @@ for _op in ("fp8_gemm", "fp8_linear"):
             min_capability=(9, 0),
             requires=("triton",),
             supports="deepinfer_kernels.ops._checks:cuda_input_reason",
+            routing=(
+                "M=1 CUDA-core GEMV (auto mode); M=2..64, and every M in batch-invariant mode, the "
+                "TileLang decode kernel where tilelang imports and K % 128 == 0; else Triton tiles"
+            ),
         )
     )
 
@@ -45,6 +49,7 @@ for _op, _check in (("fp8_gemm", "supports"), ("fp8_linear", "supports_linear"))
             min_capability=(9, 0),
             requires=("tilelang",),
             supports=f"deepinfer_kernels.tilelang.fp8_gemm:{_check}",
+            routing="M > 64 outside batch-invariant mode (in it too with INVARIANT_PREFILL)",
         )
     )
 

@@ -33,6 +33,11 @@ for _op in ("moe_gate", "moe_experts"):
             min_capability=(9, 0),
             requires=("triton",),
             supports=f"deepinfer_kernels.ops.moe:{_op}_gpu_supports",
+            routing=(
+                "decode-sized routing (pairs <= 8 x experts): 16-row tiles; prefill: 64-row tiles"
+                if _op == "moe_experts"
+                else ""
+            ),
         )
     )
 

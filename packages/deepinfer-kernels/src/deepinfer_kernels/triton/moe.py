@@ -211,7 +211,7 @@ NOTES.md, "MoE prefill, fourth session"."""
 
 
 def pick_config(pairs: int, experts: int, batch_invariant: bool) -> MoeConfig:
-    """Decode-sized routing (few rows per expert) takes 16-row tiles; prefill 128-row tiles.
+    """Decode-sized routing (few rows per expert) takes 16-row tiles; prefill 64-row tiles.
 
     In batch-invariant mode only wgmma configurations are used: their row results do not depend
     on the tile shape (measured, see triton/linear.py), and no configuration splits K.
