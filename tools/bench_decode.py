@@ -511,6 +511,31 @@ def decode4_rows(rows: list | None = None):
                     sets,
                     active * per_expert,
                 )
+            if t > 16:
+                continue
+            # candidates for few tokens (not yet measured): narrower column blocks, so the
+            # handful of expert tiles spreads over more programs (T=1: 6 tiles x 36 W1/W3 column
+            # blocks = 216 programs for 132 SMs); the K order is unchanged, so the same bits
+            want = tmoe.moe_experts(*sets[0], *experts, MOE_LIMIT)
+            for name, cfg in (
+                ("n1=32", dataclasses.replace(tmoe.DECODE, block_n1=32)),
+                ("n1=32 n2=32", dataclasses.replace(tmoe.DECODE, block_n1=32, block_n2=32)),
+            ):
+                try:
+                    got = tmoe.moe_experts(*sets[0], *experts, MOE_LIMIT, config=cfg)
+                except Exception as exc:  # reported; the other rows still run
+                    print(f"dec4 moe_experts[{name}] T={t} failed: {type(exc).__name__}: {exc}")
+                    continue
+                same = "" if torch.equal(got, want) else " BAD"
+                both(
+                    f"moe_experts[{name}]{same}",
+                    f"T={t}",
+                    lambda x, tw, ids, cfg=cfg: tmoe.moe_experts(
+                        x, tw, ids, *experts, MOE_LIMIT, config=cfg
+                    ),
+                    sets,
+                    active * per_expert,
+                )
 
     def prefill_invariant(n, k):
         """Batch-invariant mode above decode sizes: `fp8_gemm[inv]` (now the TileLang decode
