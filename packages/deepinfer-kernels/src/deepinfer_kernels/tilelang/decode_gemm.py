@@ -443,7 +443,8 @@ def decode_gemm(
     if cfg.fused_sum and split > 1 and m <= cfg.block_t:
         counters = arrival_counters(x_fp8.device, n_counters)
     if counters is None:  # no in-kernel sum: compile (and key) the kernel without it
-        cfg = dataclasses.replace(cfg, fused_sum=False)
+        if cfg.fused_sum:  # (a new frozen config per call costs host time: only when needed)
+            cfg = dataclasses.replace(cfg, fused_sum=False)
         unused = torch.empty(n_counters, dtype=torch.int32, device=x_fp8.device)
     out_name = OUT_DTYPES[out_dtype]
     if split == 1:
