@@ -11,36 +11,15 @@ once per process (a few seconds; TILELANG_CACHE_DIR may hold them compiled befor
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 
 import pytest
 import torch
 from deepinfer_kernels import quant
 from deepinfer_kernels.ref import linear as ref_linear
-from gpu_checks import poison, rel
+from gpu_checks import HOPPER_TILELANG, gemm_inputs, poison, rel
 
 DEV = "cuda"
-_hopper = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-pytestmark = [
-    pytest.mark.skipif(not _hopper, reason="needs a Hopper GPU (sm_90a wgmma)"),
-    pytest.mark.skipif(
-        importlib.util.find_spec("tilelang") is None, reason="tilelang is not importable"
-    ),
-]
-
-
-def _inputs(m: int, n: int, k: int, seed: int):
-    """Activations with per-row magnitudes; 32x32 weight blocks whose magnitudes differ by up to
-    2**+-6, so that a kernel reading the wrong weight or activation scale shows."""
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    x = torch.randn(m, k, device=DEV, generator=g) * torch.exp(
-        torch.randn(m, 1, device=DEV, generator=g)
-    )
-    spread = torch.randint(-6, 7, (-(-n // 32), k // 32), device=DEV, generator=g).float().exp2()
-    spread = spread.repeat_interleave(32, 0)[:n].repeat_interleave(32, 1)
-    w, ws = quant.quantize_fp8_blocks(torch.randn(n, k, device=DEV, generator=g) * 0.02 * spread)
-    xq, xs = quant.act_quant_fp8(x)
-    return xq, xs, w, ws
+pytestmark = HOPPER_TILELANG
 
 
 def _dg():
@@ -57,7 +36,7 @@ SHAPES = [(1, 5120, 8192), (13, 2112, 7168), (64, 512, 1280), (3, 200, 256), (77
 @pytest.mark.parametrize(("m", "n", "k"), SHAPES)
 def test_decode_tilelang_close_to_ref(m, n, k):
     dg = _dg()
-    xq, xs, w, ws = _inputs(m, n, k, seed=m + n + k)
+    xq, xs, w, ws = gemm_inputs(m, n, k, seed=m + n + k)
     want = ref_linear.fp8_gemm(xq, xs, w, ws, torch.float32)
     poison()
     got = dg.decode_gemm(xq, xs, w, ws, torch.float32)
@@ -99,7 +78,7 @@ def test_decode_tilelang_variants_close_to_ref(cfg_name):
         "fused_depth2_t64": dg.DecodeTileConfig(fused_sum=True, depth=2, block_t=64),
     }[cfg_name]
     m = {8: 8, 64: 61}.get(cfg.block_t, 16)
-    xq, xs, w, ws = _inputs(m, 5120, 8192, seed=11)
+    xq, xs, w, ws = gemm_inputs(m, 5120, 8192, seed=11)
     want = ref_linear.fp8_gemm(xq, xs, w, ws, torch.float32)
     poison()
     got = dg.decode_gemm(xq, xs, w, ws, torch.float32, cfg)
@@ -118,7 +97,7 @@ def test_decode_tilelang_fused_sum_graph_replay():
     capture), replayed twice on new inputs: bitwise the eager result each time."""
     dg = _dg()
     cfg = dg.DecodeTileConfig(fused_sum=True)
-    sets = [_inputs(2, 2112, 7168, seed=20 + i) for i in range(3)]
+    sets = [gemm_inputs(2, 2112, 7168, seed=20 + i) for i in range(3)]
     outs = [dg.decode_gemm(*st, torch.bfloat16, cfg) for st in sets]
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -126,7 +105,7 @@ def test_decode_tilelang_fused_sum_graph_replay():
         outs = [dg.decode_gemm(*st, torch.bfloat16, cfg) for st in sets]
     for seed in (30, 40):
         for i, st in enumerate(sets):
-            x2, s2, *_ = _inputs(2, 2112, 7168, seed=seed + i)
+            x2, s2, *_ = gemm_inputs(2, 2112, 7168, seed=seed + i)
             st[0].copy_(x2)
             st[1].copy_(s2)
         graph.replay()
@@ -140,7 +119,7 @@ def test_decode_tilelang_batch_invariant_bitwise(n, k):
     """A row's bits do not depend on M: slices of a 77-row call (token tiles of 64) equal the same
     rows computed alone at M=1 / 2 / 13 (tiles of 16) / 30 (tiles of 32) / 64."""
     dg = _dg()
-    xq, xs, w, ws = _inputs(77, n, k, seed=n + k)
+    xq, xs, w, ws = gemm_inputs(77, n, k, seed=n + k)
     full = dg.decode_gemm(xq, xs, w, ws, torch.bfloat16)
     for lo, hi in ((0, 1), (76, 77), (5, 7), (3, 16), (40, 70), (10, 74)):
         part = dg.decode_gemm(xq[lo:hi], xs[lo:hi], w, ws, torch.bfloat16)
@@ -152,13 +131,13 @@ def test_decode_tilelang_batch_invariant_bitwise(n, k):
 
 def test_decode_tilelang_graph_replay():
     dg = _dg()
-    xq, xs, w, ws = _inputs(4, 2112, 7168, seed=3)
+    xq, xs, w, ws = gemm_inputs(4, 2112, 7168, seed=3)
     out = dg.decode_gemm(xq, xs, w, ws, torch.bfloat16)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = dg.decode_gemm(xq, xs, w, ws, torch.bfloat16)
-    x2, s2, *_ = _inputs(4, 2112, 7168, seed=4)
+    x2, s2, *_ = gemm_inputs(4, 2112, 7168, seed=4)
     xq.copy_(x2)
     xs.copy_(s2)
     graph.replay()
@@ -175,7 +154,7 @@ def test_triton_linear_dispatches_to_tilelang_decode(monkeypatch):
 
     monkeypatch.setattr(tl_linear, "TILELANG_DECODE_M", (2, 64))
     monkeypatch.setattr(tl_linear, "TILELANG_INVARIANT", True)
-    xq, xs, w, ws = _inputs(300, 2112, 7168, seed=5)
+    xq, xs, w, ws = gemm_inputs(300, 2112, 7168, seed=5)
     cfg = dg.pick_tile_config(16, 2112, 7168)
     direct = dg.decode_gemm(xq[:16], xs[:16], w, ws, torch.bfloat16, cfg)
     got = tl_linear.fp8_gemm(xq[:16], xs[:16], w, ws, torch.bfloat16, config=cfg)

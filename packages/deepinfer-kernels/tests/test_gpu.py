@@ -12,7 +12,7 @@ from deepinfer_kernels import quant
 from deepinfer_kernels.ref import linear as ref_linear
 from deepinfer_kernels.ref import moe as ref_moe
 from deepinfer_kernels.ref import quant as ref_quant
-from gpu_checks import poison, rel
+from gpu_checks import gemm_inputs, poison, rel
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (triton tier)")
 pytestmark = cuda
@@ -77,20 +77,6 @@ def test_swiglu_act_quant_close_to_ref(limit):
 # -- FP8 GEMM ------------------------------------------------------------------------------------
 
 
-def _gemm_inputs(m, n, k, seed):
-    """Activations with per-row magnitudes; weight blocks (32x32) whose magnitudes differ by up
-    to 2**+-6, so that their UE8M0 scales differ (a kernel reading a wrong scale shows)."""
-    g = _gen(seed)
-    x = torch.randn(m, k, device=DEV, generator=g) * torch.exp(
-        torch.randn(m, 1, device=DEV, generator=g)
-    )
-    spread = torch.randint(-6, 7, (-(-n // 32), k // 32), device=DEV, generator=g).float().exp2()
-    spread = spread.repeat_interleave(32, 0)[:n].repeat_interleave(32, 1)
-    w, ws = quant.quantize_fp8_blocks(torch.randn(n, k, device=DEV, generator=g) * 0.02 * spread)
-    xq, xs = quant.act_quant_fp8(x)
-    return xq, xs, w, ws
-
-
 SHAPES = [
     (1, 40, 64),
     (7, 512, 160),
@@ -106,7 +92,7 @@ SHAPES = [
 def test_fp8_gemm_close_to_ref(m, n, k):
     from deepinfer_kernels.triton import linear as tl_linear
 
-    xq, xs, w, ws = _gemm_inputs(m, n, k, seed=m + n + k)
+    xq, xs, w, ws = gemm_inputs(m, n, k, seed=m + n + k)
     want = ref_linear.fp8_gemm(xq, xs, w, ws, torch.float32)
     poison()
     got = tl_linear.fp8_gemm(xq, xs, w, ws, torch.float32)
@@ -122,7 +108,7 @@ def test_fp8_gemm_variants(mode):
     from deepinfer_kernels.triton import linear as tl_linear
 
     m, n, k = 45, 384, 1280
-    xq, xs, w, ws = _gemm_inputs(m, n, k, seed=7)
+    xq, xs, w, ws = gemm_inputs(m, n, k, seed=7)
     want = ref_linear.fp8_gemm(xq, xs, w, ws, torch.float32)
     cfg = {
         "split4": tl_linear.GemmConfig(16, 64, 4, 4, 3, dequant_bf16=True),
@@ -153,7 +139,7 @@ def test_fp8_linear_op_dispatches_to_triton():
 def test_fp8_gemm_batch_invariant_bitwise(n, k):
     from deepinfer_kernels.triton import linear as tl_linear
 
-    xq, xs, w, ws = _gemm_inputs(301, n, k, seed=11)
+    xq, xs, w, ws = gemm_inputs(301, n, k, seed=11)
     full = tl_linear.fp8_gemm(xq, xs, w, ws, torch.bfloat16, batch_invariant=True)
     for lo, hi in ((0, 1), (17, 18), (300, 301), (5, 69), (100, 300)):
         part = tl_linear.fp8_gemm(xq[lo:hi], xs[lo:hi], w, ws, torch.bfloat16, batch_invariant=True)
@@ -453,7 +439,7 @@ def test_decode_gemm_close_to_ref(m, n, k, cfg_name):
         pytest.skip("split must divide K/32")
     if cfg is not None and cfg.cuda_core and m > gemv.GEMV_MAX_M:
         pytest.skip(f"the CUDA-core kernel takes M <= {gemv.GEMV_MAX_M}")
-    xq, xs, w, ws = _gemm_inputs(m, n, k, seed=m * 7 + n + k)
+    xq, xs, w, ws = gemm_inputs(m, n, k, seed=m * 7 + n + k)
     want = ref_linear.fp8_gemm(xq, xs, w, ws, torch.float32)
     poison()
     got = gemv.decode_gemm(xq, xs, w, ws, torch.float32, cfg)
@@ -474,7 +460,7 @@ def test_decode_gemm_batch_invariant_across_paths(n, k):
     from deepinfer_kernels.triton import gemv
     from deepinfer_kernels.triton import linear as tl_linear
 
-    xq, xs, w, ws = _gemm_inputs(301, n, k, seed=n + k)
+    xq, xs, w, ws = gemm_inputs(301, n, k, seed=n + k)
     full = tl_linear.fp8_gemm(xq, xs, w, ws, torch.bfloat16, batch_invariant=True)
     same_split = gemv.decode_split(n, k, False) == gemv.decode_split(n, k, True)
     tilelang = tl_linear.tilelang_decode_reason(xq, xs, w, ws) is None
@@ -496,13 +482,13 @@ def test_decode_gemm_batch_invariant_across_paths(n, k):
 def test_decode_gemm_graph_replay(m):
     from deepinfer_kernels.triton import linear as tl_linear
 
-    xq, xs, w, ws = _gemm_inputs(m, 2112, 7168, seed=3)
+    xq, xs, w, ws = gemm_inputs(m, 2112, 7168, seed=3)
     out = tl_linear.fp8_gemm(xq, xs, w, ws, torch.bfloat16)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = tl_linear.fp8_gemm(xq, xs, w, ws, torch.bfloat16)
-    x2, s2, *_ = _gemm_inputs(m, 2112, 7168, seed=4)
+    x2, s2, *_ = gemm_inputs(m, 2112, 7168, seed=4)
     xq.copy_(x2)
     xs.copy_(s2)
     graph.replay()

@@ -10,22 +10,14 @@ config), about 10-30 s each with nvcc, so the shapes below reuse a few weight sh
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 from deepinfer_kernels import REGISTRY, KernelSettings, ops, quant
 from deepinfer_kernels.ref import linear as ref_linear
-from gpu_checks import poison, rel
+from gpu_checks import HOPPER_TILELANG, poison, rel
 
 DEV = "cuda"
-_hopper = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-pytestmark = [
-    pytest.mark.skipif(not _hopper, reason="needs a Hopper GPU (sm_90a wgmma)"),
-    pytest.mark.skipif(
-        importlib.util.find_spec("tilelang") is None, reason="tilelang is not importable"
-    ),
-]
+pytestmark = HOPPER_TILELANG
 
 
 def _inputs(m: int, n: int, k: int, seed: int):
