@@ -34,6 +34,22 @@ from bench_decode import decode3_rows, decode4_rows, decode_rows, print_decode4_
 from bench_moe import moe_rows
 
 
+def torch_baselines(sets) -> tuple[float, float]:
+    """The torch baselines of an FP8 GEMM over rotating (x, xq, xs, w, ws) sets, ms: dequantise
+    the weight to bf16 + bf16 matmul (`torch`), and the matmul alone on weights dequantised
+    beforehand (`mm_only`)."""
+    from deepinfer_kernels import quant
+
+    def dequant_matmul(x, xq, xs, w, ws):
+        return x @ quant.dequantize_fp8_blocks(w, ws, torch.bfloat16).t()
+
+    w_bf16 = [quant.dequantize_fp8_blocks(s[3], s[4], torch.bfloat16) for s in sets]
+    t_torch = bench_ms(Rotating(dequant_matmul, sets))
+    pairs = [(s[0], wd) for s, wd in zip(sets, w_bf16, strict=True)]
+    t_mm = bench_ms(Rotating(lambda x, wd: x @ wd.t(), pairs))
+    return t_torch, t_mm
+
+
 def gemm_rows(shapes, quick):
     from deepinfer_kernels import quant
     from deepinfer_kernels.triton import linear as tl_linear
@@ -50,18 +66,7 @@ def gemm_rows(shapes, quick):
         flops = 2.0 * m * n * k
         nbytes = n * k + (n // 32 + 1) * (k // 32) + m * k + m * k // 8 + 2 * m * n
 
-        def torch_base(x, xq, xs, w, ws):
-            wd = quant.dequantize_fp8_blocks(w, ws, torch.bfloat16)
-            return x @ wd.t()
-
-        w_bf16 = [quant.dequantize_fp8_blocks(s[3], s[4], torch.bfloat16) for s in sets]
-        t_torch = bench_ms(Rotating(torch_base, sets))
-        t_mm = bench_ms(
-            Rotating(
-                lambda x, wd: x @ wd.t(), [(s[0], wd) for s, wd in zip(sets, w_bf16, strict=True)]
-            )
-        )
-        del w_bf16
+        t_torch, t_mm = torch_baselines(sets)
         if m > 256:
             from deepinfer_kernels.triton.quant import act_fake_quant_bf16
 
@@ -163,17 +168,7 @@ def tilelang_rows(quick):
         nbytes = n * k + (n // 32 + 1) * (k // 32) + m * k + m * k // 8 + 2 * m * n
         shape = f"{m}x{n}x{k}"
 
-        def torch_base(x, xq, xs, w, ws):
-            return x @ quant.dequantize_fp8_blocks(w, ws, torch.bfloat16).t()
-
-        w_bf16 = [quant.dequantize_fp8_blocks(s[3], s[4], torch.bfloat16) for s in sets]
-        t_torch = bench_ms(Rotating(torch_base, sets))
-        t_mm = bench_ms(
-            Rotating(
-                lambda x, wd: x @ wd.t(), [(s[0], wd) for s, wd in zip(sets, w_bf16, strict=True)]
-            )
-        )
-        del w_bf16
+        t_torch, t_mm = torch_baselines(sets)
         base = dict(shape=shape, flops=flops, bytes=nbytes, torch_ms=t_torch, mm_only_ms=t_mm)
         ms = bench_ms(
             Rotating(
