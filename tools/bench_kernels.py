@@ -11,10 +11,8 @@ here), and the speed-up over a torch baseline timed in the same run:
 Decode shapes rotate among several weight sets / routings so the L2 cache does not serve them.
 
 Usage (on the GPU machine): python tools/bench_kernels.py [--quick] [--json PATH] [--only PARTS]
-`--only decode3` the third pass's decode rows (graph replays, floor probes; NOTES.md);
-`--only decode` measures just the decode rows (dense FP8 GEMM at M <= 256 and the MoE layer at
-T <= 256, eager and CUDA-graph replays, auto and batch-invariant, plus decode-kernel candidates,
-each checked against the reference before it is timed); `--only sweep` / `--only probe` the
+`--only decode4` the decode rows (single-call and 16-call chained CUDA graphs; bench_decode.py);
+`--only sweep` / `--only probe` the
 first pass's tile sweep and batch-invariance probe; `--only tilelang` the TileLang FP8 GEMM
 (`fp8_gemm[tilelang]` and tile variants, a trailing `!` marks a variant that failed its check).
 Sections live beside it: `bench_moe.py` (the MoE layer), `bench_decode.py` (decode rows),
@@ -30,7 +28,7 @@ import sys
 
 import torch
 from bench_common import FP8_CEILING_TFLOPS, Rotating, bench_graphs, bench_ms, measure_copy_gbs
-from bench_decode import decode3_rows, decode4_rows, decode_rows, print_decode4_table
+from bench_decode import decode4_rows, print_decode4_table
 from bench_moe import moe_rows
 
 
@@ -411,8 +409,7 @@ def main() -> None:
     ap.add_argument(
         "--only",
         default="gemm,moe,quant",
-        help="comma list of gemm, moe, quant, decode (decode GEMM/MoE rows + candidates), "
-        "decode3 (third-pass decode candidates, graph replays), decode4 (single-call and "
+        help="comma list of gemm, moe, quant, decode4 (single-call and "
         "16-call chained graphs, TileLang decode candidates), sweep, "
         "probe, tilelang (the TileLang FP8 GEMM at prefill shapes)",
     )
@@ -444,10 +441,6 @@ def main() -> None:
         rows += gemm_rows(shapes, args.quick)
     if "moe" in parts:
         rows += moe_rows([1, 16, 64, 256, 8192], args.quick)
-    if "decode" in parts:
-        rows += decode_rows(args.quick)
-    if "decode3" in parts:
-        rows += decode3_rows()
     if "decode4" in parts:  # its own table (single-call and chained graphs side by side)
         print_decode4_table(decode4_rows(), copy_gbs)
     if "tilelang" in parts:
