@@ -361,6 +361,177 @@ def decode_graph_rows(t: int) -> list[dict]:
     ]
 
 
+# ---------------------------------------------------------------------------------------------
+# Decode candidates (fifth session): the MoE layer at T <= 256 in the engine's harness (one CUDA
+# graph of 8 calls on 8 routings, time / 8, as bench_decode's decode4 MoE rows), each candidate
+# checked against the default's output first, and the device time of each kernel node.
+# ---------------------------------------------------------------------------------------------
+
+HEAD_MOE = "build/moe5-head/moe_head.py"
+"""Optional (git-ignored, carried to the GPU by hand): moe.py as committed before this session's
+change, so the old default runs in the same process as the new one (`head DECODE` rows)."""
+
+
+def decode_candidates() -> dict:
+    """name -> MoeConfig for decode (T <= 256): `DECODE` variants, each the same K order and
+    the same bf16 operand values as `DECODE` (so the same or nearly the same bits)."""
+    import dataclasses
+
+    from deepinfer_kernels.triton import moe as tmoe
+
+    r = dataclasses.replace
+    d = tmoe.DECODE
+    return {
+        "m3": r(d, fp4_mode=3),  # fewer expansion instructions, scale multiply in the PTX
+        "pf": r(d, prefetch_scales=True),  # next step's scale bytes loaded a step ahead
+        "m3 pf": r(d, fp4_mode=3, prefetch_scales=True),
+        "m3 w8": r(d, fp4_mode=3, warps1=8, warps2=8),  # twice the warps per program (T=1)
+        "m3 st3": r(d, fp4_mode=3, stages=3),
+        "m3 st5": r(d, fp4_mode=3, stages=5),
+    }
+
+
+def _load_head_moe():
+    """moe.py as committed before this session (HEAD_MOE), as a module of the same package (its
+    relative imports resolve), or None when the file is absent."""
+    import importlib.util
+    import os
+    import sys
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", HEAD_MOE)
+    if not os.path.exists(path):
+        return None
+    spec = importlib.util.spec_from_file_location("deepinfer_kernels.triton._moe_head", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _node_split_us(fn, calls: int = 5) -> dict:
+    """Device time (us per call) of each kernel one call launches, by name (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    out = {}
+    for ev in prof.key_averages():
+        us = getattr(ev, "device_time_total", None)
+        if us is None:
+            us = ev.cuda_time_total
+        if us > 0:
+            out[ev.key[:40]] = us / calls
+    return out
+
+
+def precompile_decode(names, jobs: int = 8) -> None:
+    """Compile the named decode candidates in parallel processes (Triton's disk cache)."""
+    import subprocess
+    import sys
+    import time
+
+    procs = []
+    for name in names:
+        procs.append(subprocess.Popen([sys.executable, __file__, "--compile-decode", name]))
+        while len([p for p in procs if p.poll() is None]) >= jobs:
+            time.sleep(0.2)
+    for p in procs:
+        p.wait()
+
+
+def _compile_decode_one(name: str) -> None:
+    from deepinfer_kernels.triton import moe as tmoe
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    e = 8
+
+    def fp4(n, kk):
+        packed = torch.randint(-128, 128, (e, n, kk // 2), device="cuda", generator=g)
+        scale = torch.randint(118, 123, (e, n, kk // 32), device="cuda", generator=g)
+        return packed.to(torch.int8), scale.to(torch.uint8).view(torch.float8_e8m0fnu)
+
+    ws = (*fp4(MOE_I, MOE_D), *fp4(MOE_I, MOE_D), *fp4(MOE_D, MOE_I))
+    x = torch.randn(4, MOE_D, device="cuda", generator=g).bfloat16()
+    ids = torch.rand(4, e, device="cuda", generator=g).topk(MOE_K, dim=-1).indices
+    tw = torch.rand(4, MOE_K, device="cuda", generator=g)
+    cfg = decode_candidates()[name]
+    tmoe.moe_experts(x, tw, ids, *ws, MOE_LIMIT, config=cfg)
+    torch.cuda.synchronize()
+
+
+def decode_candidate_rows(ts, names, split_ts=(1, 16), split_names=("m3",)) -> list[dict]:
+    """The MoE layer at each T: `head DECODE` (the committed default before this session, if
+    HEAD_MOE is present), `auto` / `inv` (`moe_experts`' defaults now), the named candidates;
+    each timed in the chained harness (`chain_graph_ms`, 8 routings, us per call); candidates
+    checked against `auto` on the first routing first (`same` = bitwise; else the relative
+    difference; over 1e-3 marks the row ` BAD`). Kernel split (device us per node) at split_ts
+    for `auto` and split_names."""
+    from bench_common import chain_graph_ms
+    from deepinfer_kernels.triton import moe as tmoe
+
+    head = _load_head_moe()
+    cands = decode_candidates()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    experts, per_expert = moe_layer_weights(g)
+    rows = []
+    for t in ts:
+        sets = moe_routed_inputs(t, 8, g)
+        active = sum(int(torch.unique(st[2]).numel()) for st in sets) / len(sets)
+        nbytes = active * per_expert
+        fns = {}
+        if head is not None:
+            fns["head DECODE"] = lambda x, tw, ids: head.moe_experts(
+                x, tw, ids, *experts, MOE_LIMIT, config=head.DECODE
+            )
+        fns["auto"] = lambda x, tw, ids: tmoe.moe_experts(x, tw, ids, *experts, MOE_LIMIT)
+        fns["inv"] = lambda x, tw, ids: tmoe.moe_experts(
+            x, tw, ids, *experts, MOE_LIMIT, batch_invariant=True
+        )
+        for name in names:
+            fns[name] = lambda x, tw, ids, cfg=cands[name]: tmoe.moe_experts(
+                x, tw, ids, *experts, MOE_LIMIT, config=cfg
+            )
+        want = fns["auto"](*sets[0]).double()
+        for name, fn in fns.items():
+            try:
+                got = fn(*sets[0]).double()
+                diff = ((got - want).norm() / want.norm()).item()
+                check = "same" if torch.equal(got, want) else f"{diff:.1e}"
+                bad = name != "inv" and diff > 1e-3
+                us = chain_graph_ms(fn, sets) * 1e3
+            except Exception as exc:  # reported; the other rows still run
+                print(f"moe5 {name} T={t} failed: {type(exc).__name__}: {str(exc)[:300]}")
+                continue
+            row = dict(name=name + (" BAD" if bad else ""), t=t, us=us, bytes=nbytes, check=check)
+            print(f"moe5 {row['name']:<16} T={t:<4} {us:9.1f} us  {check}", flush=True)
+            rows.append(row)
+            if t in split_ts and name in ("auto", "head DECODE", *split_names):
+                split = _node_split_us(lambda fn=fn, a=sets[0]: fn(*a))
+                cells = "  ".join(f"{k} {v:.1f}" for k, v in sorted(split.items()))
+                print(f"split {name} T={t} (us per node, eager): {cells}", flush=True)
+                row["split"] = split
+    return rows
+
+
+def print_decode_table(rows, copy_gbs: float) -> None:
+    """One line per (candidate, T): us per call in the chained harness, % of the copy ceiling on
+    the expert bytes read, ratio to the head (or auto) row of the same T, check."""
+    print(f"\nMoE decode (chained graph, 8 routings; copy ceiling {copy_gbs:.0f} GB/s)")
+    print(f"{'candidate':<18}{'T':>5}{'us':>9}{'%bw':>7}{'/base':>7}  check")
+    base = {}
+    for r in rows:
+        if r["name"] in ("head DECODE", "auto") and r["t"] not in base:
+            base[r["t"]] = r["us"]
+    for r in rows:
+        pct = 100 * r["bytes"] / (r["us"] * 1e-6) / 1e9 / copy_gbs
+        ratio = r["us"] / base[r["t"]] if r["t"] in base else float("nan")
+        print(f"{r['name']:<18}{r['t']:>5}{r['us']:>9.1f}{pct:>7.1f}{ratio:>7.3f}  {r['check']}")
+
+
 def main() -> None:
     import argparse
     import json
@@ -374,9 +545,21 @@ def main() -> None:
     ap.add_argument("--round", type=int, default=2, help="candidate round (1 or 2)")
     ap.add_argument("--sweep", nargs="*", type=int, default=[], help="more T for SWEEP configs")
     ap.add_argument("--decode", nargs="*", type=int, default=[], help="T for decode graph rows")
+    ap.add_argument("--compile-decode", help="(internal) compile one decode candidate")
+    ap.add_argument(
+        "--decode-candidates", nargs="*", help="decode candidates to time (names or 'all')"
+    )
+    ap.add_argument("--decode-t", nargs="*", type=int, default=[1, 16, 64, 256])
+    ap.add_argument("--prefill-row", action="store_true", help="PREFILL at T=8192, eager")
     args = ap.parse_args()
     if args.compile_one:
         _compile_one(args.compile_one)
+        return
+    if args.compile_decode:
+        _compile_decode_one(args.compile_decode)
+        return
+    if args.decode_candidates is not None:
+        decode_main(args)
         return
     if args.prefill_variants:
         names = args.only or ROUNDS[args.round]
@@ -396,6 +579,65 @@ def main() -> None:
                 f"{r['variant']:32s} {r['t']:6d} {r['ms']:8.3f} {r['tflops']:7.1f} {r['w13']:7.3f}"
                 f" {r['w2']:7.3f} {r['other']:6.3f} {r['rel_ref']:.1e} {r['rel_old']:.1e}"
             )
+
+
+def decode_main(args) -> None:
+    """`--decode-candidates [names|all] [--decode-t ...] [--prefill-row]`: the decode table (and
+    the T=8192 PREFILL row: head and now), JSON under $OUT; the table prints last, also when a
+    `timeout` cuts the run short (SIGTERM)."""
+    import json
+    import os
+    import signal
+    import sys
+
+    from bench_common import measure_copy_gbs
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("bench_moe: SIGTERM"))
+    names = list(decode_candidates()) if args.decode_candidates in ([], ["all"]) else None
+    names = names or args.decode_candidates
+    precompile_decode(names)
+    copy_gbs = measure_copy_gbs()
+    rows, pre = [], []
+    try:
+        if args.prefill_row:
+            pre = prefill_head_rows()
+        rows += decode_candidate_rows(args.decode_t, names)
+    finally:
+        out = os.environ.get("OUT")
+        if out:
+            with open(os.path.join(out, "moe_decode_candidates.json"), "w") as f:
+                json.dump(dict(copy_gbs=copy_gbs, rows=rows, prefill=pre), f, indent=1)
+        for r in pre:
+            print(f"prefill {r['name']:<12} T=8192 {r['ms']:8.3f} ms {r['tflops']:6.1f} TFLOP/s")
+        print_decode_table(rows, copy_gbs)
+
+
+def prefill_head_rows() -> list[dict]:
+    """PREFILL at T=8192 (eager, one routed batch): the committed module before this session
+    (HEAD_MOE, if present) and now, same run; the outputs compared bitwise."""
+    from deepinfer_kernels.triton import moe as tmoe
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    experts, _ = moe_layer_weights(g)
+    x, tw, ids = moe_routed_inputs(8192, 1, g)[0]
+    flops = 6.0 * 8192 * MOE_K * MOE_D * MOE_I
+    mods = {"now": tmoe}
+    head = _load_head_moe()
+    if head is not None:
+        mods = {"head": head, "now": tmoe}
+    outs, rows = {}, []
+    for name, mod in mods.items():
+
+        def fn(mod=mod):
+            return mod.moe_experts(x, tw, ids, *experts, MOE_LIMIT, config=mod.PREFILL)
+
+        outs[name] = fn()
+        ms = bench_ms(fn)
+        rows.append(dict(name=name, ms=ms, tflops=flops / ms / 1e9))
+        print(f"prefill {name} T=8192: {ms:.3f} ms", flush=True)
+    if len(outs) == 2:
+        print(f"prefill head vs now bitwise equal: {torch.equal(outs['head'], outs['now'])}")
+    return rows
 
 
 if __name__ == "__main__":

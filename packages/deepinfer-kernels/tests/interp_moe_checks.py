@@ -51,6 +51,9 @@ CONFIGS = {
     "PREFILL": tmoe.PREFILL,
     # the decode tile with narrower column blocks (bench_decode's few-token candidates)
     "decode n32": M(16, 32, 32, 4, 4, 4, block_k=128, fp4_mode=2),
+    # FP4 mode 3 (on CPU the words path of mode 2: the host plumbing and the shared weight step)
+    "decode m3": M(16, 64, 64, 4, 4, 4, block_k=128, fp4_mode=3),
+    "decode m3 prefetch": M(16, 64, 32, 4, 4, 4, block_k=128, fp4_mode=3, prefetch_scales=True),
 }
 
 

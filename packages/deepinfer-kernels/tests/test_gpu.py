@@ -239,6 +239,8 @@ MOE_SHAPES = [
         "mma_words",
         "wg_bytes",
         "mma_words_n32",
+        "mma_m3",
+        "mma_m3_pf",
         "prefill_cols_pf",
         "prefill_words_k2",
         "prefill_m64",
@@ -257,6 +259,10 @@ def test_moe_experts_close_to_ref(t, d, i, e, k, cfg_name):
         "mma_words": dataclasses.replace(tmoe.DECODE, scale_words=True),
         "wg_bytes": dataclasses.replace(tmoe.DECODE_WGMMA, scale_words=False),
         "mma_words_n32": tmoe.MoeConfig(16, 32, 32, 4, 4, 4, False, 128, 2, scale_words=True),
+        # FP4 mode 3 (fewer expansion instructions, scale multiply inside the PTX), with and
+        # without the scales loaded a step ahead
+        "mma_m3": dataclasses.replace(tmoe.DECODE, fp4_mode=3),
+        "mma_m3_pf": dataclasses.replace(tmoe.DECODE, fp4_mode=3, prefetch_scales=True),
         # prefill options: 1-D column-fast grid, scale prefetch, a W2 K step of its own
         "prefill_cols_pf": tmoe.MoeConfig(
             128, 64, 128, 8, 8, 3, block_k=64, fp4_mode=2, cols_fast=True, prefetch_scales=True
@@ -290,7 +296,7 @@ def test_moe_experts_close_to_ref(t, d, i, e, k, cfg_name):
 
 
 def test_fp4_expansion_modes_bitwise():
-    """The three FP4 expansions give the same bf16 values, in the wgmma configuration whose rows
+    """The four FP4 expansions give the same bf16 values, in the wgmma configuration whose rows
     are bitwise tile-independent: same outputs bit for bit, at real dims."""
     from deepinfer_kernels.triton import moe as tmoe
 
@@ -299,7 +305,7 @@ def test_fp4_expansion_modes_bitwise():
         tmoe.moe_experts(
             *args, 10.0, config=tmoe.MoeConfig(16, 64, 64, 4, 4, 4, True, 128, fp4_mode=mode)
         )
-        for mode in (0, 1, 2)
+        for mode in (0, 1, 2, 3)
     ]
     words = tmoe.MoeConfig(16, 64, 64, 4, 4, 4, True, 128, fp4_mode=2, scale_words=True)
     outs.append(tmoe.moe_experts(*args, 10.0, config=words))
