@@ -15,14 +15,43 @@ CHAIN_L = 16
 """Calls per captured graph in the chained harness: L distinct weight sets (> L2 in total)."""
 
 
-def decode4_rows(rows: list | None = None):
-    """Fourth-pass decode rows. Every row twice: `1` = a graph of one call per weight set, replays
-    rotating (the third pass's harness, `decode3`); `L16` = one graph of 16 consecutive calls on
-    16 distinct weight sets (672 MB for 5120x8192, > L2), replay time / 16 (the engine's: one graph
-    per decode step over all layers). Dense FP8 GEMM 5120x8192 at M = 1 / 2 / 16 / 64 (auto and
-    batch-invariant defaults, and the TileLang swap-AB decode kernel `tl ...`, each candidate
-    checked against the fp32 reference first; ` BAD` marks a miss), M=1 at 2112x7168 and
-    32768x1280, floor probes (a tiny kernel; a bare streaming read of 42 MB), the MoE layer at
+PARTS = ("dense", "probes", "shapes", "prefill", "moe")
+"""`decode4_rows`' sections, in the order they run: dense 5120x8192 at M = 64 / 32 / 16 / 1 with
+the TileLang candidates; floor probes; 2112x7168 and 32768x1280 at M = 64 / 16 / 1 with the
+candidates; batch-invariant mode at prefill sizes (eager); the MoE layer."""
+
+
+def _tile_configs():
+    """(fourth session, fifth candidates): the fourth session's defaults per token tile (the
+    reference every candidate must equal bitwise) and this session's candidates (the schedule
+    only: CTAs per SM, ring depth, wgmmas in flight, setmaxnreg; split_k set per shape)."""
+    from deepinfer_kernels.tilelang.decode_gemm import DecodeTileConfig as T
+
+    fourth = {16: T(block_t=16), 32: T(block_t=32), 64: T(block_t=64, depth=2)}
+    fifth = {  # name: t<tokens> d<depth> st<stages> mb<CTAs per SM asked> r<consumer regs>
+        "t64 d1 st4 mb3": T(64, 64, 0, 4, 3),
+        "t64 d2 st4 mb3 r136": T(64, 64, 0, 4, 3, depth=2, consumer_regs=136),
+        "t64 d1 st4 mb3 r136": T(64, 64, 0, 4, 3, consumer_regs=136),
+        "t64 d1 st3 mb4 r104": T(64, 64, 0, 3, 4, consumer_regs=104),
+        "t32 d1 st5 mb3": T(64, 32, 0, 5, 3),
+        "t32 d2 st5 mb3": T(64, 32, 0, 5, 3, depth=2),
+        "t32 d1 st4 mb4": T(64, 32, 0, 4, 4),
+        "t16 d1 st4 mb4": T(64, 16, 0, 4, 4),
+    }
+    return fourth, fifth
+
+
+def decode4_rows(rows: list | None = None, parts: tuple[str, ...] = PARTS):
+    """Decode rows (fourth pass, candidates of the fifth), the sections named in `parts`. Every
+    row twice: `1` = a graph of one call per weight set, replays rotating (the third pass's
+    harness); `L16` = one graph of 16 consecutive calls on 16 distinct weight sets (672 MB for
+    5120x8192, > L2), replay time / 16 (the engine's: one graph per decode step over all layers).
+    Dense FP8 GEMM 5120x8192 at M = 64 / 32 / 16 / 1: auto and batch-invariant defaults, and the
+    TileLang swap-AB decode kernel: `tl fourth` (the fourth session's schedule for the M's token
+    tile), `tl default` (today's, if it differs) and the candidates `t<tokens> ...` of that tile,
+    each checked bitwise against `tl fourth` before it is timed (` BAD` marks a difference; the
+    relative error to the ref tier is printed); the same at M = 64 / 16 / 1 for 2112x7168 and
+    32768x1280; floor probes (a tiny kernel; a bare streaming read of 42 MB); the MoE layer at
     T = 1 / 16 / 64 / 256 through `moe_experts` (auto / invariant; the chain is 8 calls on one
     layer's weights with 8 distinct routings: each call reads 6-384 distinct experts, 113 MB to
     7 GB, so L2 does not serve them either). Rows print as measured and are appended to `rows`
@@ -34,6 +63,7 @@ def decode4_rows(rows: list | None = None):
     from deepinfer_kernels.triton import linear as tl_linear
     from deepinfer_kernels.triton import moe as tmoe
 
+    fourth_session, fifth_candidates = _tile_configs()
     rows = [] if rows is None else rows
 
     def row(op, harness, shape, ms, nbytes):
@@ -48,32 +78,25 @@ def decode4_rows(rows: list | None = None):
         except Exception as exc:  # reported; the other rows still run
             print(f"dec4 {op} {shape} failed: {type(exc).__name__}: {str(exc)[:400]}")
 
-    T = tld.DecodeTileConfig
-    tl_cands = {  # name: (config or None for pick_tile_config, the M it runs at); call 1 of the
-        # fourth pass measured 32-B-row boxes (row_swizzle off), one CTA per SM, 4 stages at
-        # 4 CTAs/SM, 8 chunks and 128-row weight tiles: none faster than the default
-        "tl default": (None, (1, 2, 16, 64)),
-        "tl fused": (T(fused_sum=True), (1, 2, 16, 64)),
-        "tl d2": (T(depth=2), (1, 16, 64)),
-        "tl fused d2": (T(fused_sum=True, depth=2), (1, 16, 64)),
-        "tl fused st4 mb4": (T(fused_sum=True, num_stages=4, min_blocks=4), (1, 16)),
-    }
     weights = {}
 
-    def dense(n, k, ms_list, cands=True):
+    def dense(n, k, ms_list):
         weights.clear()
         weights[(n, k)] = [
             quant.quantize_fp8_blocks(torch.randn(n, k, device="cuda") * 0.02)
             for _ in range(CHAIN_L)
         ]
         nbytes = n * k + (n // 32 + 1) * (k // 32)
+        split = tld.decode_tile_split(n, k)
+        # split > 1: the kernel stores fp32 partials whatever the output dtype, so the check runs
+        # the timed kernel itself in fp32; split 1 stores the output dtype directly
+        check_dtype = torch.float32 if split > 1 else torch.bfloat16
         for m in ms_list:
             sets = []
             for w, ws in weights[(n, k)]:
                 xq, xs = quant.act_quant_fp8(torch.randn(m, k, device="cuda").bfloat16())
                 sets.append((xq, xs, w, ws))
             shape = f"{m}x{n}x{k}"
-            want = ref_linear.fp8_gemm(*sets[0], torch.float32).double()
             for inv in (False, True):
                 both(
                     f"fp8_gemm[{'inv' if inv else 'auto'}]",
@@ -84,22 +107,31 @@ def decode4_rows(rows: list | None = None):
                     sets,
                     nbytes,
                 )
-            for name, (cfg, ms_for) in tl_cands.items():
-                if m not in ms_for or (not cands and name not in ("tl default", "tl fused")):
-                    continue
-                if cfg is None:
-                    cfg = tld.pick_tile_config(m, n, k)
-                else:  # the candidate's schedule with the default's tile for this M
-                    cfg = dataclasses.replace(cfg, block_t=tld.pick_tile_config(m, n, k).block_t)
+            want = ref_linear.fp8_gemm(*sets[0], torch.float32).double()
+            bt = tld.pick_tile_config(m, n, k).block_t
+            base_cfg = dataclasses.replace(fourth_session[bt], split_k=split)
+            base = tld.decode_gemm(*sets[0], check_dtype, base_cfg)
+            cands = {"tl fourth": base_cfg}
+            now = tld.pick_tile_config(m, n, k)
+            if now != base_cfg:
+                cands["tl default"] = now
+            for name, cfg in fifth_candidates.items():
+                if cfg.block_t == bt and dataclasses.replace(cfg, split_k=split) not in (
+                    base_cfg,
+                    now,
+                ):
+                    cands[name] = dataclasses.replace(cfg, split_k=split)
+            for name, cfg in cands.items():
                 try:
-                    got = tld.decode_gemm(*sets[0], torch.float32, cfg).double()
-                    err = ((got - want).norm() / want.norm()).item()
+                    got = tld.decode_gemm(*sets[0], check_dtype, cfg)
                 except Exception as exc:
                     print(f"dec4 {name} failed: {type(exc).__name__}: {str(exc)[:400]}")
                     continue
-                print(f"dec4 {name} {shape} rel err {err:.2e}")
+                err = ((got.double() - want).norm() / want.norm()).item()
+                same = torch.equal(got, base)
+                print(f"dec4 {name} {shape} rel err {err:.2e} bitwise {same}")
                 both(
-                    f"{name}{'' if err < 1e-4 else ' BAD'}",
+                    f"{name}{'' if same else ' BAD'}",
                     shape,
                     lambda xq, xs, w, ws, cfg=cfg: tld.decode_gemm(
                         xq, xs, w, ws, torch.bfloat16, cfg
@@ -221,12 +253,17 @@ def decode4_rows(rows: list | None = None):
                     print(f"dec4 {name} {m}x{n}x{k} failed: {type(exc).__name__}: {exc}")
 
     # most telling first, so that a run cut off by its time limit still has them
-    dense(5120, 8192, (16, 1, 64, 2))
-    probes()
-    dense(2112, 7168, (1, 16), cands=False)
-    dense(32768, 1280, (1, 16), cands=False)
-    prefill_invariant(5120, 8192)
-    moe()
+    if "dense" in parts:
+        dense(5120, 8192, (64, 32, 16, 1))
+    if "probes" in parts:
+        probes()
+    if "shapes" in parts:
+        dense(2112, 7168, (64, 16, 1))
+        dense(32768, 1280, (64, 16, 1))
+    if "prefill" in parts:
+        prefill_invariant(5120, 8192)
+    if "moe" in parts:
+        moe()
     return rows
 
 
@@ -257,8 +294,8 @@ def print_decode4_table(rows, copy_gbs: float) -> None:
 
 
 def main() -> None:
-    """`python tools/bench_decode.py` (on the GPU machine): the decode4 rows and their table,
-    JSON under $OUT (timing helpers from bench_common)."""
+    """`python tools/bench_decode.py [PART ...]` (on the GPU machine; parts from PARTS, default
+    all): the decode4 rows and their table, JSON under $OUT (timing helpers from bench_common)."""
     import json
     import os
     import signal
@@ -270,9 +307,13 @@ def main() -> None:
         sys.exit("bench_decode: needs a CUDA GPU")
     copy_gbs = measure_copy_gbs()
     print(f"copy ceiling {copy_gbs:.0f} GB/s", flush=True)
+    parts = tuple(sys.argv[1:]) or PARTS
+    bad = [p for p in parts if p not in PARTS]
+    if bad:
+        sys.exit(f"bench_decode: unknown part(s) {bad}; choose from {list(PARTS)}")
     rows = []
     try:
-        decode4_rows(rows)
+        decode4_rows(rows, parts)
     finally:
         path = os.path.join(os.environ.get("OUT", "."), "bench_decode4.json")
         with open(path, "w") as f:

@@ -64,6 +64,13 @@ def test_config_limits():
         dg.DecodeTileConfig(split_k=-1)
     with pytest.raises(ValueError, match="depth"):
         dg.DecodeTileConfig(depth=3)
+    with pytest.raises(ValueError, match="consumer_regs"):
+        dg.DecodeTileConfig(consumer_regs=100)  # not a multiple of 8
+    with pytest.raises(ValueError, match="consumer_regs"):
+        dg.DecodeTileConfig(block_n=128, consumer_regs=136)
+    with pytest.raises(ValueError, match="registers per SM"):
+        dg.DecodeTileConfig(min_blocks=4, consumer_regs=136)  # 4 x 128 x (24 + 136) > 65536
+    assert dg.DecodeTileConfig(min_blocks=4, consumer_regs=104).consumer_regs == 104
     assert dg.DecodeTileConfig(block_n=128).threads == 256
 
 
@@ -167,6 +174,7 @@ def test_triton_linear_routing(monkeypatch):
         (dg.DecodeTileConfig(block_t=64, min_blocks=1), 1),
         (dg.DecodeTileConfig(row_swizzle=False), 4),
         (dg.DecodeTileConfig(fused_sum=True, depth=2), 4),
+        (dg.DecodeTileConfig(64, 64, 0, 4, 3, depth=2, consumer_regs=136), 4),
     ],
 )
 def test_lowered_source(cfg, split):
@@ -174,8 +182,11 @@ def test_lowered_source(cfg, split):
     threads = cfg.threads + 128  # TileLang's producer warpgroup
     bounds = f"__launch_bounds__({threads}, {cfg.min_blocks})"
     assert bounds in src if cfg.min_blocks > 1 else f"__launch_bounds__({threads}" in src
-    # setmaxnreg only at one CTA per SM (several CTAs could not all raise their consumers to 240)
-    assert ("warpgroup_reg_alloc" in src) == (cfg.min_blocks == 1)
+    # setmaxnreg at one CTA per SM (24 / 240), or at several with consumer_regs (24 / that)
+    assert ("warpgroup_reg_alloc" in src) == (cfg.min_blocks == 1 or cfg.consumer_regs > 0)
+    if cfg.consumer_regs:
+        assert f"warpgroup_reg_alloc<{cfg.consumer_regs}>" in src
+        assert f"warpgroup_reg_dealloc<{dg.PRODUCER_REGS}>" in src
     # one m64 x block_t x k32 FP8 wgmma per 32-slice, no other matrix instruction
     wgmma = re.findall(r"wgmma_ss<([^>]*)>", src)
     assert wgmma and all(f"64, {cfg.block_t}, 32" in w for w in wgmma)
@@ -197,3 +208,63 @@ def test_lowered_source(cfg, split):
         assert f"if (prev == {split - 1})" in src and "] = 0;" in src
     # depth 2: slice s+1's wgmma in flight while slice s is promoted
     assert ("wait_wgmma<1>" in src) == (cfg.depth == 2)
+
+
+def _cuda_tools() -> tuple[str, str] | None:
+    """(nvcc, cuobjdump) if both are on this machine (cuobjdump ships with triton), else None."""
+    import os
+    import shutil
+
+    nvcc = shutil.which("nvcc")
+    spec = importlib.util.find_spec("triton")
+    if nvcc is None or spec is None or spec.origin is None:
+        return None
+    cuobjdump = os.path.join(os.path.dirname(spec.origin), "backends", "nvidia", "bin", "cuobjdump")
+    return (nvcc, cuobjdump) if os.path.exists(cuobjdump) else None
+
+
+@needs_tilelang
+@pytest.mark.skipif(_cuda_tools() is None, reason="needs nvcc and triton's cuobjdump")
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        dg.DecodeTileConfig(block_t=64, depth=2),
+        dg.DecodeTileConfig(block_t=64, num_stages=4, min_blocks=3),
+        dg.DecodeTileConfig(block_t=64, depth=2, num_stages=4, min_blocks=3, consumer_regs=136),
+        dg.DecodeTileConfig(block_t=32, num_stages=5, min_blocks=3),
+    ],
+    ids=str,
+)
+def test_compiled_registers_fit_min_blocks(cfg, tmp_path):
+    """Compiled as TileLang compiles it (nvcc, sm_90a): no spills, the launch register count fits
+    min_blocks CTAs of (consumer + producer) warpgroups per SM, setmaxnreg present exactly when
+    consumer_regs asks for it, and per 128-deep K tile 4 QGMMA and one FFMA per accumulator value
+    per slice (the promotion's arithmetic is the same in every schedule)."""
+    import subprocess
+
+    import tilelang.env as tl_env
+
+    nvcc, cuobjdump = _cuda_tools()
+    cu = tmp_path / "k.cu"
+    cu.write_text(dg.lower_source(5120, 8192, 4, "float32", cfg))
+    cubin = tmp_path / "k.cubin"
+    flags = ["-std=c++20", "-O3", "-gencode", "arch=compute_90a,code=sm_90a", "--cubin", "-w"]
+    flags += [f"-I{tl_env.TILELANG_TEMPLATE_PATH}", f"-I{tl_env.CUTLASS_INCLUDE_DIR}"]
+    flags += ["-DENABLE_BF16", "--ptxas-options=--verbose", "-o", str(cubin), str(cu)]
+    built = subprocess.run([nvcc, *flags], capture_output=True, text=True, check=False)
+    assert built.returncode == 0, built.stderr[-2000:]
+    log = built.stdout + built.stderr
+    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in log, log
+    assert "C7508" not in log  # ptxas kept the setmaxnreg
+    regs = int(re.search(r"Used (\d+) registers", log).group(1))
+    assert cfg.min_blocks * (cfg.threads + 128) * regs <= 65536, regs
+    sass = subprocess.run(
+        [cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True
+    ).stdout
+    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\d\s+)?([A-Z][A-Za-z0-9_.]*)", sass)
+    assert any(op.startswith("USETMAXREG") for op in ops) == (cfg.consumer_regs > 0)
+    assert [op for op in ops if op.startswith("QGMMA")] == [
+        f"QGMMA.64x{cfg.block_t}x32.F32.E4M3.E4M3"
+    ] * dg.SLICES
+    assert sum(op == "FFMA" for op in ops) == dg.SLICES * 64 * cfg.block_t // 128
+    assert not any(op.startswith(("LDL", "STL")) for op in ops)

@@ -92,6 +92,37 @@ def test_decode_tilelang_variants_close_to_ref(cfg_name):
                 assert torch.equal(fused, dg.decode_gemm(xq, xs, w, ws, dtype, plain))
 
 
+# Schedules of one token tile (CTAs per SM, ring depth, wgmmas in flight, setmaxnreg): the
+# arithmetic per output element is fixed, so each must give the bits of the fourth session's
+# schedule for that tile (64 tokens: two wgmmas in flight at 2 CTAs/SM; 16 / 32: one).
+SCHEDULES = {
+    "t64_d1_st4_mb3": dict(block_t=64, num_stages=4, min_blocks=3),
+    "t64_d2_st4_mb3_r136": dict(block_t=64, depth=2, num_stages=4, min_blocks=3, consumer_regs=136),
+    "t64_d1_st3_mb4_r104": dict(block_t=64, num_stages=3, min_blocks=4, consumer_regs=104),
+    "t32_d1_st5_mb3": dict(block_t=32, num_stages=5, min_blocks=3),
+    "t32_d2_st5_mb3": dict(block_t=32, depth=2, num_stages=5, min_blocks=3),
+    "t16_d1_st4_mb4": dict(block_t=16, num_stages=4, min_blocks=4),
+}
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_decode_tilelang_schedules_bitwise(name):
+    dg = _dg()
+    split = dg.decode_tile_split(5120, 8192)
+    cfg = dg.DecodeTileConfig(split_k=split, **SCHEDULES[name])
+    fourth = dg.DecodeTileConfig(
+        block_t=cfg.block_t, split_k=split, depth=2 if cfg.block_t == 64 else 1
+    )
+    m = cfg.block_t - 3  # a token tail inside the tile
+    xq, xs, w, ws = gemm_inputs(m, 5120, 8192, seed=cfg.block_t + cfg.num_stages)
+    want = ref_linear.fp8_gemm(xq, xs, w, ws, torch.float32)
+    base = dg.decode_gemm(xq, xs, w, ws, torch.float32, fourth)
+    poison()
+    got = dg.decode_gemm(xq, xs, w, ws, torch.float32, cfg)
+    assert rel(got, want) < 1e-4
+    assert torch.equal(got, base)
+
+
 def test_decode_tilelang_fused_sum_graph_replay():
     """The in-kernel sum inside a CUDA graph of several calls (the counters created before the
     capture), replayed twice on new inputs: bitwise the eager result each time."""

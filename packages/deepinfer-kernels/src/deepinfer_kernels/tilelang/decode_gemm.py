@@ -57,6 +57,7 @@ from .fp8_gemm import (
 )
 from .fp8_gemm import shape_reason as prefill_shape_reason
 
+PRODUCER_REGS = 24  # registers the TMA-issuing warpgroup keeps under `consumer_regs` (setmaxnreg)
 NUM_SMS = 132  # H200: the split policy's target (a constant: the split is a function of (N, K))
 
 
@@ -68,11 +69,14 @@ class DecodeTileConfig:
     block_t: token rows per CTA, the wgmma's N (8, 16, 32 or 64); M is tiled by it.
     split_k: K chunks (0: `decode_tile_split(N, K)`); each chunk a multiple of 128.
     num_stages: TMA ring depth (each stage (block_n + block_t) x 128 B + block_t x 16 B).
-    min_blocks: CTAs per SM asked of the compiler (``__launch_bounds__(threads, min_blocks)``),
-        with TileLang's per-warpgroup register re-allocation (setmaxnreg 24 / 240) switched off:
-        the consumer needs few registers (2 x block_t/2 fp32 per thread), and at one CTA per SM
-        (TileLang's default) a 42 MB weight gets 2.4 waves of 320 CTAs with only num_stages K
-        tiles in flight per SM.
+    min_blocks: CTAs per SM asked of the compiler (``__launch_bounds__(threads, min_blocks)``,
+        which caps every thread at 65536 / (min_blocks x threads) registers), with TileLang's
+        per-warpgroup register re-allocation (setmaxnreg 24 / 240) switched off unless
+        `consumer_regs` asks for it: the consumer needs few registers (block_t/2 fp32 per
+        partial and per accumulator per thread), and at one CTA per SM (TileLang's default) a
+        42 MB weight gets 2.4 waves of 320 CTAs with only num_stages K tiles in flight per SM.
+        Whether min_blocks CTAs really fit also depends on shared memory (`shared_bytes`, plus
+        1 KB the hardware reserves per CTA, within 228 KB per SM).
     row_swizzle: K tiles as 128-B rows with the 128-B swizzle (one TMA box per operand and stage,
         each slice's wgmma 32 B further inside the swizzle atom), through the prefill kernel's
         `fp8_gemm.row_swizzle_lowering`; off, TileLang gives each 32-wide slice its own
@@ -87,6 +91,10 @@ class DecodeTileConfig:
         in every chunk's CTA) adds the chunks' values in ascending chunk order, as `sum_splits`
         does (bitwise the same result), stores the output and resets the counter to 0 for the
         next call. One graph node instead of two.
+    consumer_regs: 0, or setmaxnreg with min_blocks CTAs per SM: the producer warpgroup drops to
+        PRODUCER_REGS registers and the consumer raises its own to consumer_regs, so a consumer
+        that needs more than the launch cap (e.g. 127 at 64 tokens, depth 2) still fits
+        min_blocks CTAs per SM (min_blocks x 128 x (PRODUCER_REGS + consumer_regs) <= 65536).
     """
 
     block_n: int = 64
@@ -97,6 +105,7 @@ class DecodeTileConfig:
     row_swizzle: bool = True
     depth: int = 1
     fused_sum: bool = False
+    consumer_regs: int = 0
 
     def __post_init__(self) -> None:
         if self.block_n not in (64, 128):
@@ -113,6 +122,24 @@ class DecodeTileConfig:
             )
         if self.depth not in (1, 2):
             raise ValueError(f"DecodeTileConfig.depth must be 1 or 2, got {self.depth}")
+        if self.consumer_regs and not (
+            self.consumer_regs % 8 == 0 and 64 <= self.consumer_regs <= 240
+        ):
+            raise ValueError(
+                "DecodeTileConfig.consumer_regs must be 0 or a multiple of 8 in [64, 240], "
+                f"got {self.consumer_regs}"
+            )
+        if self.consumer_regs and self.block_n != WARPGROUP_ROWS:
+            raise ValueError(
+                "DecodeTileConfig.consumer_regs needs block_n=64 (one consumer warpgroup), "
+                f"got block_n={self.block_n}"
+            )
+        per_sm = self.min_blocks * 128 * (PRODUCER_REGS + self.consumer_regs)
+        if self.consumer_regs and per_sm > 65536:
+            raise ValueError(
+                f"DecodeTileConfig.consumer_regs={self.consumer_regs} with min_blocks="
+                f"{self.min_blocks} needs {per_sm} registers per SM (> 65536)"
+            )
         if not 1 <= self.num_stages <= 12:
             raise ValueError(
                 f"DecodeTileConfig.num_stages must be in [1, 12], got {self.num_stages}"
@@ -293,6 +320,10 @@ def build_kernel(n: int, k: int, split: int, out_dtype: str, cfg: DecodeTileConf
             parts = tuple(T.alloc_fragment((bn, bt), "float32") for _ in range(cfg.depth))
             if cfg.min_blocks > 1:
                 T.annotate_min_blocks_per_sm(cfg.min_blocks)
+            if cfg.consumer_regs:
+                T.annotate_producer_reg_dealloc(PRODUCER_REGS)
+                T.annotate_consumer_reg_alloc(cfg.consumer_regs)
+            elif cfg.min_blocks > 1:
                 T.no_set_max_nreg()
             if cfg.row_swizzle:
                 from tilelang.layout import make_full_bank_swizzled_layout as row_swizzled
