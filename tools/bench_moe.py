@@ -387,7 +387,11 @@ def decode_candidates() -> dict:
         "m3 pf": r(d, fp4_mode=3, prefetch_scales=True),
         "m3 w8": r(d, fp4_mode=3, warps1=8, warps2=8),  # twice the warps per program (T=1)
         "m3 st3": r(d, fp4_mode=3, stages=3),
-        "m3 st5": r(d, fp4_mode=3, stages=5),
+        "m3 st6": r(d, fp4_mode=3, stages=6),  # more weight bytes in flight per program
+        # each program's scale rows (whole K) prefetched into L1 / L2 at its start
+        "m3 warmL1": r(d, fp4_mode=3, warm_scales=1),
+        "m3 warmL2": r(d, fp4_mode=3, warm_scales=2),
+        "warmL1": r(d, warm_scales=1),
     }
 
 
@@ -551,6 +555,7 @@ def main() -> None:
     )
     ap.add_argument("--decode-t", nargs="*", type=int, default=[1, 16, 64, 256])
     ap.add_argument("--prefill-row", action="store_true", help="PREFILL at T=8192, eager")
+    ap.add_argument("--profile-once", action="store_true", help="calls for ncu (see profile_once)")
     args = ap.parse_args()
     if args.compile_one:
         _compile_one(args.compile_one)
@@ -560,6 +565,9 @@ def main() -> None:
         return
     if args.decode_candidates is not None:
         decode_main(args)
+        return
+    if args.profile_once:
+        profile_once()
         return
     if args.prefill_variants:
         names = args.only or ROUNDS[args.round]
@@ -610,6 +618,21 @@ def decode_main(args) -> None:
         for r in pre:
             print(f"prefill {r['name']:<12} T=8192 {r['ms']:8.3f} ms {r['tflops']:6.1f} TFLOP/s")
         print_decode_table(rows, copy_gbs)
+
+
+def profile_once() -> None:
+    """For Nsight Compute: `moe_experts` (auto) at T=1 twice, then at T=16 once, so that
+    `ncu --kernel-name regex:"_w(13|2)_kernel" --launch-skip 2 --launch-count 4` profiles the
+    W1/W3 and W2 kernels of a warm call at T=1 and at T=16."""
+    from deepinfer_kernels.triton import moe as tmoe
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    experts, _ = moe_layer_weights(g)
+    for t, n in ((1, 2), (16, 1)):
+        x, tw, ids = moe_routed_inputs(t, 1, g)[0]
+        for _ in range(n):
+            tmoe.moe_experts(x, tw, ids, *experts, MOE_LIMIT)
+        torch.cuda.synchronize()
 
 
 def prefill_head_rows() -> list[dict]:

@@ -186,6 +186,7 @@ class MoeConfig:
     stages2: int = 0  # pipeline stages of the W2 kernel (0: stages)
     prefetch_scales: bool = False  # load the next K step's scale bytes one step ahead
     cols_fast2: bool | None = None  # grid order of the W2 kernel (None: cols_fast)
+    warm_scales: int = 0  # at program start, prefetch all its scale rows: 1 into L1, 2 into L2
 
 
 DECODE = MoeConfig(16, 64, 64, 4, 4, 4, swap_ab=False, block_k=128, fp4_mode=2)
@@ -569,6 +570,34 @@ def _weight_step(
 
 
 @triton.jit
+def _warm_scale_rows(row_ptrs, n_bytes, LEVEL: tl.constexpr):
+    """Prefetch each row's n_bytes of scale bytes (row_ptrs [rows] uint8 or int32 pointers, each
+    at a row's first byte) into L1 (LEVEL 1) or L2 (LEVEL 2), a 32-byte sector per instruction,
+    so that the K loop's scale loads (1-2 bytes per row and step, synchronous) hit a cache
+    instead of waiting on HBM at each new sector. GPU only (inline PTX); the results are dummies."""
+    base = row_ptrs.to(tl.pointer_type(tl.uint8), bitcast=True)
+    for off in range(0, n_bytes, 32):
+        if LEVEL == 1:
+            tl.inline_asm_elementwise(
+                "prefetch.global.L1 [$1];\nmov.u32 $0, 0;",
+                "=r,l",
+                [(base + off).to(tl.int64, bitcast=True)],
+                dtype=tl.int32,
+                is_pure=False,
+                pack=1,
+            )
+        else:
+            tl.inline_asm_elementwise(
+                "prefetch.global.L2 [$1];\nmov.u32 $0, 0;",
+                "=r,l",
+                [(base + off).to(tl.int64, bitcast=True)],
+                dtype=tl.int32,
+                is_pure=False,
+                pack=1,
+            )
+
+
+@triton.jit
 def _dot(a, b, acc, F32_MATH: tl.constexpr):
     """acc + a @ b for bf16 tiles (exact products, fp32 sums); F32_MATH: the same through an fp32
     IEEE dot (the interpreter's bf16 dot is wrong)."""
@@ -674,6 +703,7 @@ def _w13_kernel(
     S_WORDS: tl.constexpr,
     COLS_FAST: tl.constexpr = False,
     PREFETCH: tl.constexpr = False,
+    WARM: tl.constexpr = 0,
     F32_MATH: tl.constexpr = False,
 ):
     """Rows of one expert's tile: gate/up = x_hat W1^T, x_hat W3^T (x_hat: bf16-expanded FP8 x,
@@ -704,6 +734,9 @@ def _w13_kernel(
         s_off = ex * stride_se + ncl[:, None] * stride_sn + offs_g[None, :]
     s1_ptrs = s1_ptr + s_off
     s3_ptrs = s3_ptr + s_off
+    if WARM > 0 and not F32_MATH:  # the tile's scale rows, whole K, into a cache (GPU only)
+        _warm_scale_rows(s1_ptr + ex * stride_se + ncl * stride_sn, D // 32, WARM)
+        _warm_scale_rows(s3_ptr + ex * stride_se + ncl * stride_sn, D // 32, WARM)
     if PREFETCH:  # the first step's scales; each step then loads the next step's
         sc1 = _scale_bytes(s1_ptrs, offs_g, S_WORDS)
         sc3 = _scale_bytes(s3_ptrs, offs_g, S_WORDS)
@@ -793,6 +826,7 @@ def _w2_kernel(
     S_WORDS: tl.constexpr,
     COLS_FAST: tl.constexpr = False,
     PREFETCH: tl.constexpr = False,
+    WARM: tl.constexpr = 0,
     F32_MATH: tl.constexpr = False,
 ):
     """y = h_hat W2^T for one expert's tile of sorted rows, rounded to y's dtype."""
@@ -818,6 +852,8 @@ def _w2_kernel(
         s_ptrs = s2_ptr + ex * stride_se + ncl * stride_sn
     else:
         s_ptrs = s2_ptr + ex * stride_se + ncl[:, None] * stride_sn + offs_g[None, :]
+    if WARM > 0 and not F32_MATH:
+        _warm_scale_rows(s2_ptr + ex * stride_se + ncl * stride_sn, I // 32, WARM)
     if PREFETCH:  # noqa: SIM108 (a Triton constexpr branch)
         sc = _scale_bytes(s_ptrs, offs_g, S_WORDS)
     else:  # unused placeholder (`_weight_step` passes it through)
@@ -962,6 +998,7 @@ def moe_experts(
         S_WORDS=words1,
         COLS_FAST=cfg.cols_fast,
         PREFETCH=cfg.prefetch_scales,
+        WARM=cfg.warm_scales,
         F32_MATH=f32_math,
         num_warps=cfg.warps1,
         num_stages=cfg.stages,
@@ -986,6 +1023,7 @@ def moe_experts(
         S_WORDS=words2,
         COLS_FAST=cols_fast2,
         PREFETCH=cfg.prefetch_scales,
+        WARM=cfg.warm_scales,
         F32_MATH=f32_math,
         num_warps=cfg.warps2,
         num_stages=cfg.stages2 or cfg.stages,
