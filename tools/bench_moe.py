@@ -392,6 +392,7 @@ def decode_candidates() -> dict:
         "m3 warmL1": r(d, fp4_mode=3, warm_scales=1),
         "m3 warmL2": r(d, fp4_mode=3, warm_scales=2),
         "warmL1": r(d, warm_scales=1),
+        "m3 warmL1 st6": r(d, fp4_mode=3, warm_scales=1, stages=6),
     }
 
 
