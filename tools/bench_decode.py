@@ -185,16 +185,12 @@ def decode4_rows(rows: list | None = None, parts: tuple[str, ...] = PARTS):
                     sets,
                     active * per_expert,
                 )
-            if t > 16:
-                continue
-            # candidates for few tokens (not yet measured): narrower column blocks, so the
-            # handful of expert tiles spreads over more programs (T=1: 6 tiles x 36 W1/W3 column
-            # blocks = 216 programs for 132 SMs); the K order is unchanged, so the same bits
+            # candidate (fifth session; NOTES "MoE decode, fifth session"): FP4 mode 3, fewer
+            # expansion instructions, the same bits (chained: -2% at T=16/256, +10% at T=64).
+            # Measured slower and dropped: 32-wide column blocks, scale prefetch, scale rows
+            # warmed into L1/L2, 6 stages, 8 warps (`bench_moe.py --decode-candidates`)
             want = tmoe.moe_experts(*sets[0], *experts, MOE_LIMIT)
-            for name, cfg in (
-                ("n1=32", dataclasses.replace(tmoe.DECODE, block_n1=32)),
-                ("n1=32 n2=32", dataclasses.replace(tmoe.DECODE, block_n1=32, block_n2=32)),
-            ):
+            for name, cfg in (("fp4 m3", dataclasses.replace(tmoe.DECODE, fp4_mode=3)),):
                 try:
                     got = tmoe.moe_experts(*sets[0], *experts, MOE_LIMIT, config=cfg)
                 except Exception as exc:  # reported; the other rows still run
