@@ -388,11 +388,8 @@ def decode_candidates() -> dict:
         "m3 w8": r(d, fp4_mode=3, warps1=8, warps2=8),  # twice the warps per program (T=1)
         "m3 st3": r(d, fp4_mode=3, stages=3),
         "m3 st6": r(d, fp4_mode=3, stages=6),  # more weight bytes in flight per program
-        # each program's scale rows (whole K) prefetched into L1 / L2 at its start
-        "m3 warmL1": r(d, fp4_mode=3, warm_scales=1),
-        "m3 warmL2": r(d, fp4_mode=3, warm_scales=2),
-        "warmL1": r(d, warm_scales=1),
-        "m3 warmL1 st6": r(d, fp4_mode=3, warm_scales=1, stages=6),
+        # measured in call 2 and removed since (commit e235098 has it): MoeConfig.warm_scales,
+        # each program's scale rows prefetched into L1 / L2 at its start: no gain
     }
 
 

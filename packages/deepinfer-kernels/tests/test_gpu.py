@@ -241,7 +241,6 @@ MOE_SHAPES = [
         "mma_words_n32",
         "mma_m3",
         "mma_m3_pf",
-        "mma_m3_warm",
         "prefill_cols_pf",
         "prefill_words_k2",
         "prefill_m64",
@@ -264,7 +263,6 @@ def test_moe_experts_close_to_ref(t, d, i, e, k, cfg_name):
         # without the scales loaded a step ahead
         "mma_m3": dataclasses.replace(tmoe.DECODE, fp4_mode=3),
         "mma_m3_pf": dataclasses.replace(tmoe.DECODE, fp4_mode=3, prefetch_scales=True),
-        "mma_m3_warm": dataclasses.replace(tmoe.DECODE, fp4_mode=3, warm_scales=1),
         # prefill options: 1-D column-fast grid, scale prefetch, a W2 K step of its own
         "prefill_cols_pf": tmoe.MoeConfig(
             128, 64, 128, 8, 8, 3, block_k=64, fp4_mode=2, cols_fast=True, prefetch_scales=True

@@ -186,7 +186,6 @@ class MoeConfig:
     stages2: int = 0  # pipeline stages of the W2 kernel (0: stages)
     prefetch_scales: bool = False  # load the next K step's scale bytes one step ahead
     cols_fast2: bool | None = None  # grid order of the W2 kernel (None: cols_fast)
-    warm_scales: int = 0  # at program start, prefetch all its scale rows: 1 into L1, 2 into L2
 
 
 DECODE = MoeConfig(16, 64, 64, 4, 4, 4, swap_ab=False, block_k=128, fp4_mode=2)
@@ -482,8 +481,10 @@ def _expand(
 # zeroes the lanes' high bytes by PRMT's sign-replicate mode (the msb of a masked byte is 0), and
 # the multiply by 2**6 + 2**12 and the AND place exponent/mantissa and sign as in mode 2. The
 # scale multiply (HMUL2.BF16, as Triton's) is done on the packed pair before it is split into
-# halves, so no 16-bit moves sit between the expansion and the multiply. 3 + 4 x 5 = 23
-# instructions per word, against 19 + 4 multiplies + ~6 moves for mode 2 (SASS, sm_90).
+# halves. 3 + 4 x 5 = 23 PTX instructions per word against mode 2's 19 + 4 multiplies; in the
+# DECODE tile (sm_90 SASS, Triton 3.8) the W1/W3 loop goes from 614 to 544 instructions per
+# 128-deep step and W2's from 319 to 288. H200 (fifth session, chained graphs): -2% at T=16 and
+# 256, +10% at T=64, so not the default (NOTES.md, "MoE decode, fifth session").
 _FP4X8_SCALED_ASM = tl.constexpr(
     """
 {
@@ -567,34 +568,6 @@ def _weight_step(
         cur = _scale_bytes(s_ptrs, offs_g, S_WORDS)
         nxt = s_ahead
     return _expand(wq, cur, ROWS, BLOCK_K, FP4_MODE, F32_MATH), nxt
-
-
-@triton.jit
-def _warm_scale_rows(row_ptrs, n_bytes, LEVEL: tl.constexpr):
-    """Prefetch each row's n_bytes of scale bytes (row_ptrs [rows] uint8 or int32 pointers, each
-    at a row's first byte) into L1 (LEVEL 1) or L2 (LEVEL 2), a 32-byte sector per instruction,
-    so that the K loop's scale loads (1-2 bytes per row and step, synchronous) hit a cache
-    instead of waiting on HBM at each new sector. GPU only (inline PTX); the results are dummies."""
-    base = row_ptrs.to(tl.pointer_type(tl.uint8), bitcast=True)
-    for off in range(0, n_bytes, 32):
-        if LEVEL == 1:
-            tl.inline_asm_elementwise(
-                "prefetch.global.L1 [$1];\nmov.u32 $0, 0;",
-                "=r,l",
-                [(base + off).to(tl.int64, bitcast=True)],
-                dtype=tl.int32,
-                is_pure=False,
-                pack=1,
-            )
-        else:
-            tl.inline_asm_elementwise(
-                "prefetch.global.L2 [$1];\nmov.u32 $0, 0;",
-                "=r,l",
-                [(base + off).to(tl.int64, bitcast=True)],
-                dtype=tl.int32,
-                is_pure=False,
-                pack=1,
-            )
 
 
 @triton.jit
@@ -703,7 +676,6 @@ def _w13_kernel(
     S_WORDS: tl.constexpr,
     COLS_FAST: tl.constexpr = False,
     PREFETCH: tl.constexpr = False,
-    WARM: tl.constexpr = 0,
     F32_MATH: tl.constexpr = False,
 ):
     """Rows of one expert's tile: gate/up = x_hat W1^T, x_hat W3^T (x_hat: bf16-expanded FP8 x,
@@ -734,9 +706,6 @@ def _w13_kernel(
         s_off = ex * stride_se + ncl[:, None] * stride_sn + offs_g[None, :]
     s1_ptrs = s1_ptr + s_off
     s3_ptrs = s3_ptr + s_off
-    if WARM > 0 and not F32_MATH:  # the tile's scale rows, whole K, into a cache (GPU only)
-        _warm_scale_rows(s1_ptr + ex * stride_se + ncl * stride_sn, D // 32, WARM)
-        _warm_scale_rows(s3_ptr + ex * stride_se + ncl * stride_sn, D // 32, WARM)
     if PREFETCH:  # the first step's scales; each step then loads the next step's
         sc1 = _scale_bytes(s1_ptrs, offs_g, S_WORDS)
         sc3 = _scale_bytes(s3_ptrs, offs_g, S_WORDS)
@@ -826,7 +795,6 @@ def _w2_kernel(
     S_WORDS: tl.constexpr,
     COLS_FAST: tl.constexpr = False,
     PREFETCH: tl.constexpr = False,
-    WARM: tl.constexpr = 0,
     F32_MATH: tl.constexpr = False,
 ):
     """y = h_hat W2^T for one expert's tile of sorted rows, rounded to y's dtype."""
@@ -852,8 +820,6 @@ def _w2_kernel(
         s_ptrs = s2_ptr + ex * stride_se + ncl * stride_sn
     else:
         s_ptrs = s2_ptr + ex * stride_se + ncl[:, None] * stride_sn + offs_g[None, :]
-    if WARM > 0 and not F32_MATH:
-        _warm_scale_rows(s2_ptr + ex * stride_se + ncl * stride_sn, I // 32, WARM)
     if PREFETCH:  # noqa: SIM108 (a Triton constexpr branch)
         sc = _scale_bytes(s_ptrs, offs_g, S_WORDS)
     else:  # unused placeholder (`_weight_step` passes it through)
@@ -998,7 +964,6 @@ def moe_experts(
         S_WORDS=words1,
         COLS_FAST=cfg.cols_fast,
         PREFETCH=cfg.prefetch_scales,
-        WARM=cfg.warm_scales,
         F32_MATH=f32_math,
         num_warps=cfg.warps1,
         num_stages=cfg.stages,
@@ -1023,7 +988,6 @@ def moe_experts(
         S_WORDS=words2,
         COLS_FAST=cols_fast2,
         PREFETCH=cfg.prefetch_scales,
-        WARM=cfg.warm_scales,
         F32_MATH=f32_math,
         num_warps=cfg.warps2,
         num_stages=cfg.stages2 or cfg.stages,
