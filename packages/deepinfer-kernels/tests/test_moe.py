@@ -280,3 +280,12 @@ def test_fp4_mode3_ptx_against_e2m1_table(word, u):
         nib = (word >> (4 * k)) & 0xF
         want = E2M1[nib & 7] * 2.0 ** (u - 127) * (-1.0 if nib & 8 else 1.0)
         assert got[k] == want and math.copysign(1.0, got[k]) == math.copysign(1.0, want), (k, nib)
+
+
+def test_moe_config_rejects_unknown_fp4_mode():
+    pytest.importorskip("triton")
+    from deepinfer_kernels.triton import moe as tmoe
+
+    with pytest.raises(ValueError, match="fp4_mode"):
+        tmoe.MoeConfig(16, 64, 64, 4, 4, 4, fp4_mode=4)
+    assert tmoe.MoeConfig(16, 64, 64, 4, 4, 4, fp4_mode=3).fp4_mode == 3

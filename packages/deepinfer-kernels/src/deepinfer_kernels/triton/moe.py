@@ -187,10 +187,17 @@ class MoeConfig:
     prefetch_scales: bool = False  # load the next K step's scale bytes one step ahead
     cols_fast2: bool | None = None  # grid order of the W2 kernel (None: cols_fast)
 
+    def __post_init__(self) -> None:
+        if self.fp4_mode not in (0, 1, 2, 3):
+            raise ValueError(f"MoeConfig.fp4_mode must be 0, 1, 2 or 3, got {self.fp4_mode!r}")
+
 
 DECODE = MoeConfig(16, 64, 64, 4, 4, 4, swap_ab=False, block_k=128, fp4_mode=2)
 """Few rows per expert: 16-row tiles on mma.sync, FP4 expanded with packed PTX (fastest measured
-for decode on the H200: 49-50% of HBM at T=16..256, against 32-33% with the per-value expansion)."""
+for decode on the H200: 49-50% of HBM at T=16..256, against 32-33% with the per-value expansion).
+Fifth session (engine harness, chained graphs): 29-30% at T=1, 47-48% at T=16..256; FP4 mode 3,
+scale prefetch, scale rows warmed into L1/L2, 8 warps and 6 stages were not faster (NOTES.md,
+"MoE decode, fifth session")."""
 DECODE_WGMMA = MoeConfig(
     16, 64, 64, 4, 4, 4, swap_ab=True, block_k=128, fp4_mode=2, scale_words=True
 )
