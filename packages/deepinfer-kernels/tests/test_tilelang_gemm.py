@@ -321,8 +321,10 @@ LOWERED_CONFIGS = [
     tg.TileConfig(row_swizzle=False),
     tg.TileConfig(row_swizzle=False, block_n=256, n_split=2, depth=1),
     tg.invariant_config(5120, 8192),
-    tg.TileConfig(early_scales=True),
-    tg.TileConfig(early_scales=True, block_n=256, n_split=2, depth=1),
+    tg.TileConfig(k_split=2, n_split=2, depth=2, early_scales=False),
+    tg.TileConfig(k_split=4, depth=1),
+    tg.TileConfig(early_scales=False),
+    tg.TileConfig(early_scales=False, block_n=256, n_split=2, depth=1),
 ]
 
 
@@ -342,9 +344,9 @@ def test_lowered_source_structure(cfg):
         assert f"tma_load({desc}" in src
     # promotion: 4 unrolled loops over the thread's 64 accumulator values, each reading sa/sb
     assert loop.count("sa_tile)[") >= 4 and loop.count("sb_tile)[") >= 4
-    # register fragments only: accumulator chunk(s) (+ their K-chunk totals) + partial(s), and
-    # with early_scales per wgmma in flight a thread's 2 activation-scale rows and its weight
-    # scales (one per 32 columns of the chunk)
+    # register fragments only: accumulator chunk(s) + partial(s), and with early_scales per wgmma
+    # in flight a thread's 2 activation-scale rows and its weight scales (one per 32 columns of
+    # the chunk); with a K split, a running total per accumulator chunk
     arrays = re.findall(r"^\s*float (\w+)\[(\d+)\];", src, flags=re.M)
     per_chunk = 64 * cfg.chunk_n // 128
     count = cfg.n_split * (2 if cfg.k_split > 1 else 1) + cfg.depth

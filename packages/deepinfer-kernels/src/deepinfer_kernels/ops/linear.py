@@ -37,7 +37,7 @@ for _op in ("fp8_gemm", "fp8_linear"):
     )
 
 # TileLang FP8-wgmma GEMM with per-32 promotion: the prefill GEMMs on Hopper (M > 64; in
-# batch-invariant mode only with `INVARIANT_PREFILL`; see `tilelang.fp8_gemm._route_reason`);
+# batch-invariant mode with `INVARIANT_PREFILL`; see `tilelang.fp8_gemm._route_reason`);
 # decode sizes go to the triton tier (which routes M = 2..64 to the TileLang decode kernel).
 for _op, _check in (("fp8_gemm", "supports"), ("fp8_linear", "supports_linear")):
     REGISTRY.register(
@@ -49,7 +49,7 @@ for _op, _check in (("fp8_gemm", "supports"), ("fp8_linear", "supports_linear"))
             min_capability=(9, 0),
             requires=("tilelang",),
             supports=f"deepinfer_kernels.tilelang.fp8_gemm:{_check}",
-            routing="M > 64 outside batch-invariant mode (in it too with INVARIANT_PREFILL)",
+            routing="M > 64 (in batch-invariant mode too, with INVARIANT_PREFILL)",
         )
     )
 
