@@ -28,15 +28,15 @@ def _tile_configs():
     from deepinfer_kernels.tilelang.decode_gemm import DecodeTileConfig as T
 
     fourth = {16: T(block_t=16), 32: T(block_t=32), 64: T(block_t=64, depth=2)}
-    fifth = {  # name: t<tokens> d<depth> st<stages> mb<CTAs per SM asked> r<consumer regs>
-        "t64 d1 st4 mb3": T(64, 64, 0, 4, 3),
+    fifth = {  # name: t<tokens>[g<token groups>] d<depth> st<stages> mb<CTAs per SM> r<regs>
+        # (first call of the fifth session also had t64 d1 st4 mb3, t32 d1 st5 mb3, t32 d2 st5
+        # mb3, t16/t32 d1 st4 mb4 (now defaults): NOTES.md "Dense decode, fifth session")
         "t64 d2 st4 mb3 r136": T(64, 64, 0, 4, 3, depth=2, consumer_regs=136),
-        "t64 d1 st4 mb3 r136": T(64, 64, 0, 4, 3, consumer_regs=136),
         "t64 d1 st3 mb4 r104": T(64, 64, 0, 3, 4, consumer_regs=104),
-        "t32 d1 st5 mb3": T(64, 32, 0, 5, 3),
-        "t32 d2 st5 mb3": T(64, 32, 0, 5, 3, depth=2),
-        "t32 d1 st4 mb4": T(64, 32, 0, 4, 4),
-        "t16 d1 st4 mb4": T(64, 16, 0, 4, 4),
+        "t64g2 d1 st4 mb3": T(64, 64, 0, 4, 3, token_groups=2),
+        "t64g2 d2 st4 mb3 r72": T(64, 64, 0, 4, 3, depth=2, consumer_regs=72, token_groups=2),
+        "t32g2 d1 st4 mb4": T(64, 32, 0, 4, 4, token_groups=2),
+        "t16g2 d1 st4 mb4": T(64, 16, 0, 4, 4, token_groups=2),
     }
     return fourth, fifth
 
@@ -80,7 +80,8 @@ def decode4_rows(rows: list | None = None, parts: tuple[str, ...] = PARTS):
 
     weights = {}
 
-    def dense(n, k, ms_list):
+    def dense(n, k, ms_list, only=""):
+        """Rows at each M; the candidates of the M's token tile whose names contain `only`."""
         weights.clear()
         weights[(n, k)] = [
             quant.quantize_fp8_blocks(torch.randn(n, k, device="cuda") * 0.02)
@@ -116,6 +117,8 @@ def decode4_rows(rows: list | None = None, parts: tuple[str, ...] = PARTS):
             if now != base_cfg:
                 cands["tl default"] = now
             for name, cfg in fifth_candidates.items():
+                if only not in name:
+                    continue
                 if cfg.block_t == bt and dataclasses.replace(cfg, split_k=split) not in (
                     base_cfg,
                     now,
@@ -254,8 +257,8 @@ def decode4_rows(rows: list | None = None, parts: tuple[str, ...] = PARTS):
     if "probes" in parts:
         probes()
     if "shapes" in parts:
-        dense(2112, 7168, (64, 16, 1))
-        dense(32768, 1280, (64, 16, 1))
+        dense(2112, 7168, (64, 16, 1), only="t64g2")
+        dense(32768, 1280, (64, 16, 1), only="t64g2")
     if "prefill" in parts:
         prefill_invariant(5120, 8192)
     if "moe" in parts:

@@ -71,6 +71,13 @@ def test_config_limits():
     with pytest.raises(ValueError, match="registers per SM"):
         dg.DecodeTileConfig(min_blocks=4, consumer_regs=136)  # 4 x 128 x (24 + 136) > 65536
     assert dg.DecodeTileConfig(min_blocks=4, consumer_regs=104).consumer_regs == 104
+    with pytest.raises(ValueError, match="token_groups"):
+        dg.DecodeTileConfig(token_groups=3)
+    with pytest.raises(ValueError, match="token_groups"):
+        dg.DecodeTileConfig(block_n=128, token_groups=2)
+    with pytest.raises(ValueError, match="token_groups"):
+        dg.DecodeTileConfig(block_t=8, token_groups=2)
+    assert dg.DecodeTileConfig(block_t=64, token_groups=2).threads == 256
     assert dg.DecodeTileConfig(block_n=128).threads == 256
 
 
@@ -100,6 +107,31 @@ def test_token_tile_by_m():
     assert [dg.pick_tile_config(m, 5120, 8192).block_t for m in (1, 16, 17, 32, 33, 64, 300)] == [
         16, 16, 32, 32, 64, 64, 64,
     ]  # fmt: skip
+
+
+@given(
+    m=st.integers(1, 300),
+    n=st.sampled_from([32, 200, 512, 2112, 5120, 32768]),
+    kt=st.integers(1, 128),
+)
+@settings(max_examples=60, deadline=None)
+def test_picked_schedule_fits_its_ctas_per_sm(m, n, kt):
+    """The picked schedule asks for CTAs per SM that its shared memory allows (ring + the chunk's
+    weight-scale bytes + the 1 KB the hardware keeps per CTA, within 228 KB per SM) and, with
+    setmaxnreg, that the register file allows; 64-token tiles take 4 per SM exactly when there
+    are more CTAs per token tile than SMs."""
+    k = kt * dg.BLOCK_K
+    cfg = dg.pick_tile_config(m, n, k)
+    chunk = k // cfg.split_k
+    assert cfg.min_blocks * (cfg.shared_bytes(chunk) + 1024) <= 228 * 1024
+    if cfg.consumer_regs:
+        regs = cfg.min_blocks * (128 * dg.PRODUCER_REGS + cfg.threads * cfg.consumer_regs)
+        assert regs <= 65536
+    if cfg.block_t == 64:
+        many = -(-n // 64) * cfg.split_k > dg.NUM_SMS
+        assert (cfg.min_blocks == 4) == many
+    else:
+        assert (cfg.min_blocks, cfg.num_stages, cfg.depth) == (4, 4, 1)
 
 
 @given(e=st.lists(st.integers(1, 254), min_size=4, max_size=4))
@@ -175,6 +207,7 @@ def test_triton_linear_routing(monkeypatch):
         (dg.DecodeTileConfig(row_swizzle=False), 4),
         (dg.DecodeTileConfig(fused_sum=True, depth=2), 4),
         (dg.DecodeTileConfig(64, 64, 0, 4, 3, depth=2, consumer_regs=136), 4),
+        (dg.DecodeTileConfig(64, 64, 0, 4, 3, depth=2, consumer_regs=72, token_groups=2), 4),
     ],
 )
 def test_lowered_source(cfg, split):
@@ -189,7 +222,7 @@ def test_lowered_source(cfg, split):
         assert f"warpgroup_reg_dealloc<{dg.PRODUCER_REGS}>" in src
     # one m64 x block_t x k32 FP8 wgmma per 32-slice, no other matrix instruction
     wgmma = re.findall(r"wgmma_ss<([^>]*)>", src)
-    assert wgmma and all(f"64, {cfg.block_t}, 32" in w for w in wgmma)
+    assert wgmma and all(f"64, {cfg.block_t // cfg.token_groups}, 32" in w for w in wgmma)
     fp8_fp32 = "kFloat8_e4m3, tl::DataType::kFloat8_e4m3, tl::DataType::kFloat32"
     assert all(fp8_fp32 in w for w in wgmma)
     # per stage: the weight and activation tiles (4 boxes of 32-B rows, or 1 with row_swizzle)
@@ -199,7 +232,8 @@ def test_lowered_source(cfg, split):
     assert f"for (int i = 0; i < {boxes}; ++i)" in src or boxes == 1
     assert "tma_load(SX_desc" in src and "SW_desc" not in src
     # the transposed store is guarded by the token count (M is dynamic)
-    assert re.search(r"if \(.*< m\)", src)
+    # (with two token groups the bound reads `< (m + 32)`: thread ids start after the producer's)
+    assert re.search(r"if \(.*< \(?m[ )]", src)
     # the in-kernel sum: one device-scope acq_rel arrival per thread (memory_order 4), the last
     # arrival of a slot sums every chunk and resets its counter
     assert ("AtomicAddRet" in src) == cfg.fused_sum
@@ -232,6 +266,8 @@ def _cuda_tools() -> tuple[str, str] | None:
         dg.DecodeTileConfig(block_t=64, num_stages=4, min_blocks=3),
         dg.DecodeTileConfig(block_t=64, depth=2, num_stages=4, min_blocks=3, consumer_regs=136),
         dg.DecodeTileConfig(block_t=32, num_stages=5, min_blocks=3),
+        dg.DecodeTileConfig(block_t=64, num_stages=4, min_blocks=3, token_groups=2),
+        dg.pick_tile_config(64, 5120, 8192),
     ],
     ids=str,
 )
@@ -263,8 +299,9 @@ def test_compiled_registers_fit_min_blocks(cfg, tmp_path):
     ).stdout
     ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\d\s+)?([A-Z][A-Za-z0-9_.]*)", sass)
     assert any(op.startswith("USETMAXREG") for op in ops) == (cfg.consumer_regs > 0)
+    n_wgmma = cfg.block_t // cfg.token_groups
     assert [op for op in ops if op.startswith("QGMMA")] == [
-        f"QGMMA.64x{cfg.block_t}x32.F32.E4M3.E4M3"
+        f"QGMMA.64x{n_wgmma}x32.F32.E4M3.E4M3"
     ] * dg.SLICES
-    assert sum(op == "FFMA" for op in ops) == dg.SLICES * 64 * cfg.block_t // 128
+    assert sum(op == "FFMA" for op in ops) == dg.SLICES * 64 * n_wgmma // 128
     assert not any(op.startswith(("LDL", "STL")) for op in ops)

@@ -92,16 +92,21 @@ def test_decode_tilelang_variants_close_to_ref(cfg_name):
                 assert torch.equal(fused, dg.decode_gemm(xq, xs, w, ws, dtype, plain))
 
 
-# Schedules of one token tile (CTAs per SM, ring depth, wgmmas in flight, setmaxnreg): the
-# arithmetic per output element is fixed, so each must give the bits of the fourth session's
-# schedule for that tile (64 tokens: two wgmmas in flight at 2 CTAs/SM; 16 / 32: one).
+# Schedules of one token tile (CTAs per SM, ring depth, wgmmas in flight, setmaxnreg, consumer
+# warpgroups along the tokens): the arithmetic per output element is fixed, so each must give the
+# bits of the fourth session's schedule for that tile (64 tokens: two wgmmas in flight at 2 CTAs
+# per SM; 16 / 32: one). Also bitwise on the H200 in the fifth session's first call, since
+# dropped here: t64 d1 st4 mb3, t32 d1 st5 mb3, t32 d2 st5 mb3.
 SCHEDULES = {
-    "t64_d1_st4_mb3": dict(block_t=64, num_stages=4, min_blocks=3),
     "t64_d2_st4_mb3_r136": dict(block_t=64, depth=2, num_stages=4, min_blocks=3, consumer_regs=136),
     "t64_d1_st3_mb4_r104": dict(block_t=64, num_stages=3, min_blocks=4, consumer_regs=104),
-    "t32_d1_st5_mb3": dict(block_t=32, num_stages=5, min_blocks=3),
-    "t32_d2_st5_mb3": dict(block_t=32, depth=2, num_stages=5, min_blocks=3),
     "t16_d1_st4_mb4": dict(block_t=16, num_stages=4, min_blocks=4),
+    "t64g2_d1_st4_mb3": dict(block_t=64, num_stages=4, min_blocks=3, token_groups=2),
+    "t64g2_d2_st4_mb3_r72": dict(
+        block_t=64, depth=2, num_stages=4, min_blocks=3, consumer_regs=72, token_groups=2
+    ),
+    "t32g2_d1_st4_mb4": dict(block_t=32, num_stages=4, min_blocks=4, token_groups=2),
+    "t16g2_d1_st4_mb4": dict(block_t=16, num_stages=4, min_blocks=4, token_groups=2),
 }
 
 

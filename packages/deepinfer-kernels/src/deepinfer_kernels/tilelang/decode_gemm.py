@@ -92,9 +92,15 @@ class DecodeTileConfig:
         does (bitwise the same result), stores the output and resets the counter to 0 for the
         next call. One graph node instead of two.
     consumer_regs: 0, or setmaxnreg with min_blocks CTAs per SM: the producer warpgroup drops to
-        PRODUCER_REGS registers and the consumer raises its own to consumer_regs, so a consumer
+        PRODUCER_REGS registers and the consumers raise theirs to consumer_regs, so a consumer
         that needs more than the launch cap (e.g. 127 at 64 tokens, depth 2) still fits
-        min_blocks CTAs per SM (min_blocks x 128 x (PRODUCER_REGS + consumer_regs) <= 65536).
+        min_blocks CTAs per SM (min_blocks x (128 x PRODUCER_REGS + threads x consumer_regs)
+        <= 65536).
+    token_groups: consumer warpgroups along the tokens (1 or 2; block_n=64): with 2, two
+        warpgroups share each stage's weight tile, each issues the m64 x block_t/2 x k32 wgmma
+        of its half of the tokens and promotes half the values (TileLang's FullRow policy puts
+        8 warps on a 64-row tile as 4 x 2). A column's bits do not depend on the wgmma's N, so
+        the result is the same; the promotion chain per warp halves and twice the warps run it.
     """
 
     block_n: int = 64
@@ -106,6 +112,7 @@ class DecodeTileConfig:
     depth: int = 1
     fused_sum: bool = False
     consumer_regs: int = 0
+    token_groups: int = 1
 
     def __post_init__(self) -> None:
         if self.block_n not in (64, 128):
@@ -129,12 +136,16 @@ class DecodeTileConfig:
                 "DecodeTileConfig.consumer_regs must be 0 or a multiple of 8 in [64, 240], "
                 f"got {self.consumer_regs}"
             )
-        if self.consumer_regs and self.block_n != WARPGROUP_ROWS:
+        if self.token_groups not in (1, 2):
             raise ValueError(
-                "DecodeTileConfig.consumer_regs needs block_n=64 (one consumer warpgroup), "
-                f"got block_n={self.block_n}"
+                f"DecodeTileConfig.token_groups must be 1 or 2, got {self.token_groups}"
             )
-        per_sm = self.min_blocks * 128 * (PRODUCER_REGS + self.consumer_regs)
+        if self.token_groups == 2 and (self.block_n != WARPGROUP_ROWS or self.block_t < 16):
+            raise ValueError(
+                "DecodeTileConfig.token_groups=2 needs block_n=64 and block_t >= 16, "
+                f"got block_n={self.block_n}, block_t={self.block_t}"
+            )
+        per_sm = self.min_blocks * (128 * PRODUCER_REGS + self.threads * self.consumer_regs)
         if self.consumer_regs and per_sm > 65536:
             raise ValueError(
                 f"DecodeTileConfig.consumer_regs={self.consumer_regs} with min_blocks="
@@ -148,7 +159,7 @@ class DecodeTileConfig:
     @property
     def threads(self) -> int:
         """Consumer threads (TileLang adds one producer warpgroup)."""
-        return self.block_n // WARPGROUP_ROWS * 128
+        return self.block_n // WARPGROUP_ROWS * self.token_groups * 128
 
     def shared_bytes(self, k_chunk: int) -> int:
         """Ring of operand and activation-scale stages, plus the chunk's weight-scale bytes."""
@@ -176,15 +187,40 @@ alone)."""
 
 def pick_tile_config(m: int, n: int, k: int) -> DecodeTileConfig:
     """Token tile from M (the smallest of 16 / 32 / 64 that holds M; larger M takes several 64-row
-    tiles), weight tile 64 rows, split from (N, K); with 64-token tiles two wgmmas in flight
-    (depth 2: 33.0 vs 35.2 us at M=64, 5120x8192, 16-call graph; the same at 16 tokens, so those
-    keep depth 1); the chunks' sum as FUSED_SUM says. Depth and the sum's place change no bit."""
+    tiles), weight tile 64 rows, split from (N, K); the schedule from the token tile and the CTA
+    count (weight tiles x chunks per token tile), so that every CTA of a decode call is resident
+    at once (H200, 16-call graphs, NOTES.md "Dense decode, fifth session"):
+    - 16 and 32 tokens: 4 CTAs per SM with a 4-stage ring (5120x8192: 16.4 vs 17.1 us at M=16,
+      18.6 vs 25.9 at M=32 for the fourth session's 2 per SM, 6 stages);
+    - 64 tokens, more CTAs than SMs: 4 per SM, 3 stages, setmaxnreg 24 / 104 (127 registers do
+      not fit 4 CTAs; one wgmma in flight fits 104): 24.7 vs 33.4 us at 5120x8192 (320 CTAs,
+      1.2 waves at 2 per SM), 20.4 vs 24.1 at 32768x1280;
+    - 64 tokens, at most one CTA per SM (2112x7168: 132): two wgmmas in flight, 4 stages, 3 per SM
+      asked, setmaxnreg 24 / 136: 14.8 vs 15.4 us.
+    The sum of the chunks as FUSED_SUM says. None of this changes a bit of the result."""
     bt = 16 if m <= 16 else 32 if m <= 32 else 64
+    split = decode_tile_split(n, k)
+    if bt < 64:
+        return DecodeTileConfig(
+            block_t=bt, split_k=split, num_stages=4, min_blocks=4, fused_sum=FUSED_SUM
+        )
+    if -(-n // WARPGROUP_ROWS) * split > NUM_SMS:
+        return DecodeTileConfig(
+            block_t=bt,
+            split_k=split,
+            num_stages=3,
+            min_blocks=4,
+            consumer_regs=104,
+            fused_sum=FUSED_SUM,
+        )
     return DecodeTileConfig(
         block_t=bt,
-        split_k=decode_tile_split(n, k),
+        split_k=split,
+        num_stages=4,
+        min_blocks=3,
+        depth=2,
+        consumer_regs=136,
         fused_sum=FUSED_SUM,
-        depth=2 if bt == 64 else 1,
     )
 
 
@@ -277,7 +313,8 @@ def build_kernel(n: int, k: int, split: int, out_dtype: str, cfg: DecodeTileConf
     all_threads = cfg.threads + 128  # TileLang's producer warpgroup comes first
     n_tiles = -(-n // bn)
 
-    frag_regs = WARPGROUP_ROWS * bt // 128  # fp32 registers per thread of one partial
+    # fp32 registers per thread of one partial (each token group holds block_t / groups columns)
+    frag_regs = WARPGROUP_ROWS * bt // (128 * cfg.token_groups)
 
     @T.macro
     def issue(w_tile, x_tile, part, s):
