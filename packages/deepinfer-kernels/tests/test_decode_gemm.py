@@ -119,7 +119,7 @@ def test_picked_schedule_fits_its_ctas_per_sm(m, n, kt):
     """The picked schedule asks for CTAs per SM that its shared memory allows (ring + the chunk's
     weight-scale bytes + the 1 KB the hardware keeps per CTA, within 228 KB per SM) and, with
     setmaxnreg, that the register file allows; 64-token tiles take 4 per SM exactly when there
-    are more CTAs per token tile than SMs."""
+    are more CTAs than SMs, else two token groups."""
     k = kt * dg.BLOCK_K
     cfg = dg.pick_tile_config(m, n, k)
     chunk = k // cfg.split_k
@@ -128,8 +128,9 @@ def test_picked_schedule_fits_its_ctas_per_sm(m, n, kt):
         regs = cfg.min_blocks * (128 * dg.PRODUCER_REGS + cfg.threads * cfg.consumer_regs)
         assert regs <= 65536
     if cfg.block_t == 64:
-        many = -(-n // 64) * cfg.split_k > dg.NUM_SMS
+        many = -(-m // 64) * -(-n // 64) * cfg.split_k > dg.NUM_SMS
         assert (cfg.min_blocks == 4) == many
+        assert (cfg.token_groups == 2) == (not many)
     else:
         assert (cfg.min_blocks, cfg.num_stages, cfg.depth) == (4, 4, 1)
 
@@ -268,6 +269,7 @@ def _cuda_tools() -> tuple[str, str] | None:
         dg.DecodeTileConfig(block_t=32, num_stages=5, min_blocks=3),
         dg.DecodeTileConfig(block_t=64, num_stages=4, min_blocks=3, token_groups=2),
         dg.pick_tile_config(64, 5120, 8192),
+        dg.pick_tile_config(64, 2112, 7168),
     ],
     ids=str,
 )

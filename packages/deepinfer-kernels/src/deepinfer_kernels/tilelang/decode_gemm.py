@@ -28,11 +28,12 @@ bits). Nothing depends on M except the grid's token tiles, and a wgmma column's 
 depend on the wgmma's N (GPU-tested bitwise: token tiles of 16 / 32 / 64, M = 1 .. 300), so a
 row's bits do not depend on the other rows: batch-invariant mode runs this kernel at every M.
 
-Measured on the H200 (NOTES.md, "Decode, fourth session"; 16 consecutive calls on 16 weight sets in
-one CUDA graph, as the engine's decode graph runs layers), 5120x8192 (42 MB): M=1 / 2 / 16 17.2 us
-(57% of the 4.27 TB/s copy ceiling; a bare streaming read of the same bytes: 11.8 us), M=64
-33-35 us; the Triton swap kernel it replaces 28 / 28 / 48 us. Prefill sizes in invariant mode:
-234-279 TFLOP/s (M=256..8192), against 158-232 for the Triton invariant tiles.
+Measured on the H200 (NOTES.md, "Dense decode, fifth session"; 16 consecutive calls on 16 weight
+sets in one CUDA graph, as the engine's decode graph runs layers), 5120x8192 (42 MB): M=1 / 16
+16.3 us (60% of the 4.25 TB/s copy ceiling; a bare streaming read of the same bytes: 11.7 us),
+M=32 18.5 us (53%), M=64 24.7 us (40%); the fourth session's schedule (2 CTAs per SM, 6 stages)
+17.1 / 25.9 / 33.0 us in the same run, the Triton swap kernel before it 28 / - / 48 us. Prefill
+sizes in invariant mode (fourth session): 234-279 TFLOP/s (M=256..8192).
 """
 
 # No `from __future__ import annotations`: TileLang evaluates the kernel's argument annotations.
@@ -188,23 +189,28 @@ alone)."""
 def pick_tile_config(m: int, n: int, k: int) -> DecodeTileConfig:
     """Token tile from M (the smallest of 16 / 32 / 64 that holds M; larger M takes several 64-row
     tiles), weight tile 64 rows, split from (N, K); the schedule from the token tile and the CTA
-    count (weight tiles x chunks per token tile), so that every CTA of a decode call is resident
-    at once (H200, 16-call graphs, NOTES.md "Dense decode, fifth session"):
-    - 16 and 32 tokens: 4 CTAs per SM with a 4-stage ring (5120x8192: 16.4 vs 17.1 us at M=16,
-      18.6 vs 25.9 at M=32 for the fourth session's 2 per SM, 6 stages);
+    count (token tiles x weight tiles x chunks), so that every CTA of a decode call is resident
+    at once (H200, 16-call graphs, NOTES.md "Dense decode, fifth session"; us against the fourth
+    session's 2 CTAs per SM and 6 stages, same run):
+    - 16 and 32 tokens: 4 CTAs per SM, 4-stage ring (5120x8192: 16.3 vs 17.1 us at M=16, 18.5
+      vs 25.9 at M=32; 32768x1280 M=16: 14.6 vs 16.9);
     - 64 tokens, more CTAs than SMs: 4 per SM, 3 stages, setmaxnreg 24 / 104 (127 registers do
-      not fit 4 CTAs; one wgmma in flight fits 104): 24.7 vs 33.4 us at 5120x8192 (320 CTAs,
-      1.2 waves at 2 per SM), 20.4 vs 24.1 at 32768x1280;
-    - 64 tokens, at most one CTA per SM (2112x7168: 132): two wgmmas in flight, 4 stages, 3 per SM
-      asked, setmaxnreg 24 / 136: 14.8 vs 15.4 us.
-    The sum of the chunks as FUSED_SUM says. None of this changes a bit of the result."""
+      not fit 4 CTAs; one wgmma in flight fits 104): 24.7 vs 33.0 us at 5120x8192 (320 CTAs,
+      1.2 waves at 2 per SM), 20.6 vs 24.3 at 32768x1280 (512 CTAs);
+    - 64 tokens, at most one CTA per SM (2112x7168: 132): two consumer warpgroups, 32 tokens
+      each (`token_groups`), 4 stages, 3 per SM asked: 13.7 vs 15.4 us (the first candidate,
+      two wgmmas in flight at 3 per SM with setmaxnreg 24 / 136: 14.9).
+    Invariant mode at prefill sizes (many token tiles) therefore takes the 4-per-SM schedule
+    (not timed there). The sum of the chunks as FUSED_SUM says. None of this changes a bit of the
+    result (GPU-tested: each schedule bitwise against the fourth session's)."""
     bt = 16 if m <= 16 else 32 if m <= 32 else 64
     split = decode_tile_split(n, k)
     if bt < 64:
         return DecodeTileConfig(
             block_t=bt, split_k=split, num_stages=4, min_blocks=4, fused_sum=FUSED_SUM
         )
-    if -(-n // WARPGROUP_ROWS) * split > NUM_SMS:
+    ctas = -(-m // bt) * -(-n // WARPGROUP_ROWS) * split
+    if ctas > NUM_SMS:
         return DecodeTileConfig(
             block_t=bt,
             split_k=split,
@@ -218,8 +224,7 @@ def pick_tile_config(m: int, n: int, k: int) -> DecodeTileConfig:
         split_k=split,
         num_stages=4,
         min_blocks=3,
-        depth=2,
-        consumer_regs=136,
+        token_groups=2,
         fused_sum=FUSED_SUM,
     )
 

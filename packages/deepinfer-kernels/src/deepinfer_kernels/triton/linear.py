@@ -159,7 +159,9 @@ TILELANG_DECODE_M = (2, 64)
 """Auto mode sends calls with lo <= M <= hi rows to the TileLang swap-AB decode kernel
 (`tilelang/decode_gemm.py`) where it can run them (Hopper, tilelang importable, K a multiple of
 128: `tilelang_decode_reason`). Measured on the H200 (5120x8192, 16 calls in one graph): M=16
-17.3 us against 28.0 for the Triton swap kernel; M=1 stays on the CUDA-core GEMV (15.7 us)."""
+16.3 us, M=64 24.7 us, against 28.0 / 48 for the Triton swap kernel; M=1 stays on the CUDA-core
+GEMV (15.7 us against 16.3; but at 32768x1280 the GEMV takes 19.1 us and the TileLang kernel 15.3,
+and at 2112x7168 8.4 against 10.3: a K-dependent M=1 route is not made, not GPU-tested)."""
 
 TILELANG_INVARIANT = True
 """Batch-invariant mode sends every call the TileLang decode kernel can run to it, whatever M
