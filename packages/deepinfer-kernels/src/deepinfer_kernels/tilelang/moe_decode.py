@@ -1,0 +1,394 @@
+"""TileLang grouped decode GEMM for V4.1's FP4 experts on Hopper (sm_90a): a first version.
+
+out[r, n] = sum_k (x[t, k] * sx[t, k // 32]) * (e2m1(w[e, n, k]) * 2**(u[e, n, k // 32] - 127)),
+t = tok(r), e = e(r),
+
+for the routed rows r of a `triton.moe.Routing` (pairs sorted by expert, cut into tiles of at most
+16 rows of one expert), fp32 accumulation, with
+- x [T, K] FP8 e4m3 and sx [T, K/32] fp32 powers of two (`quant.act_quant_fp8`),
+- w [E, N, K/2] FP4 e2m1 packed two per byte, element 2j in the low nibble (`quant.pack_fp4`),
+- u [E, N, K/32] UE8M0 bytes, one per weight row per 32 along K (`quant.quantize_fp4_experts`).
+
+Structure (the dense decode kernel's, `decode_gemm.py`, with FP4 weights): one CTA per (routing
+tile, 64 weight rows, K chunk). TileLang warp-specialises the K loop: a producer warpgroup TMAs a
+ring of 128-deep K tiles: the packed weight rows of the tile's expert (64 rows x 64 B, read as
+int32 words), the tile's activation rows (gathered into routing order by the host beforehand:
+Hopper's TMA cannot gather rows) and their scales. The consumer warpgroup expands the packed
+nibbles into FP8 e4m3 in shared memory, then runs one ``wgmma.m64n16k32`` per 32-slice with the
+weights as A and the 16 tile rows as B, and promotes each partial on CUDA cores:
+``acc[n, r] += part[n, r] * (2**(u[n, kb] - 121) * sx[r, kb])`` (one FMUL + one FFMA per value).
+
+Why e4m3 and how: every e2m1 value is exact in e4m3, and the bit placement is one shift per
+value: an e2m1 magnitude (e1 e0 m) put at e4m3's bits 4..2 (exponent field 00e1e0, mantissa m00)
+is the e2m1 value times 2**-6 (e = 0 lands on e4m3's subnormals: 0 and 0.5 x 2**-6 exactly), the
+sign goes to bit 7. The 2**6 is folded into the weight scale of the promotion (2**(u - 127 + 6)),
+so the products are the reference's exact products; only the fp32 summation order differs.
+
+Why expanded into shared memory and wgmma from shared (not A from registers): TileLang 0.1.15's
+layout inference gives a register A operand its own fragment layout, which the expansion would
+have to produce from packed words that the TMA lays out by rows; the shared round trip costs one
+LDS of packed bytes and one STS of e4m3 bytes per value pair, keeps the wgmma on the layout the
+dense kernel already runs (128-B rows, 128-B swizzle), and the single e4m3 tile per CTA is reused
+every K step (the previous step's wgmmas are waited before it is rewritten).
+
+K is split into `split` chunks from (N, K) only (`moe_decode_split`), the chunks' fp32 partials
+summed in ascending order (`triton.gemv.sum_splits`), so a row's bits depend neither on the other
+rows nor on the routing of other tokens. Tiles past the routing's real count (expert -1) exit.
+
+Not done (first version, not routed by the registry): the clamped SwiGLU on the W1/W3 outputs,
+its FP8 re-quantisation as the W2 input, W2 itself through this kernel, and the weighted combine:
+`moe_experts_decode` raises NotImplementedError naming them; `triton.moe.moe_experts` runs the
+whole layer. Not measured for speed at the time of writing unless NOTES.md ("TileLang MoE decode,
+fifth session") says so.
+"""
+
+# No `from __future__ import annotations`: TileLang evaluates the kernel's argument annotations.
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..quant import e2m1_value, unpack_fp4
+from .decode_gemm import decode_tile_split
+from .fp8_gemm import (
+    BLOCK_K,
+    MAX_SHARED_BYTES,
+    OUT_DTYPES,
+    SCALE_BLOCK,
+    SLICES,
+    SM90A,
+    WARPGROUP_ROWS,
+    row_swizzle_lowering,
+    tma_ready,
+)
+
+if TYPE_CHECKING:  # importing triton/moe.py imports triton: only the type here
+    from ..triton.moe import Routing
+
+TILE_ROWS = 16  # routed rows per tile (the wgmma's N); `build_routing(..., block_m=TILE_ROWS)`
+E4M3_SHIFT = 6  # the e4m3 placement is e2m1 * 2**-6: the promotion multiplies 2**6 back
+TOPK = 6  # V4.1's experts per token: the split policy assumes one token's tiles (T=1)
+WORDS_PER_TILE = BLOCK_K // 8  # int32 words of packed FP4 per weight row and K tile
+
+
+@dataclass(frozen=True)
+class MoeDecodeConfig:
+    """One compiled kernel's schedule.
+
+    split_k: K chunks (0: `moe_decode_split(N, K)`); each a multiple of 128.
+    num_stages: TMA ring depth (a stage: 64 x 64 B packed weights + 16 x 128 B activations +
+        16 x 16 B activation scales).
+    min_blocks: CTAs per SM asked of the compiler (`__launch_bounds__(256, min_blocks)`), with
+        TileLang's setmaxnreg off when > 1 (as the dense decode kernel measured best).
+    """
+
+    split_k: int = 0
+    num_stages: int = 4
+    min_blocks: int = 2
+
+    def __post_init__(self) -> None:
+        if self.split_k < 0:
+            raise ValueError(f"MoeDecodeConfig.split_k must be >= 0, got {self.split_k}")
+        if not 1 <= self.num_stages <= 12:
+            raise ValueError(
+                f"MoeDecodeConfig.num_stages must be in [1, 12], got {self.num_stages}"
+            )
+        if not 1 <= self.min_blocks <= 8:
+            raise ValueError(f"MoeDecodeConfig.min_blocks must be in [1, 8], got {self.min_blocks}")
+
+    def shared_bytes(self, k_chunk: int) -> int:
+        """The TMA ring, the e4m3 weight tile and the chunk's weight-scale bytes."""
+        stage = WARPGROUP_ROWS * BLOCK_K // 2 + TILE_ROWS * BLOCK_K + TILE_ROWS * SLICES * 4
+        e4m3_tile = WARPGROUP_ROWS * BLOCK_K
+        return self.num_stages * stage + e4m3_tile + WARPGROUP_ROWS * (k_chunk // SCALE_BLOCK)
+
+
+def moe_decode_split(n: int, k: int) -> int:
+    """K chunks for [E, N, K] expert weights: a function of (N, K) only (batch invariance), sized
+    so that one token's TOPK tiles fill the GPU twice over (the dense rule of `decode_tile_split`
+    applied to TOPK x N rows): V4.1 W1/W3 (2304 x 5120) -> 2, W2 (5120 x 2304) -> 1."""
+    return decode_tile_split(TOPK * n, k, WARPGROUP_ROWS)
+
+
+def shape_reason(
+    x_fp8: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor
+) -> str | None:
+    """Why the kernel cannot take these operands, or None."""
+    if x_fp8.dtype != torch.float8_e4m3fn:
+        return f"x_fp8 must be float8_e4m3fn, got {x_fp8.dtype}"
+    if x_fp8.dim() != 2 or w.dim() != 3:
+        return f"x_fp8 must be [T, K] and w [E, N, K/2], got {list(x_fp8.shape)}, {list(w.shape)}"
+    t, k = x_fp8.shape
+    e, n, kh = w.shape
+    if w.dtype not in (torch.int8, torch.uint8):
+        return f"w must be int8 or uint8 (packed e2m1 pairs), got {w.dtype}"
+    if kh * 2 != k:
+        return f"w must be [E, N, K/2] = [E, N, {k // 2}], got {list(w.shape)}"
+    if k % BLOCK_K:
+        return f"K must be a multiple of {BLOCK_K}, got {k}"
+    if n % WARPGROUP_ROWS:
+        return f"N must be a multiple of {WARPGROUP_ROWS} (tiles within one expert), got {n}"
+    if list(x_scale.shape) != [t, k // SCALE_BLOCK] or x_scale.dtype != torch.float32:
+        got = f"{x_scale.dtype} {list(x_scale.shape)}"
+        return f"x_scale must be fp32 [{t}, {k // SCALE_BLOCK}], got {got}"
+    if list(w_scale.shape) != [e, n, k // SCALE_BLOCK]:
+        return f"w_scale must be [{e}, {n}, {k // SCALE_BLOCK}], got {list(w_scale.shape)}"
+    if w_scale.dtype not in (torch.float8_e8m0fnu, torch.uint8):
+        return f"w_scale must be float8_e8m0fnu or uint8 (UE8M0 bytes), got {w_scale.dtype}"
+    return None
+
+
+def expand_e4m3_bytes(packed: torch.Tensor) -> torch.Tensor:
+    """[..., K/2] packed e2m1 pairs -> [..., K] uint8 e4m3 bit patterns of e2m1 * 2**-6, the
+    kernel's expansion per value: (code & 7) << 2 | (code & 8) << 4 (sign to bit 7)."""
+    code = unpack_fp4(packed)
+    return ((code & 7) << 2) | ((code & 8) << 4)
+
+
+def promote_reference(
+    x_fp8: torch.Tensor,
+    x_scale: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    rows_token: torch.Tensor,
+    rows_expert: torch.Tensor,
+    split: int,
+) -> torch.Tensor:
+    """The kernel's arithmetic in torch fp32, for CPU checks: for each routed row r (token
+    rows_token[r] [R], expert rows_expert[r] [R]), per K chunk and 32-slice, the unscaled partial
+    of the e4m3 expansion (`expand_e4m3_bytes`) and the FP8 activations, promoted with
+    2**(u - 127 + 6) * sx, the chunks summed in ascending order. Returns [R, N] fp32."""
+    k = x_fp8.shape[1]
+    n = w.shape[1]
+    r = rows_token.shape[0]
+    wv = expand_e4m3_bytes(w).view(torch.float8_e4m3fn).float()  # [E, N, K]
+    u = w_scale.contiguous().view(torch.uint8).to(torch.int32)  # [E, N, K/32]
+    sw = ((u + E4M3_SHIFT) << 23).view(torch.float32)
+    xs = x_fp8.float()[rows_token.long()]  # [R, K]
+    sx = x_scale[rows_token.long()]  # [R, K/32]
+    we = wv[rows_expert.long()]  # [R, N, K]
+    swe = sw[rows_expert.long()]  # [R, N, K/32]
+    chunk = k // split
+    out = torch.zeros(r, n, dtype=torch.float32)
+    for s in range(split):
+        acc = torch.zeros(r, n, dtype=torch.float32)
+        for kb in range(s * chunk // SCALE_BLOCK, (s + 1) * chunk // SCALE_BLOCK):
+            ks = slice(kb * SCALE_BLOCK, (kb + 1) * SCALE_BLOCK)
+            part = torch.einsum("rnk,rk->rn", we[:, :, ks], xs[:, ks])
+            acc += part * (swe[:, :, kb] * sx[:, kb, None])
+        out = acc if s == 0 else out + acc
+    return out
+
+
+def dequantized_reference(
+    x_fp8: torch.Tensor,
+    x_scale: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    rows_token: torch.Tensor,
+    rows_expert: torch.Tensor,
+) -> torch.Tensor:
+    """The MoE reference's math for the same rows: dequantised x [R, K] @ dequantised w^T, fp32.
+    [R, N]. (The kernel must match it up to fp32 summation order.)"""
+    xd = (x_fp8.float().unflatten(-1, (-1, SCALE_BLOCK)) * x_scale[..., None]).flatten(-2)
+    values = e2m1_value(unpack_fp4(w)).unflatten(-1, (-1, SCALE_BLOCK))
+    wd = (values * w_scale.float()[..., None]).flatten(-2)  # [E, N, K]
+    return torch.einsum("rnk,rk->rn", wd[rows_expert.long()], xd[rows_token.long()])
+
+
+# -- the kernel (tilelang imported here only) ----------------------------------------------------
+
+
+def build_kernel(n: int, k: int, split: int, out_dtype: str, cfg: MoeDecodeConfig):
+    """The TileLang prim_func for experts [E, n, k] cut into `split` K chunks (E, rows, tiles
+    dynamic).
+
+    Arguments: X [R, K] e4m3 and SX [R, K/32] fp32 (activation rows in routing order), W [E*N, K/8]
+    int32 (packed e2m1 words), SW [E*N, K/32] uint8, TILES [tiles, 3] int32 (expert or -1, first
+    row, end row), P: [split, R, N] fp32 partials when split > 1, else [R, N] out_dtype.
+    """
+    import tilelang.language as T
+
+    if k % (split * BLOCK_K):
+        raise ValueError(f"build_kernel: K={k} must split into {split} chunks of 128s")
+    if out_dtype not in OUT_DTYPES.values():
+        raise ValueError(f"build_kernel: out_dtype must be one of {list(OUT_DTYPES.values())}")
+    bn, bt = WARPGROUP_ROWS, TILE_ROWS
+    kc = k // split
+    kbc = kc // SCALE_BLOCK
+    kb_total = k // SCALE_BLOCK
+    kw = k // 8  # int32 words per packed weight row
+    rows = T.dynamic("rows")
+    wrows = T.dynamic("wrows")  # E * N
+    ntiles = T.dynamic("ntiles")
+    fp8 = "float8_e4m3fn"
+    p_shape = (split, rows, n) if split > 1 else (rows, n)
+    p_dtype = "float32" if split > 1 else out_dtype
+
+    @T.prim_func
+    def moe_decode_kernel(
+        X: T.Tensor((rows, k), fp8),
+        SX: T.Tensor((rows, kb_total), "float32"),
+        W: T.Tensor((wrows, kw), "int32"),
+        SW: T.Tensor((wrows, kb_total), "uint8"),
+        TILES: T.Tensor((ntiles, 3), "int32"),
+        P: T.Tensor(p_shape, p_dtype),
+    ):
+        with T.Kernel(ntiles, n // bn, split, threads=128) as (bx, by, bz):
+            wq_tile = T.alloc_shared((bn, WORDS_PER_TILE), "int32")
+            x_tile = T.alloc_shared((bt, BLOCK_K), fp8)
+            sx_tile = T.alloc_shared((bt, SLICES), "float32")
+            w_tile = T.alloc_shared((bn, BLOCK_K), fp8)
+            sw_chunk = T.alloc_shared((bn, kbc), "uint8")
+            acc = T.alloc_fragment((bn, bt), "float32")
+            part = T.alloc_fragment((bn, bt), "float32")
+            if cfg.min_blocks > 1:
+                T.annotate_min_blocks_per_sm(cfg.min_blocks)
+                T.no_set_max_nreg()
+            from tilelang.layout import make_full_bank_swizzled_layout as row_swizzled
+
+            T.annotate_layout({w_tile: row_swizzled(w_tile), x_tile: row_swizzled(x_tile)})
+            expert = TILES[bx, 0]
+            first = TILES[bx, 1]
+            end = TILES[bx, 2]
+            wrow0 = expert * n + by * bn
+            if expert >= 0:
+                T.clear(acc)
+                for r, c in T.Parallel(bn, kbc):
+                    sw_chunk[r, c] = SW[wrow0 + r, bz * kbc + c]
+                for kt in T.Pipelined(kc // BLOCK_K, num_stages=cfg.num_stages):
+                    T.copy(W[wrow0, (bz * kc + kt * BLOCK_K) // 8], wq_tile)
+                    T.copy(X[first, bz * kc + kt * BLOCK_K], x_tile)
+                    T.copy(SX[first, bz * kbc + kt * SLICES], sx_tile)
+                    # e2m1 nibble -> e4m3 byte of value * 2**-6: magnitude to bits 4..2, sign to 7.
+                    # Written per output byte, but on whole words: each thread expands one packed
+                    # word (8 values, T.Parallel vectorises c by 8), the even values' nibbles (a
+                    # mask) and the odd ones' (a shift and a mask) placed 4 at a time, then byte
+                    # c % 8 picked; nvcc shares the two placed words across the 8 lanes.
+                    for i, c in T.Parallel(bn, BLOCK_K):
+                        word = wq_tile[i, c // 8]
+                        half = T.shift_right(word, (c % 2) * 4) & 0x0F0F0F0F
+                        placed = T.shift_left(half & 0x07070707, 2) | T.shift_left(
+                            half & 0x08080808, 4
+                        )
+                        w_tile[i, c] = T.reinterpret(
+                            T.Cast("uint8", T.shift_right(placed, (c % 8 // 2) * 8) & 0xFF), fp8
+                        )
+                    for s in T.unroll(SLICES):
+                        T.gemm(
+                            w_tile[:, s * SCALE_BLOCK : (s + 1) * SCALE_BLOCK],
+                            x_tile[:, s * SCALE_BLOCK : (s + 1) * SCALE_BLOCK],
+                            part, transpose_B=True, clear_accum=True,
+                            policy=T.GemmWarpPolicy.FullRow,
+                        )  # fmt: skip
+                        for i, j in T.Parallel(bn, bt):
+                            u = T.Cast("uint32", sw_chunk[i, kt * SLICES + s])
+                            acc[i, j] += part[i, j] * (
+                                T.reinterpret(T.shift_left(u + E4M3_SHIFT, 23), "float32")
+                                * sx_tile[j, s]
+                            )
+                for i, j in T.Parallel(bn, bt):
+                    row = first + j
+                    if row < end:
+                        if split > 1:
+                            P[bz, row, by * bn + i] = acc[i, j]
+                        else:
+                            P[row, by * bn + i] = T.Cast(out_dtype, acc[i, j])
+
+    return moe_decode_kernel
+
+
+def lower_source(n: int, k: int, split: int, out_dtype: str = "float32", cfg=None) -> str:
+    """CUDA source of the kernel for sm_90a, lowered without nvcc (inspection and CPU tests)."""
+    import tilelang
+    from tvm.target import Target
+
+    target = Target(SM90A)
+    cfg = cfg or MoeDecodeConfig()
+    with target, row_swizzle_lowering(True):
+        artifact = tilelang.lower(build_kernel(n, k, split, out_dtype, cfg), target=target)
+    return artifact.kernel_source
+
+
+_COMPILED: dict[tuple[int, int, int, str, MoeDecodeConfig], Any] = {}
+
+
+def compiled_kernel(n: int, k: int, split: int, out_dtype: str, cfg: MoeDecodeConfig):
+    """The JIT-compiled kernel for these static dimensions (compiled on first use)."""
+    key = (n, k, split, out_dtype, cfg)
+    kernel = _COMPILED.get(key)
+    if kernel is None:
+        import logging
+
+        import tilelang
+
+        start = time.perf_counter()
+        with row_swizzle_lowering(True):
+            kernel = tilelang.compile(build_kernel(n, k, split, out_dtype, cfg), target=SM90A)
+        _COMPILED[key] = kernel
+        logging.getLogger(__name__).info(
+            "compiled the TileLang MoE decode GEMM for N=%d K=%d split=%d in %.1f s",
+            n, k, split, time.perf_counter() - start,
+        )  # fmt: skip
+    return kernel
+
+
+def moe_decode_gemm(
+    x_fp8: torch.Tensor,
+    x_scale: torch.Tensor,
+    routing: "Routing",
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    out_dtype: torch.dtype = torch.float32,
+    config: MoeDecodeConfig | None = None,
+) -> torch.Tensor:
+    """Grouped GEMM over a routing's tiles: x_fp8 [T, K] e4m3 with x_scale [T, K/32] fp32 powers
+    of two, w [E, N, K/2] packed e2m1 with w_scale [E, N, K/32] UE8M0 -> [P, N] out_dtype, row r
+    = routed pair r in routing order (token routing.sorted_token[r], its tile's expert), fp32
+    accumulation. `routing` from `triton.moe.build_routing(..., block_m=TILE_ROWS)`.
+
+    Capturable in a CUDA graph (no host reads: the tile list's length is a host-side bound)."""
+    why = shape_reason(x_fp8, x_scale, w, w_scale)
+    if why is not None:
+        raise ValueError(f"tilelang moe_decode_gemm: {why}")
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"out_dtype must be one of {list(OUT_DTYPES)}, got {out_dtype}")
+    if routing.tiles.dim() != 2 or routing.tiles.shape[1] != 3:
+        raise ValueError(f"routing.tiles must be [tiles, 3], got {list(routing.tiles.shape)}")
+    k = x_fp8.shape[1]
+    e, n, _ = w.shape
+    p = routing.sorted_token.shape[0]
+    cfg = config or MoeDecodeConfig()
+    split = cfg.split_k or moe_decode_split(n, k)
+    if k % (split * BLOCK_K):
+        raise ValueError(f"tilelang moe_decode_gemm: split_k={split} must cut K={k} into 128s")
+    if cfg.shared_bytes(k // split) > MAX_SHARED_BYTES:
+        raise ValueError(f"tilelang moe_decode_gemm: {cfg} needs too much shared memory")
+    if p == 0 or n == 0:
+        return torch.empty(p, n, dtype=out_dtype, device=x_fp8.device)
+    # Hopper's TMA cannot gather rows: the activation rows are put in routing order first
+    tok = routing.sorted_token.long()
+    xr, sxr = tma_ready(x_fp8[tok]), tma_ready(x_scale[tok])
+    wq = tma_ready(w.view(torch.uint8).reshape(e * n, k // 2)).view(torch.int32)
+    sw = w_scale.contiguous().view(torch.uint8).reshape(e * n, k // SCALE_BLOCK)
+    tiles = routing.tiles.contiguous()
+    if split == 1:
+        out = torch.empty(p, n, dtype=out_dtype, device=x_fp8.device)
+        compiled_kernel(n, k, 1, OUT_DTYPES[out_dtype], cfg)(xr, sxr, wq, sw, tiles, out)
+        return out
+    partials = torch.empty(split, p, n, dtype=torch.float32, device=x_fp8.device)
+    compiled_kernel(n, k, split, "float32", cfg)(xr, sxr, wq, sw, tiles, partials)
+    from ..triton.gemv import sum_splits
+
+    return sum_splits(partials, out_dtype)
+
+
+def moe_experts_decode(*args: Any, **kwargs: Any) -> torch.Tensor:
+    """The whole routed-expert layer on this kernel: not done in this first version."""
+    raise NotImplementedError(
+        "tilelang moe_experts_decode: only the grouped W1/W3 GEMM exists (moe_decode_gemm); the "
+        "clamped SwiGLU, its FP8 re-quantisation as the W2 input, W2 through moe_decode_gemm and "
+        "the weighted combine are not written: use triton.moe.moe_experts"
+    )
