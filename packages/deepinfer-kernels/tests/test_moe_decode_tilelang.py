@@ -64,15 +64,27 @@ def test_every_code_placed_exactly():
     assert as_fp8 == [e2m1(c) * 2.0**-6 for c in range(16)]
 
 
+def byte_perm(x: int, y: int, sel: int) -> int:
+    """CUDA's __byte_perm (PRMT): result byte n is byte (sel >> 4n) & 7 of the 8 bytes y:x."""
+    both = (y << 32) | x
+    return sum(((both >> (8 * ((sel >> (4 * n)) & 7))) & 0xFF) << (8 * n) for n in range(4))
+
+
 def kernel_word_formula(word: int) -> list[int]:
     """The kernel's expansion of one packed int32 word (8 values, low nibble first), as written
-    in `build_kernel`: per output byte c, half = (word >> 4*(c%2)) & 0x0F0F0F0F, placed
-    = (half & 0x07070707) << 2 | (half & 0x08080808) << 4, byte (c % 8) // 2 of placed."""
+    in `build_kernel`: the even values' nibbles (word & 0x0F0F0F0F) and the odd ones'
+    ((word >> 4) & 0x0F0F0F0F) placed as (n & 0x07070707) << 2 | (n & 0x08080808) << 4, the two
+    placed words interleaved with __byte_perm (selector 0x5140 for bytes 0..3, 0x7362 for 4..7),
+    output byte c = byte c % 4 of that."""
+    even, odd = word & 0x0F0F0F0F, (word >> 4) & 0x0F0F0F0F
+
+    def place(n: int) -> int:
+        return ((n & 0x07070707) << 2) | ((n & 0x08080808) << 4)
+
     out = []
     for c in range(8):
-        half = (word >> ((c % 2) * 4)) & 0x0F0F0F0F
-        placed = ((half & 0x07070707) << 2) | ((half & 0x08080808) << 4)
-        out.append((placed >> ((c // 2) * 8)) & 0xFF)
+        pair = byte_perm(place(even), place(odd), 0x5140 + (c // 4) * 0x2222)
+        out.append((pair >> ((c % 4) * 8)) & 0xFF)
     return out
 
 

@@ -264,17 +264,27 @@ def build_kernel(n: int, k: int, split: int, out_dtype: str, cfg: MoeDecodeConfi
                     T.copy(SX[first, bz * kbc + kt * SLICES], sx_tile)
                     # e2m1 nibble -> e4m3 byte of value * 2**-6: magnitude to bits 4..2, sign to 7.
                     # Written per output byte, but on whole words: each thread expands one packed
-                    # word (8 values, T.Parallel vectorises c by 8), the even values' nibbles (a
-                    # mask) and the odd ones' (a shift and a mask) placed 4 at a time, then byte
-                    # c % 8 picked; nvcc shares the two placed words across the 8 lanes.
+                    # word (8 values; T.Parallel vectorises c by 8): the even values' nibbles
+                    # (a mask) and the odd ones' (a shift and a mask) placed 4 at a time, the two
+                    # placed words interleaved bytewise (PRMT) into the 8 output bytes, of which
+                    # lane c takes byte c; nvcc shares the words across the 8 lanes.
                     for i, c in T.Parallel(bn, BLOCK_K):
                         word = wq_tile[i, c // 8]
-                        half = T.shift_right(word, (c % 2) * 4) & 0x0F0F0F0F
-                        placed = T.shift_left(half & 0x07070707, 2) | T.shift_left(
-                            half & 0x08080808, 4
+                        even = word & 0x0F0F0F0F
+                        odd = T.shift_right(word, 4) & 0x0F0F0F0F
+                        placed_even = T.shift_left(even & 0x07070707, 2) | T.shift_left(
+                            even & 0x08080808, 4
                         )
+                        placed_odd = T.shift_left(odd & 0x07070707, 2) | T.shift_left(
+                            odd & 0x08080808, 4
+                        )
+                        # bytes (e0 o0 e1 o1) for c < 4, (e2 o2 e3 o3) for c >= 4
+                        pair = T.call_extern(
+                            "int32", "__byte_perm", placed_even, placed_odd,
+                            0x5140 + (c % 8 // 4) * 0x2222,  # 0x7362 for c % 8 >= 4
+                        )  # fmt: skip
                         w_tile[i, c] = T.reinterpret(
-                            T.Cast("uint8", T.shift_right(placed, (c % 8 // 2) * 8) & 0xFF), fp8
+                            T.Cast("uint8", T.shift_right(pair, (c % 4) * 8) & 0xFF), fp8
                         )
                     for s in T.unroll(SLICES):
                         T.gemm(
