@@ -554,7 +554,13 @@ def main() -> None:
     ap.add_argument("--decode-t", nargs="*", type=int, default=[1, 16, 64, 256])
     ap.add_argument("--prefill-row", action="store_true", help="PREFILL at T=8192, eager")
     ap.add_argument("--profile-once", action="store_true", help="calls for ncu (see profile_once)")
+    ap.add_argument(
+        "--tilelang-w1", nargs="*", type=int, help="T for the TileLang MoE decode GEMM (W1) rows"
+    )
     args = ap.parse_args()
+    if args.tilelang_w1 is not None:
+        tilelang_w1_rows(tuple(args.tilelang_w1) or (1, 16))
+        return
     if args.compile_one:
         _compile_one(args.compile_one)
         return
@@ -659,6 +665,78 @@ def prefill_head_rows() -> list[dict]:
     if len(outs) == 2:
         print(f"prefill head vs now bitwise equal: {torch.equal(outs['head'], outs['now'])}")
     return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# TileLang grouped decode GEMM (fifth session, helper "moe-tl"): W1 alone, not routed anywhere
+# ---------------------------------------------------------------------------------------------
+
+
+def tilelang_w1_rows(ts=(1, 16)) -> None:
+    """`tilelang/moe_decode.py` on one layer's W1 (E=384 experts of I=2304 rows x D=5120, FP4)
+    at each T, in the engine's harness (`chain_graph_ms`: one CUDA graph of 8 calls on 8 routings,
+    us per call). The activations are quantised and the routings built outside the graph, so a
+    call is the row gather, the kernel and the split sum. Each T first checks the first routing
+    against the reference math (dequantised experts, fp32 matmul; `rel`). `%bw`: the distinct
+    routed experts' W1 bytes (packed FP4 + UE8M0 scales) over the time, against the copy ceiling
+    measured in the same run. The table prints last, also after a `timeout` (SIGTERM)."""
+    import signal
+    import sys
+
+    from bench_common import chain_graph_ms, measure_copy_gbs
+    from deepinfer_kernels import quant
+    from deepinfer_kernels.tilelang import moe_decode as md
+    from deepinfer_kernels.triton import moe as tmoe
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("bench_moe: SIGTERM"))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    (w1, s1, *_), _ = moe_layer_weights(g)
+    per_expert = MOE_I * MOE_D // 2 + MOE_I * MOE_D // 32
+    rows = []
+    copy_gbs = float("nan")
+    try:
+        copy_gbs = measure_copy_gbs()
+        for t in ts:
+            sets = []
+            for x, tw, ids in moe_routed_inputs(t, 8, g):
+                xq, xs = quant.act_quant_fp8(x)
+                sets.append((xq, xs, tmoe.build_routing(tw, ids, MOE_E, md.TILE_ROWS), ids))
+            active = sum(int(torch.unique(st[3]).numel()) for st in sets) / len(sets)
+
+            def fn(xq, xs, route, ids):
+                return md.moe_decode_gemm(xq, xs, route, w1, s1, torch.bfloat16)
+
+            xq, xs, route, ids = sets[0]
+            got = md.moe_decode_gemm(xq, xs, route, w1, s1, torch.float32).double()
+            flat = ids.reshape(-1)
+            experts = flat[torch.argsort(flat, stable=True)]
+            xd = quant.act_dequant_fp8(xq, xs, torch.float32)
+            want = torch.empty_like(got)
+            for ex in torch.unique(experts).tolist():
+                r = (experts == ex).nonzero().squeeze(1)
+                wd = quant.dequantize_fp4(w1[ex], s1[ex], torch.float32)
+                want[r] = (xd[route.sorted_token[r].long()] @ wd.t()).double()
+            rel = ((got - want).norm() / want.norm()).item()
+            us = chain_graph_ms(fn, sets) * 1e3
+            rows.append(
+                dict(
+                    t=t,
+                    us=us,
+                    bytes=active * per_expert,
+                    rel=rel,
+                    split=md.moe_decode_split(MOE_I, MOE_D),
+                )
+            )
+            print(f"tilelang W1 T={t}: {us:.1f} us, rel {rel:.1e}", flush=True)
+    finally:
+        shape = f"I={MOE_I} x D={MOE_D}, {MOE_E} experts, top-{MOE_K}"
+        print(f"\nTileLang MoE decode GEMM, W1 only ({shape});")
+        print(f"chained graph, 8 routings; copy ceiling {copy_gbs:.0f} GB/s")
+        print(f"{'T':>5}{'us':>9}{'MB':>9}{'%bw':>7}{'split':>7}{'rel':>10}")
+        for r in rows:
+            pct = 100 * r["bytes"] / (r["us"] * 1e-6) / 1e9 / copy_gbs
+            cells = f"{r['t']:>5}{r['us']:>9.1f}{r['bytes'] / 1e6:>9.1f}{pct:>7.1f}"
+            print(f"{cells}{r['split']:>7}{r['rel']:>10.1e}")
 
 
 if __name__ == "__main__":

@@ -379,10 +379,13 @@ def moe_decode_gemm(
     if p == 0 or n == 0:
         return torch.empty(p, n, dtype=out_dtype, device=x_fp8.device)
     # Hopper's TMA cannot gather rows: the activation rows are put in routing order first
+    # (gathered as bytes: index kernels need not know fp8)
     tok = routing.sorted_token.long()
-    xr, sxr = tma_ready(x_fp8[tok]), tma_ready(x_scale[tok])
+    xr = tma_ready(x_fp8.view(torch.uint8)[tok].view(torch.float8_e4m3fn))
+    sxr = tma_ready(x_scale[tok])
     wq = tma_ready(w.view(torch.uint8).reshape(e * n, k // 2)).view(torch.int32)
-    sw = w_scale.contiguous().view(torch.uint8).reshape(e * n, k // SCALE_BLOCK)
+    # the scale bytes are read 4 at a time (16-B aligned base: tma_ready copies otherwise)
+    sw = tma_ready(w_scale.view(torch.uint8).reshape(e * n, k // SCALE_BLOCK))
     tiles = routing.tiles.contiguous()
     if split == 1:
         out = torch.empty(p, n, dtype=out_dtype, device=x_fp8.device)
