@@ -676,10 +676,13 @@ def tilelang_w1_rows(ts=(1, 16)) -> None:
     """`tilelang/moe_decode.py` on one layer's W1 (E=384 experts of I=2304 rows x D=5120, FP4)
     at each T, in the engine's harness (`chain_graph_ms`: one CUDA graph of 8 calls on 8 routings,
     us per call). The activations are quantised and the routings built outside the graph, so a
-    call is the row gather, the kernel and the split sum. Each T first checks the first routing
-    against the reference math (dequantised experts, fp32 matmul; `rel`). `%bw`: the distinct
-    routed experts' W1 bytes (packed FP4 + UE8M0 scales) over the time, against the copy ceiling
-    measured in the same run. The table prints last, also after a `timeout` (SIGTERM)."""
+    call is the row gather, the kernel and the split sum (`sorted`: the kernel and the sum on rows
+    already in routing order, as the W2 input would be). Variants: schedules (`st` ring stages,
+    `b` CTAs per SM asked) and split 1. Each T first checks the default on the first routing
+    against the reference math (dequantised experts, fp32 matmul; `check`), the variants against
+    the default (`same` = bitwise). `%bw`: the distinct routed experts' W1 bytes (packed FP4 +
+    UE8M0 scales) over the time, against the copy ceiling measured in the same run. The table
+    prints last, also after a `timeout` (SIGTERM)."""
     import signal
     import sys
 
@@ -689,6 +692,14 @@ def tilelang_w1_rows(ts=(1, 16)) -> None:
     from deepinfer_kernels.triton import moe as tmoe
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("bench_moe: SIGTERM"))
+    cfg = md.MoeDecodeConfig
+    variants = {
+        "default": cfg(),
+        "sorted": cfg(),
+        "st3 b4": cfg(num_stages=3, min_blocks=4),
+        "st4 b3": cfg(num_stages=4, min_blocks=3),
+        "split1 st4 b3": cfg(split_k=1, num_stages=4, min_blocks=3),
+    }
     g = torch.Generator(device="cuda").manual_seed(0)
     (w1, s1, *_), _ = moe_layer_weights(g)
     per_expert = MOE_I * MOE_D // 2 + MOE_I * MOE_D // 32
@@ -702,41 +713,60 @@ def tilelang_w1_rows(ts=(1, 16)) -> None:
                 xq, xs = quant.act_quant_fp8(x)
                 sets.append((xq, xs, tmoe.build_routing(tw, ids, MOE_E, md.TILE_ROWS), ids))
             active = sum(int(torch.unique(st[3]).numel()) for st in sets) / len(sets)
-
-            def fn(xq, xs, route, ids):
-                return md.moe_decode_gemm(xq, xs, route, w1, s1, torch.bfloat16)
-
             xq, xs, route, ids = sets[0]
-            got = md.moe_decode_gemm(xq, xs, route, w1, s1, torch.float32).double()
             flat = ids.reshape(-1)
             experts = flat[torch.argsort(flat, stable=True)]
             xd = quant.act_dequant_fp8(xq, xs, torch.float32)
-            want = torch.empty_like(got)
+            want = torch.empty(flat.numel(), MOE_I, dtype=torch.float64, device="cuda")
             for ex in torch.unique(experts).tolist():
                 r = (experts == ex).nonzero().squeeze(1)
                 wd = quant.dequantize_fp4(w1[ex], s1[ex], torch.float32)
                 want[r] = (xd[route.sorted_token[r].long()] @ wd.t()).double()
-            rel = ((got - want).norm() / want.norm()).item()
-            us = chain_graph_ms(fn, sets) * 1e3
-            rows.append(
-                dict(
-                    t=t,
-                    us=us,
-                    bytes=active * per_expert,
-                    rel=rel,
-                    split=md.moe_decode_split(MOE_I, MOE_D),
-                )
-            )
-            print(f"tilelang W1 T={t}: {us:.1f} us, rel {rel:.1e}", flush=True)
+            base = None
+            for name, c in variants.items():
+                if name == "sorted":
+                    tok = [st[2].sorted_token.long() for st in sets]
+                    args = [
+                        (st[0].view(torch.uint8)[tk].view(torch.float8_e4m3fn), st[1][tk], st[2])
+                        for st, tk in zip(sets, tok, strict=True)
+                    ]
+
+                    def fn(xr, sxr, route, c=c):
+                        return md.grouped_gemm_sorted(
+                            xr, sxr, route.tiles, w1, s1, torch.bfloat16, c
+                        )
+
+                else:
+                    args = [st[:3] for st in sets]
+
+                    def fn(xq, xs, route, c=c):
+                        return md.moe_decode_gemm(xq, xs, route, w1, s1, torch.bfloat16, c)
+
+                try:
+                    got = fn(*args[0]).double()
+                    if base is None:
+                        base = got
+                        rel = ((got - want).norm() / want.norm()).item()
+                        check = f"rel {rel:.1e}" + (" BAD" if rel > 1e-2 else "")
+                    else:
+                        diff = ((got - base).norm() / base.norm()).item()
+                        check = "same" if torch.equal(got, base) else f"{diff:.1e} vs default"
+                    us = chain_graph_ms(fn, args) * 1e3
+                except Exception as exc:  # reported; the other rows still run
+                    print(f"tilelang W1 {name} T={t} failed: {type(exc).__name__}: {exc}"[:400])
+                    continue
+                rows.append(dict(name=name, t=t, us=us, bytes=active * per_expert, check=check))
+                print(f"tilelang W1 {name} T={t}: {us:.1f} us, {check}", flush=True)
     finally:
         shape = f"I={MOE_I} x D={MOE_D}, {MOE_E} experts, top-{MOE_K}"
-        print(f"\nTileLang MoE decode GEMM, W1 only ({shape});")
-        print(f"chained graph, 8 routings; copy ceiling {copy_gbs:.0f} GB/s")
-        print(f"{'T':>5}{'us':>9}{'MB':>9}{'%bw':>7}{'split':>7}{'rel':>10}")
+        print(f"\nTileLang MoE decode GEMM, W1 only ({shape}), bf16 out; split (default)")
+        print(f"{md.moe_decode_split(MOE_I, MOE_D)}; chained graph, 8 routings; copy ceiling")
+        print(f"{copy_gbs:.0f} GB/s")
+        print(f"{'variant':<16}{'T':>5}{'us':>9}{'MB':>9}{'%bw':>7}  check")
         for r in rows:
             pct = 100 * r["bytes"] / (r["us"] * 1e-6) / 1e9 / copy_gbs
-            cells = f"{r['t']:>5}{r['us']:>9.1f}{r['bytes'] / 1e6:>9.1f}{pct:>7.1f}"
-            print(f"{cells}{r['split']:>7}{r['rel']:>10.1e}")
+            cells = f"{r['name']:<16}{r['t']:>5}{r['us']:>9.1f}{r['bytes'] / 1e6:>9.1f}"
+            print(f"{cells}{pct:>7.1f}  {r['check']}")
 
 
 if __name__ == "__main__":

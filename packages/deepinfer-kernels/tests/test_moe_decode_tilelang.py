@@ -188,6 +188,8 @@ def test_shape_and_config_errors():
         md.MoeDecodeConfig(min_blocks=9)
     with pytest.raises(ValueError, match="tilelang moe_decode_gemm: w must be"):
         md.moe_decode_gemm(xq, xs, None, wq.float(), ws)
+    with pytest.raises(ValueError, match="tiles must be int32"):
+        md.grouped_gemm_sorted(xq, xs, torch.zeros(4, 3), wq, ws)
     with pytest.raises(NotImplementedError, match="SwiGLU"):
         md.moe_experts_decode()
 
@@ -246,7 +248,9 @@ def _gpu_case(seed, t, e, n, k, topk, empty_expert=True):
 @needs_hopper
 @pytest.mark.parametrize(
     ("t", "e", "n", "k"),
-    [(1, 16, 2304, 5120), (16, 24, 256, 1024), (37, 8, 128, 512), (5, 384, 128, 256)],
+    # V4.1's W1 at T=1 (K split in 2), one full tile of 16 rows, odd T over few experts (tiles
+    # past the real count), many experts with one row each; 3 shapes compiled (a few s each)
+    [(1, 16, 2304, 5120), (16, 24, 256, 1024), (37, 8, 128, 512), (5, 384, 128, 512)],
 )
 def test_gpu_against_moe_reference_math(t, e, n, k):
     from deepinfer_kernels.triton.moe import build_routing
@@ -272,9 +276,11 @@ def test_gpu_against_moe_reference_math(t, e, n, k):
         xq.cpu(), xs.cpu(), wq.cpu(), ws.cpu(), route.sorted_token.cpu(), rows_expert.cpu(), split
     )
     assert ((got.cpu() - mine).norm() / mine.norm()).item() < 1e-6
-    # bf16 output: the fp32 result rounded once
-    got_bf16 = md.moe_decode_gemm(xq, xs, route, wq, ws, torch.bfloat16)
-    assert torch.equal(got_bf16, got.to(torch.bfloat16))
+    # bf16 output (K split: rounded by the split sum; else by the kernel's store): the fp32
+    # result rounded once (one more shape compiled)
+    if t in (1, 37):
+        got_bf16 = md.moe_decode_gemm(xq, xs, route, wq, ws, torch.bfloat16)
+        assert torch.equal(got_bf16, got.to(torch.bfloat16))
 
 
 @needs_hopper
@@ -283,7 +289,7 @@ def test_gpu_graph_replay_and_invariance():
     rows are bitwise the same when it is routed alone (batch invariance)."""
     from deepinfer_kernels.triton.moe import build_routing
 
-    t, e, n, k, topk = 9, 12, 128, 1024, 4
+    t, e, n, k, topk = 9, 12, 128, 512, 4
     xq, xs, wq, ws, ids, tw = _gpu_case(5, t, e, n, k, topk, empty_expert=False)
     ids_buf = ids.clone()
     route = build_routing(tw, ids_buf, e, md.TILE_ROWS)

@@ -359,39 +359,58 @@ def moe_decode_gemm(
     = routed pair r in routing order (token routing.sorted_token[r], its tile's expert), fp32
     accumulation. `routing` from `triton.moe.build_routing(..., block_m=TILE_ROWS)`.
 
-    Capturable in a CUDA graph (no host reads: the tile list's length is a host-side bound)."""
+    Hopper's TMA cannot gather rows, so the activation rows are first put in routing order (two
+    small gathers), then `grouped_gemm_sorted`. Capturable in a CUDA graph (no host reads: the
+    tile list's length is a host-side bound)."""
     why = shape_reason(x_fp8, x_scale, w, w_scale)
     if why is not None:
         raise ValueError(f"tilelang moe_decode_gemm: {why}")
+    tok = routing.sorted_token.long()
+    # gathered as bytes: index kernels need not know fp8
+    xr = x_fp8.view(torch.uint8)[tok].view(torch.float8_e4m3fn)
+    return grouped_gemm_sorted(xr, x_scale[tok], routing.tiles, w, w_scale, out_dtype, config)
+
+
+def grouped_gemm_sorted(
+    x_rows: torch.Tensor,
+    x_rows_scale: torch.Tensor,
+    tiles: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    out_dtype: torch.dtype = torch.float32,
+    config: MoeDecodeConfig | None = None,
+) -> torch.Tensor:
+    """The kernel on activation rows already in routing order (as the W2 input is: the SwiGLU
+    output of the sorted rows): x_rows [P, K] e4m3, x_rows_scale [P, K/32] fp32, tiles
+    [tiles, 3] int32 (expert or -1, first row, end row; `Routing.tiles` of TILE_ROWS-row tiles),
+    w [E, N, K/2], w_scale [E, N, K/32] -> [P, N] out_dtype (rows in no tile are not written)."""
+    why = shape_reason(x_rows, x_rows_scale, w, w_scale)
+    if why is not None:
+        raise ValueError(f"tilelang grouped_gemm_sorted: {why}")
     if out_dtype not in OUT_DTYPES:
         raise ValueError(f"out_dtype must be one of {list(OUT_DTYPES)}, got {out_dtype}")
-    if routing.tiles.dim() != 2 or routing.tiles.shape[1] != 3:
-        raise ValueError(f"routing.tiles must be [tiles, 3], got {list(routing.tiles.shape)}")
-    k = x_fp8.shape[1]
+    if tiles.dim() != 2 or tiles.shape[1] != 3 or tiles.dtype != torch.int32:
+        raise ValueError(f"tiles must be int32 [tiles, 3], got {tiles.dtype} {list(tiles.shape)}")
+    p, k = x_rows.shape
     e, n, _ = w.shape
-    p = routing.sorted_token.shape[0]
     cfg = config or MoeDecodeConfig()
     split = cfg.split_k or moe_decode_split(n, k)
     if k % (split * BLOCK_K):
-        raise ValueError(f"tilelang moe_decode_gemm: split_k={split} must cut K={k} into 128s")
+        raise ValueError(f"tilelang grouped_gemm_sorted: split_k={split} must cut K={k} into 128s")
     if cfg.shared_bytes(k // split) > MAX_SHARED_BYTES:
-        raise ValueError(f"tilelang moe_decode_gemm: {cfg} needs too much shared memory")
-    if p == 0 or n == 0:
-        return torch.empty(p, n, dtype=out_dtype, device=x_fp8.device)
-    # Hopper's TMA cannot gather rows: the activation rows are put in routing order first
-    # (gathered as bytes: index kernels need not know fp8)
-    tok = routing.sorted_token.long()
-    xr = tma_ready(x_fp8.view(torch.uint8)[tok].view(torch.float8_e4m3fn))
-    sxr = tma_ready(x_scale[tok])
+        raise ValueError(f"tilelang grouped_gemm_sorted: {cfg} needs too much shared memory")
+    if p == 0 or n == 0 or tiles.shape[0] == 0:
+        return torch.empty(p, n, dtype=out_dtype, device=x_rows.device)
+    xr, sxr = tma_ready(x_rows), tma_ready(x_rows_scale)
     wq = tma_ready(w.view(torch.uint8).reshape(e * n, k // 2)).view(torch.int32)
     # the scale bytes are read 4 at a time (16-B aligned base: tma_ready copies otherwise)
     sw = tma_ready(w_scale.view(torch.uint8).reshape(e * n, k // SCALE_BLOCK))
-    tiles = routing.tiles.contiguous()
+    tiles = tiles.contiguous()
     if split == 1:
-        out = torch.empty(p, n, dtype=out_dtype, device=x_fp8.device)
+        out = torch.empty(p, n, dtype=out_dtype, device=x_rows.device)
         compiled_kernel(n, k, 1, OUT_DTYPES[out_dtype], cfg)(xr, sxr, wq, sw, tiles, out)
         return out
-    partials = torch.empty(split, p, n, dtype=torch.float32, device=x_fp8.device)
+    partials = torch.empty(split, p, n, dtype=torch.float32, device=x_rows.device)
     compiled_kernel(n, k, split, "float32", cfg)(xr, sxr, wq, sw, tiles, partials)
     from ..triton.gemv import sum_splits
 
