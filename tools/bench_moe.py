@@ -699,6 +699,10 @@ def tilelang_w1_rows(ts=(1, 16)) -> None:
         "st3 b4": cfg(num_stages=3, min_blocks=4),
         "st4 b3": cfg(num_stages=4, min_blocks=3),
         "split1 st4 b3": cfg(split_k=1, num_stages=4, min_blocks=3),
+        # written after the first call (not yet timed): split 1 at the default schedule, and
+        # one wgmma wait per K tile
+        "split1": cfg(split_k=1),
+        "one_wait b3": cfg(one_wait=True, min_blocks=3),
     }
     g = torch.Generator(device="cuda").manual_seed(0)
     (w1, s1, *_), _ = moe_layer_weights(g)

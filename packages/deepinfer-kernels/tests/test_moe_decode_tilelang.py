@@ -186,6 +186,8 @@ def test_shape_and_config_errors():
         md.MoeDecodeConfig(split_k=-1)
     with pytest.raises(ValueError, match="min_blocks"):
         md.MoeDecodeConfig(min_blocks=9)
+    with pytest.raises(ValueError, match="one_wait needs min_blocks <= 3"):
+        md.MoeDecodeConfig(one_wait=True, min_blocks=4)
     with pytest.raises(ValueError, match="tilelang moe_decode_gemm: w must be"):
         md.moe_decode_gemm(xq, xs, None, wq.float(), ws)
     with pytest.raises(ValueError, match="tiles must be int32"):
@@ -202,7 +204,8 @@ def test_shape_and_config_errors():
     ("n", "k", "split", "cfg"),
     [
         (2304, 5120, 2, md.MoeDecodeConfig()),
-        (5120, 2304, 1, md.MoeDecodeConfig(num_stages=3, min_blocks=3)),
+        (5120, 2304, 1, md.MoeDecodeConfig(num_stages=4, min_blocks=2)),
+        (2304, 5120, 2, md.MoeDecodeConfig(min_blocks=3, one_wait=True)),
     ],
 )
 def test_lowered_source(n, k, split, cfg):
@@ -221,13 +224,26 @@ def test_lowered_source(n, k, split, cfg):
     assert "SW_desc" not in src
     # the expanded tile is written by the consumer threads, so the async proxy (wgmma) must be
     # fenced and the warpgroup synchronised before it reads it
-    fence = src.index("tl::fence_proxy_async();", src.index("252645135"))
-    assert src.index("wgmma_ss", fence) > fence
-    assert "__sync_thread_partial" in src[fence : src.index("wgmma_ss", fence)]
+    expand = src.index("252645135")
+    between = src[expand : src.index("wgmma_ss", expand)]
+    assert "tl::fence_proxy_async();" in between and "__sync_thread_partial" in between
+    if not cfg.one_wait:  # each writer fences, then the barrier (HOPPER.md's order)
+        assert between.index("fence_proxy_async") < between.index("__sync_thread_partial")
     # tiles past the routing's count exit; the store is bounded by the tile's end row
     assert "if (0 <= expert)" in src
     assert re.search(r"\+ first\) \+ \(i_\d+ & 1\)\) < end\)", src)
     assert f"for (int kt = 0; kt < {k // split // 128}; ++kt)" in src
+    # one wait per K tile after the four slices' wgmmas (one_wait), else one after each
+    # (T.gemm's own warpgroup_wait)
+    if cfg.one_wait:
+        loop = src[src.index("for (int kt_1 = 0;") :]
+        first_wait = loop.index("wait_wgmma<0>")
+        assert loop.count("wait_wgmma<0>") == 1 and "warpgroup_wait" not in src
+        assert loop[:first_wait].count("wgmma_ss<") == 4
+        # the activation stage goes back to the producer only after the wait
+        assert "].arrive();" in loop[first_wait : first_wait + 80]
+    else:
+        assert "warpgroup_wait<0>" in src and "wait_wgmma" not in src  # in the slice loop
 
 
 # -- GPU ------------------------------------------------------------------------------------------
@@ -284,6 +300,20 @@ def test_gpu_against_moe_reference_math(t, e, n, k):
     if t in (1, 37):
         got_bf16 = md.moe_decode_gemm(xq, xs, route, wq, ws, torch.bfloat16)
         assert torch.equal(got_bf16, got.to(torch.bfloat16))
+
+
+@needs_hopper
+def test_gpu_one_wait_same_bits():
+    """`MoeDecodeConfig.one_wait` (four wgmmas, one wait) gives the default schedule's bits."""
+    from deepinfer_kernels.triton.moe import build_routing
+
+    t, e, n, k = 37, 8, 128, 512
+    xq, xs, wq, ws, ids, tw = _gpu_case(11, t, e, n, k, 4)
+    route = build_routing(tw, ids, e, md.TILE_ROWS)
+    want = md.moe_decode_gemm(xq, xs, route, wq, ws, torch.float32)
+    cfg = md.MoeDecodeConfig(one_wait=True, min_blocks=3)
+    got = md.moe_decode_gemm(xq, xs, route, wq, ws, torch.float32, cfg)
+    assert torch.equal(got, want)
 
 
 @needs_hopper

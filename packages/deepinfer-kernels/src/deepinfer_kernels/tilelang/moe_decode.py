@@ -89,6 +89,14 @@ class MoeDecodeConfig:
         loop, one copy per stage as well: 8 KB more).
     min_blocks: CTAs per SM asked of the compiler (`__launch_bounds__(256, min_blocks)`), with
         TileLang's setmaxnreg off when > 1 (52 registers per thread, local nvcc 13).
+    one_wait: issue the K tile's four slice wgmmas back to back, each into its own partial, and
+        wait once before promoting them in slice order (one wgmma latency per K tile instead of
+        four; 80 registers per thread instead of 50, so at most 3 CTAs per SM). The same
+        products and the same promotion order, so the same bits. NOT RUN ON A GPU yet
+        (written after the session's one call; lowering-tested only): off by default. TileLang
+        puts the e4m3 tile's proxy fence after the warpgroup barrier here (each thread fences,
+        then issues its warp's part of the wgmma) where the default has it before (HOPPER.md's
+        order): run `test_gpu_one_wait_same_bits` before relying on it.
 
     Default: 3 stages, 4 CTAs per SM, the fastest of the schedules measured (H200, one layer's
     W1, chained graph of 8 routings; NOTES.md "TileLang MoE decode, fifth session"): T=1 35.7 us,
@@ -99,6 +107,7 @@ class MoeDecodeConfig:
     split_k: int = 0
     num_stages: int = 3
     min_blocks: int = 4
+    one_wait: bool = False
 
     def __post_init__(self) -> None:
         if self.split_k < 0:
@@ -109,6 +118,11 @@ class MoeDecodeConfig:
             )
         if not 1 <= self.min_blocks <= 8:
             raise ValueError(f"MoeDecodeConfig.min_blocks must be in [1, 8], got {self.min_blocks}")
+        if self.one_wait and self.min_blocks > 3:
+            # 4 partials need ~80 registers (local ptxas); 4 CTAs per SM cap a thread at 64
+            raise ValueError(
+                f"MoeDecodeConfig.one_wait needs min_blocks <= 3, got {self.min_blocks}"
+            )
 
     def shared_bytes(self, k_chunk: int) -> int:
         """The TMA ring, the e4m3 weight tiles (one per stage) and the chunk's weight-scale
@@ -240,6 +254,18 @@ def build_kernel(n: int, k: int, split: int, out_dtype: str, cfg: MoeDecodeConfi
     p_shape = (split, rows, n) if split > 1 else (rows, n)
     p_dtype = "float32" if split > 1 else out_dtype
 
+    policy = T.GemmWarpPolicy.FullRow
+    frag_regs = bn * bt // 128  # fp32 registers per thread of one partial
+
+    @T.macro
+    def promote(acc, part, sw_chunk, sx_tile, kt, s):
+        """acc += part * 2**(u + 6 - 127) * sx on CUDA cores (the weight scale from its byte)."""
+        for i, j in T.Parallel(bn, bt):
+            u = T.Cast("uint32", sw_chunk[i, kt * SLICES + s])
+            acc[i, j] += part[i, j] * (
+                T.reinterpret(T.shift_left(u + E4M3_SHIFT, 23), "float32") * sx_tile[j, s]
+            )
+
     @T.prim_func
     def moe_decode_kernel(
         X: T.Tensor((rows, k), fp8),
@@ -256,7 +282,8 @@ def build_kernel(n: int, k: int, split: int, out_dtype: str, cfg: MoeDecodeConfi
             w_tile = T.alloc_shared((bn, BLOCK_K), fp8)
             sw_chunk = T.alloc_shared((bn, kbc), "uint8")
             acc = T.alloc_fragment((bn, bt), "float32")
-            part = T.alloc_fragment((bn, bt), "float32")
+            nparts = SLICES if cfg.one_wait else 1
+            parts = tuple(T.alloc_fragment((bn, bt), "float32") for _ in range(nparts))
             if cfg.min_blocks > 1:
                 T.annotate_min_blocks_per_sm(cfg.min_blocks)
                 T.no_set_max_nreg()
@@ -299,19 +326,29 @@ def build_kernel(n: int, k: int, split: int, out_dtype: str, cfg: MoeDecodeConfi
                         w_tile[i, c] = T.reinterpret(
                             T.Cast("uint8", T.shift_right(pair, (c % 4) * 8) & 0xFF), fp8
                         )
-                    for s in T.unroll(SLICES):
-                        T.gemm(
-                            w_tile[:, s * SCALE_BLOCK : (s + 1) * SCALE_BLOCK],
-                            x_tile[:, s * SCALE_BLOCK : (s + 1) * SCALE_BLOCK],
-                            part, transpose_B=True, clear_accum=True,
-                            policy=T.GemmWarpPolicy.FullRow,
-                        )  # fmt: skip
-                        for i, j in T.Parallel(bn, bt):
-                            u = T.Cast("uint32", sw_chunk[i, kt * SLICES + s])
-                            acc[i, j] += part[i, j] * (
-                                T.reinterpret(T.shift_left(u + E4M3_SHIFT, 23), "float32")
-                                * sx_tile[j, s]
-                            )
+                    if cfg.one_wait:
+                        for s in tuple(range(SLICES)):
+                            T.wgmma_gemm(
+                                w_tile[:, s * SCALE_BLOCK : (s + 1) * SCALE_BLOCK],
+                                x_tile[:, s * SCALE_BLOCK : (s + 1) * SCALE_BLOCK],
+                                parts[s], transpose_B=True, clear_accum=True, policy=policy,
+                            )  # fmt: skip
+                        T.wait_wgmma(0)
+                        # a stage goes back to the producer after the last statement touching
+                        # its buffers, and the issued wgmmas read them until the wait: keep the
+                        # hand-back after it (as decode_gemm.py's depth 2)
+                        T.evaluate(T.address_of(x_tile[0, 0]))
+                        for s in tuple(range(SLICES)):
+                            T.warpgroup_fence_operand(parts[s], num_regs=frag_regs)
+                            promote(acc, parts[s], sw_chunk, sx_tile, kt, s)
+                    else:
+                        for s in T.unroll(SLICES):
+                            T.gemm(
+                                w_tile[:, s * SCALE_BLOCK : (s + 1) * SCALE_BLOCK],
+                                x_tile[:, s * SCALE_BLOCK : (s + 1) * SCALE_BLOCK],
+                                parts[0], transpose_B=True, clear_accum=True, policy=policy,
+                            )  # fmt: skip
+                            promote(acc, parts[0], sw_chunk, sx_tile, kt, s)
                 for i, j in T.Parallel(bn, bt):
                     row = first + j
                     if row < end:
