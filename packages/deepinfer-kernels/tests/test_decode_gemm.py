@@ -16,6 +16,7 @@ from deepinfer_kernels import quant
 from deepinfer_kernels.tilelang import decode_gemm as dg
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from sass_checks import compile_sass, cuda_tools
 
 HAVE_TILELANG = importlib.util.find_spec("tilelang") is not None
 needs_tilelang = pytest.mark.skipif(
@@ -245,21 +246,8 @@ def test_lowered_source(cfg, split):
     assert ("wait_wgmma<1>" in src) == (cfg.depth == 2)
 
 
-def _cuda_tools() -> tuple[str, str] | None:
-    """(nvcc, cuobjdump) if both are on this machine (cuobjdump ships with triton), else None."""
-    import os
-    import shutil
-
-    nvcc = shutil.which("nvcc")
-    spec = importlib.util.find_spec("triton")
-    if nvcc is None or spec is None or spec.origin is None:
-        return None
-    cuobjdump = os.path.join(os.path.dirname(spec.origin), "backends", "nvidia", "bin", "cuobjdump")
-    return (nvcc, cuobjdump) if os.path.exists(cuobjdump) else None
-
-
 @needs_tilelang
-@pytest.mark.skipif(_cuda_tools() is None, reason="needs nvcc and triton's cuobjdump")
+@pytest.mark.skipif(cuda_tools() is None, reason="needs nvcc and triton's cuobjdump")
 @pytest.mark.parametrize(
     "cfg",
     [
@@ -278,28 +266,11 @@ def test_compiled_registers_fit_min_blocks(cfg, tmp_path):
     min_blocks CTAs of (consumer + producer) warpgroups per SM, setmaxnreg present exactly when
     consumer_regs asks for it, and per 128-deep K tile 4 QGMMA and one FFMA per accumulator value
     per slice (the promotion's arithmetic is the same in every schedule)."""
-    import subprocess
-
-    import tilelang.env as tl_env
-
-    nvcc, cuobjdump = _cuda_tools()
-    cu = tmp_path / "k.cu"
-    cu.write_text(dg.lower_source(5120, 8192, 4, "float32", cfg))
-    cubin = tmp_path / "k.cubin"
-    flags = ["-std=c++20", "-O3", "-gencode", "arch=compute_90a,code=sm_90a", "--cubin", "-w"]
-    flags += [f"-I{tl_env.TILELANG_TEMPLATE_PATH}", f"-I{tl_env.CUTLASS_INCLUDE_DIR}"]
-    flags += ["-DENABLE_BF16", "--ptxas-options=--verbose", "-o", str(cubin), str(cu)]
-    built = subprocess.run([nvcc, *flags], capture_output=True, text=True, check=False)
-    assert built.returncode == 0, built.stderr[-2000:]
-    log = built.stdout + built.stderr
+    log, ops = compile_sass(dg.lower_source(5120, 8192, 4, "float32", cfg), tmp_path)
     assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in log, log
     assert "C7508" not in log  # ptxas kept the setmaxnreg
     regs = int(re.search(r"Used (\d+) registers", log).group(1))
     assert cfg.min_blocks * (cfg.threads + 128) * regs <= 65536, regs
-    sass = subprocess.run(
-        [cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True
-    ).stdout
-    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\d\s+)?([A-Z][A-Za-z0-9_.]*)", sass)
     assert any(op.startswith("USETMAXREG") for op in ops) == (cfg.consumer_regs > 0)
     n_wgmma = cfg.block_t // cfg.token_groups
     assert [op for op in ops if op.startswith("QGMMA")] == [

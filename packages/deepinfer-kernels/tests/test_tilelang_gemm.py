@@ -16,6 +16,7 @@ from deepinfer_kernels import REGISTRY, KernelSettings, ops, quant
 from deepinfer_kernels.tilelang import fp8_gemm as tg
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from sass_checks import compile_sass, cuda_tools
 
 HAVE_TILELANG = importlib.util.find_spec("tilelang") is not None
 needs_tilelang = pytest.mark.skipif(
@@ -428,21 +429,8 @@ def test_lowered_source_prefill_shapes_and_tails():
         assert "tma_store(C_desc" in src
 
 
-def _cuda_tools() -> tuple[str, str] | None:
-    """(nvcc, cuobjdump) if both are on this machine (cuobjdump ships with triton), else None."""
-    import os
-    import shutil
-
-    nvcc = shutil.which("nvcc")
-    spec = importlib.util.find_spec("triton")
-    if nvcc is None or spec is None or spec.origin is None:
-        return None
-    cuobjdump = os.path.join(os.path.dirname(spec.origin), "backends", "nvidia", "bin", "cuobjdump")
-    return (nvcc, cuobjdump) if os.path.exists(cuobjdump) else None
-
-
 @needs_tilelang
-@pytest.mark.skipif(_cuda_tools() is None, reason="needs nvcc and triton's cuobjdump")
+@pytest.mark.skipif(cuda_tools() is None, reason="needs nvcc and triton's cuobjdump")
 @pytest.mark.parametrize(
     "cfg",
     [
@@ -457,26 +445,9 @@ def _cuda_tools() -> tuple[str, str] | None:
 def test_compiled_sass(cfg, tmp_path):
     """Compile the lowered source as TileLang does (nvcc, sm_90a) and read ptxas' report and the
     SASS: FP8 wgmma (QGMMA) per slice, one FFMA per accumulator value per slice, no local memory."""
-    import subprocess
-
-    import tilelang.env as tl_env
-
-    nvcc, cuobjdump = _cuda_tools()
-    cu = tmp_path / "k.cu"
-    cu.write_text(tg.lower_source(5120, 8192, "bfloat16", cfg))
-    cubin = tmp_path / "k.cubin"
-    flags = ["-std=c++20", "-O3", "-gencode", "arch=compute_90a,code=sm_90a", "--cubin", "-w"]
-    flags += [f"-I{tl_env.TILELANG_TEMPLATE_PATH}", f"-I{tl_env.CUTLASS_INCLUDE_DIR}"]
-    flags += ["-DENABLE_BF16", "--ptxas-options=--verbose", "-o", str(cubin), str(cu)]
-    built = subprocess.run([nvcc, *flags], capture_output=True, text=True, check=False)
-    assert built.returncode == 0, built.stderr[-2000:]
-    log = built.stdout + built.stderr
+    log, ops = compile_sass(tg.lower_source(5120, 8192, "bfloat16", cfg), tmp_path)
     assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in log, log
     assert "C7510" not in log  # ptxas did not serialise the wgmma pipeline
-    sass = subprocess.run(
-        [cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True
-    ).stdout
-    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\d\s+)?([A-Z][A-Za-z0-9_.]*)", sass)
     qgmma = [op for op in ops if op.startswith("QGMMA")]
     assert qgmma == [f"QGMMA.64x{cfg.chunk_n}x32.F32.E4M3.E4M3"] * (tg.SLICES * cfg.n_split)
     acc_values = 64 * cfg.block_n // 128  # per thread

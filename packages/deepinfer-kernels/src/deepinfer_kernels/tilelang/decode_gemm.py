@@ -39,21 +39,18 @@ sizes in invariant mode (fourth session): 234-279 TFLOP/s (M=256..8192).
 # No `from __future__ import annotations`: TileLang evaluates the kernel's argument annotations.
 
 import dataclasses
-import time
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
+from . import lowering
 from .fp8_gemm import (
     BLOCK_K,
     MAX_SHARED_BYTES,
     OUT_DTYPES,
     SCALE_BLOCK,
     SLICES,
-    SM90A,
     WARPGROUP_ROWS,
-    row_swizzle_lowering,
     tma_ready,
 )
 from .fp8_gemm import shape_reason as prefill_shape_reason
@@ -80,7 +77,7 @@ class DecodeTileConfig:
         1 KB the hardware reserves per CTA, within 228 KB per SM).
     row_swizzle: K tiles as 128-B rows with the 128-B swizzle (one TMA box per operand and stage,
         each slice's wgmma 32 B further inside the swizzle atom), through the prefill kernel's
-        `fp8_gemm.row_swizzle_lowering`; off, TileLang gives each 32-wide slice its own
+        `lowering.row_swizzle_lowering`; off, TileLang gives each 32-wide slice its own
         32-B-swizzled sub-tile (four TMA boxes of 32-B rows per operand and stage): measured on
         the H200 (5120x8192, M=16, 16-call graph) 17.3 us with, 21.6 without.
     depth: wgmmas in flight per consumer (1: issue, wait, promote each 32-slice; 2: slice s+1's
@@ -445,38 +442,12 @@ def lower_source(
     n: int, k: int, split: int, out_dtype: str = "float32", cfg: DecodeTileConfig | None = None
 ) -> str:
     """CUDA source of the kernel for sm_90a, lowered without nvcc (inspection and CPU tests)."""
-    import tilelang
-    from tvm.target import Target
-
-    target = Target(SM90A)
     cfg = cfg or DecodeTileConfig()
-    with target, row_swizzle_lowering(cfg.row_swizzle):
-        artifact = tilelang.lower(build_kernel(n, k, split, out_dtype, cfg), target=target)
-    return artifact.kernel_source
+    return lowering.lower_source(build_kernel(n, k, split, out_dtype, cfg), cfg.row_swizzle)
 
 
-# Compiled kernels per (N, K, split, out dtype, config): seconds each, once per process.
-_COMPILED: dict[tuple[int, int, int, str, DecodeTileConfig], Any] = {}
-
-
-def compiled_kernel(n: int, k: int, split: int, out_dtype: str, cfg: DecodeTileConfig):
-    """The JIT-compiled kernel for these static dimensions (compiled on first use)."""
-    key = (n, k, split, out_dtype, cfg)
-    kernel = _COMPILED.get(key)
-    if kernel is None:
-        import logging
-
-        import tilelang
-
-        start = time.perf_counter()
-        with row_swizzle_lowering(cfg.row_swizzle):
-            kernel = tilelang.compile(build_kernel(n, k, split, out_dtype, cfg), target=SM90A)
-        _COMPILED[key] = kernel
-        logging.getLogger(__name__).info(
-            "compiled the TileLang decode GEMM for N=%d K=%d split=%d in %.1f s",
-            n, k, split, time.perf_counter() - start,
-        )  # fmt: skip
-    return kernel
+# one kernel per (N, K, split, out dtype, config); M is a dynamic argument
+_KERNELS = lowering.KernelCache("TileLang decode GEMM", build_kernel)
 
 
 def decode_gemm(
@@ -522,17 +493,19 @@ def decode_gemm(
     out_name = OUT_DTYPES[out_dtype]
     if split == 1:
         out = torch.empty(m, n, dtype=out_dtype, device=x_fp8.device)
-        compiled_kernel(n, k, 1, out_name, cfg)(xq, xs, wq, sw, out, out, unused)
+        _KERNELS.get((n, k, 1, out_name, cfg), cfg.row_swizzle)(xq, xs, wq, sw, out, out, unused)
         return out
     partials = torch.empty(split, m, n, dtype=torch.float32, device=x_fp8.device)
     if counters is not None:
         out = torch.empty(m, n, dtype=out_dtype, device=x_fp8.device)
-        compiled_kernel(n, k, split, out_name, cfg)(xq, xs, wq, sw, partials, out, counters)
+        kernel = _KERNELS.get((n, k, split, out_name, cfg), cfg.row_swizzle)
+        kernel(xq, xs, wq, sw, partials, out, counters)
         return out
     from ..triton.gemv import sum_splits
 
     # C is not written without the in-kernel sum: the fp32 partials' first slice stands in
-    compiled_kernel(n, k, split, "float32", cfg)(xq, xs, wq, sw, partials, partials[0], unused)
+    kernel = _KERNELS.get((n, k, split, "float32", cfg), cfg.row_swizzle)
+    kernel(xq, xs, wq, sw, partials, partials[0], unused)
     return sum_splits(partials, out_dtype)
 
 

@@ -47,16 +47,12 @@ config) compiles once per process (seconds).
 # No `from __future__ import annotations`: TileLang evaluates the kernel's argument annotations
 # (tensor shapes built from closure variables) at definition time.
 
-import contextlib
-import logging
-import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-log = logging.getLogger(__name__)
+from . import lowering
 
 SCALE_BLOCK = 32  # V4.1's scale granularity along K (both operands) and along N (weights)
 BLOCK_K = 128  # K per pipeline stage: 4 scale slices of 32
@@ -90,8 +86,8 @@ class TileConfig:
         the TMA moves a K tile as one box of 128-B rows instead of four of 32-B rows. TileLang
         infers a 32-B swizzle from each slice's K of 32 and merges a conflicting annotation down
         to it, so this option also overrides that inference while our kernel is lowered
-        (`row_swizzle_lowering`). H200: 1-17% faster than 32-B slices at every measured prefill
-        shape (NOTES.md), so it is the default.
+        (`lowering.row_swizzle_lowering`). H200: 1-17% faster than 32-B slices at every measured
+        prefill shape (NOTES.md), so it is the default.
     k_split: K cut into this many equal chunks (multiples of 128), each accumulated on its own
         and the chunks' sums added in ascending order into a running fp32 total, the order
         `triton.gemv.sum_splits` adds the decode kernel's chunk partials in. Batch-invariant mode
@@ -599,75 +595,15 @@ def build_kernel(n: int, k: int, out_dtype: str = "bfloat16", cfg: TileConfig = 
     return fp8_gemm_kernel
 
 
-SM90A = {"kind": "cuda", "arch": "sm_90a"}
-
-
-@contextlib.contextmanager
-def row_swizzle_lowering(on: bool) -> Iterator[None]:
-    """While our kernel is lowered with `TileConfig.row_swizzle`, TileLang's wgmma layout
-    inference gives shared operands whose rows are 128 B the 128-B swizzle over the whole row
-    (it would infer a 32-B swizzle from a 32-wide k-slice). Restored on exit; tied to TileLang
-    0.1.15's `GemmWGMMA.infer_layout`, so any other version is refused with the reason."""
-    if not on:
-        yield
-        return
-    try:
-        from tilelang.cuda.op.gemm.gemm_wgmma import GemmWGMMA
-        from tilelang.layout import make_full_bank_swizzled_layout
-    except ImportError as e:
-        raise NotImplementedError(
-            f"TileConfig.row_swizzle needs TileLang's GemmWGMMA layout inference (0.1.15): {e}"
-        ) from e
-    inferred = GemmWGMMA.infer_layout
-
-    def infer_layout(self, target, thread_nums):
-        layouts = inferred(self, target, thread_nums)
-        for buf in (self.A, self.B):
-            if buf in layouts and buf.shape[-1] * buf.dtype.bits == 128 * 8:
-                layouts[buf] = make_full_bank_swizzled_layout(buf)
-        return layouts
-
-    GemmWGMMA.infer_layout = infer_layout
-    try:
-        yield
-    finally:
-        GemmWGMMA.infer_layout = inferred
-
-
 def lower_source(
     n: int, k: int, out_dtype: str = "bfloat16", cfg: TileConfig = DEFAULT_CONFIG
 ) -> str:
     """CUDA source of the kernel for sm_90a, lowered without nvcc (for inspection and CPU tests)."""
-    import tilelang
-    from tvm.target import Target
-
-    target = Target(SM90A)
-    with target, row_swizzle_lowering(cfg.row_swizzle):
-        artifact = tilelang.lower(build_kernel(n, k, out_dtype, cfg), target=target)
-    return artifact.kernel_source
+    return lowering.lower_source(build_kernel(n, k, out_dtype, cfg), cfg.row_swizzle)
 
 
-# Compiled kernels, one per (N, K, out dtype, config): compiling costs seconds, so each weight shape
-# compiles once per process (M is a dynamic argument of the kernel).
-_COMPILED: dict[tuple[int, int, str, TileConfig], Any] = {}
-
-
-def compiled_kernel(n: int, k: int, out_dtype: str, cfg: TileConfig):
-    """The JIT-compiled kernel for these static dimensions (compiled on first use)."""
-    key = (n, k, out_dtype, cfg)
-    kernel = _COMPILED.get(key)
-    if kernel is None:
-        import tilelang
-
-        start = time.perf_counter()
-        with row_swizzle_lowering(cfg.row_swizzle):
-            kernel = tilelang.compile(build_kernel(n, k, out_dtype, cfg), target=SM90A)
-        _COMPILED[key] = kernel
-        log.info(
-            "compiled the TileLang FP8 GEMM for N=%d K=%d %s in %.1f s (once per process)",
-            n, k, out_dtype, time.perf_counter() - start,
-        )  # fmt: skip
-    return kernel
+# one kernel per (N, K, out dtype, config): M is a dynamic argument of the kernel
+_KERNELS = lowering.KernelCache("TileLang FP8 GEMM", build_kernel)
 
 
 def fp8_gemm(
@@ -698,7 +634,7 @@ def fp8_gemm(
     if m == 0 or n == 0:
         return out
     sb = tma_ready(weight_scale_fp32(w_scale, n))
-    kernel = compiled_kernel(n, k, OUT_DTYPES[out_dtype], cfg)
+    kernel = _KERNELS.get((n, k, OUT_DTYPES[out_dtype], cfg), cfg.row_swizzle)
     sa = activation_scales(x_scale, cfg.sa_col_major)
     kernel(tma_ready(x_fp8), sa, tma_ready(w), sb, out)
     return out

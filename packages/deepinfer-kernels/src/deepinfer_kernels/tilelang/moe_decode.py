@@ -50,13 +50,13 @@ its node times): a first version, not routed.
 
 # No `from __future__ import annotations`: TileLang evaluates the kernel's argument annotations.
 
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..quant import e2m1_value, unpack_fp4
+from . import lowering
 from .decode_gemm import decode_tile_split
 from .fp8_gemm import (
     BLOCK_K,
@@ -64,9 +64,7 @@ from .fp8_gemm import (
     OUT_DTYPES,
     SCALE_BLOCK,
     SLICES,
-    SM90A,
     WARPGROUP_ROWS,
-    row_swizzle_lowering,
     tma_ready,
 )
 
@@ -362,37 +360,12 @@ def build_kernel(n: int, k: int, split: int, out_dtype: str, cfg: MoeDecodeConfi
 
 def lower_source(n: int, k: int, split: int, out_dtype: str = "float32", cfg=None) -> str:
     """CUDA source of the kernel for sm_90a, lowered without nvcc (inspection and CPU tests)."""
-    import tilelang
-    from tvm.target import Target
-
-    target = Target(SM90A)
     cfg = cfg or MoeDecodeConfig()
-    with target, row_swizzle_lowering(True):
-        artifact = tilelang.lower(build_kernel(n, k, split, out_dtype, cfg), target=target)
-    return artifact.kernel_source
+    return lowering.lower_source(build_kernel(n, k, split, out_dtype, cfg), True)
 
 
-_COMPILED: dict[tuple[int, int, int, str, MoeDecodeConfig], Any] = {}
-
-
-def compiled_kernel(n: int, k: int, split: int, out_dtype: str, cfg: MoeDecodeConfig):
-    """The JIT-compiled kernel for these static dimensions (compiled on first use)."""
-    key = (n, k, split, out_dtype, cfg)
-    kernel = _COMPILED.get(key)
-    if kernel is None:
-        import logging
-
-        import tilelang
-
-        start = time.perf_counter()
-        with row_swizzle_lowering(True):
-            kernel = tilelang.compile(build_kernel(n, k, split, out_dtype, cfg), target=SM90A)
-        _COMPILED[key] = kernel
-        logging.getLogger(__name__).info(
-            "compiled the TileLang MoE decode GEMM for N=%d K=%d split=%d in %.1f s",
-            n, k, split, time.perf_counter() - start,
-        )  # fmt: skip
-    return kernel
+# one kernel per (N, K, split, out dtype, config); the routed rows are dynamic; 128-B rows always
+_KERNELS = lowering.KernelCache("TileLang MoE decode GEMM", build_kernel)
 
 
 def moe_decode_gemm(
@@ -458,10 +431,10 @@ def grouped_gemm_sorted(
     tiles = tiles.contiguous()
     if split == 1:
         out = torch.empty(p, n, dtype=out_dtype, device=x_rows.device)
-        compiled_kernel(n, k, 1, OUT_DTYPES[out_dtype], cfg)(xr, sxr, wq, sw, tiles, out)
+        _KERNELS.get((n, k, 1, OUT_DTYPES[out_dtype], cfg), True)(xr, sxr, wq, sw, tiles, out)
         return out
     partials = torch.empty(split, p, n, dtype=torch.float32, device=x_rows.device)
-    compiled_kernel(n, k, split, "float32", cfg)(xr, sxr, wq, sw, tiles, partials)
+    _KERNELS.get((n, k, split, "float32", cfg), True)(xr, sxr, wq, sw, tiles, partials)
     from ..triton.gemv import sum_splits
 
     return sum_splits(partials, out_dtype)
