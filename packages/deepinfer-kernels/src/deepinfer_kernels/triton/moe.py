@@ -492,36 +492,23 @@ def _expand(
 # DECODE tile (sm_90 SASS, Triton 3.8) the W1/W3 loop goes from 614 to 544 instructions per
 # 128-deep step and W2's from 319 to 288. H200 (fifth session, chained graphs): -2% at T=16 and
 # 256, +10% at T=64, so not the default (NOTES.md, "MoE decode, fifth session").
-_FP4X8_SCALED_ASM = tl.constexpr(
-    """
-{
-.reg .b32 e, o, u, t;
-and.b32 e, $8, 0x0F0F0F0F;
-shr.u32 o, $8, 4;
-and.b32 o, o, 0x0F0F0F0F;
-prmt.b32 u, e, o, 0xC480;
-mul.lo.u32 t, u, 0x1040;
-and.b32 t, t, 0x81C081C0;
-mul.rn.bf16x2 t, t, $9;
-mov.b32 {$0, $1}, t;
-prmt.b32 u, e, o, 0xD591;
-mul.lo.u32 t, u, 0x1040;
-and.b32 t, t, 0x81C081C0;
-mul.rn.bf16x2 t, t, $9;
-mov.b32 {$2, $3}, t;
-prmt.b32 u, e, o, 0xE6A2;
-mul.lo.u32 t, u, 0x1040;
-and.b32 t, t, 0x81C081C0;
-mul.rn.bf16x2 t, t, $9;
-mov.b32 {$4, $5}, t;
-prmt.b32 u, e, o, 0xF7B3;
-mul.lo.u32 t, u, 0x1040;
-and.b32 t, t, 0x81C081C0;
-mul.rn.bf16x2 t, t, $9;
-mov.b32 {$6, $7}, t;
-}
-"""
-)
+def _fp4x8_scaled_asm() -> str:
+    """The PTX above: the split into even/odd nibbles, then per pair m the PRMT (selector
+    0xC480 + 0x1111 m: bytes m of e and o into two 16-bit lanes, high bytes zeroed), placement,
+    scale multiply and the move into outputs $2m, $2m+1."""
+    pairs = "".join(
+        f"prmt.b32 u, e, o, 0x{0xC480 + 0x1111 * m:X};\n"
+        "mul.lo.u32 t, u, 0x1040;\n"
+        "and.b32 t, t, 0x81C081C0;\n"
+        "mul.rn.bf16x2 t, t, $9;\n"
+        f"mov.b32 {{${2 * m}, ${2 * m + 1}}}, t;\n"
+        for m in range(4)
+    )
+    split = "and.b32 e, $8, 0x0F0F0F0F;\nshr.u32 o, $8, 4;\nand.b32 o, o, 0x0F0F0F0F;\n"
+    return "\n{\n.reg .b32 e, o, u, t;\n" + split + pairs + "}\n"
+
+
+_FP4X8_SCALED_ASM = tl.constexpr(_fp4x8_scaled_asm())
 
 
 @triton.jit
