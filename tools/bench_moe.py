@@ -275,16 +275,17 @@ def _compile_one(name: str) -> None:
     torch.cuda.synchronize()
 
 
-def precompile_variants(names, jobs: int = 12) -> None:
+def precompile(flag: str, names, jobs: int) -> None:
+    """Compile the named candidates in parallel processes (`python bench_moe.py <flag> <name>`
+    each; Triton's disk cache keeps the kernels), at most `jobs` at a time."""
     import subprocess
     import sys
+    import time
 
     procs = []
     for name in names:
-        procs.append(subprocess.Popen([sys.executable, __file__, "--compile-one", name]))
+        procs.append(subprocess.Popen([sys.executable, __file__, flag, name]))
         while len([p for p in procs if p.poll() is None]) >= jobs:
-            import time
-
             time.sleep(0.2)
     for p in procs:
         p.wait()
@@ -430,21 +431,6 @@ def _node_split_us(fn, calls: int = 5) -> dict:
     return out
 
 
-def precompile_decode(names, jobs: int = 8) -> None:
-    """Compile the named decode candidates in parallel processes (Triton's disk cache)."""
-    import subprocess
-    import sys
-    import time
-
-    procs = []
-    for name in names:
-        procs.append(subprocess.Popen([sys.executable, __file__, "--compile-decode", name]))
-        while len([p for p in procs if p.poll() is None]) >= jobs:
-            time.sleep(0.2)
-    for p in procs:
-        p.wait()
-
-
 def _compile_decode_one(name: str) -> None:
     from deepinfer_kernels.triton import moe as tmoe
 
@@ -575,7 +561,7 @@ def main() -> None:
         return
     if args.prefill_variants:
         names = args.only or ROUNDS[args.round]
-        precompile_variants(names)
+        precompile("--compile-one", names, jobs=12)
         rows = prefill_variant_rows(args.tokens, names)
         for t in args.sweep:
             rows += prefill_variant_rows(t, [n for n in SWEEP if n in names])
@@ -607,7 +593,7 @@ def decode_main(args) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("bench_moe: SIGTERM"))
     names = list(decode_candidates()) if args.decode_candidates in ([], ["all"]) else None
     names = names or args.decode_candidates
-    precompile_decode(names)
+    precompile("--compile-decode", names, jobs=8)
     copy_gbs = measure_copy_gbs()
     rows, pre = [], []
     try:
