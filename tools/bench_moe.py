@@ -235,21 +235,10 @@ SWEEP = ["old PREFILL", "cols m2 pf m64 w4 n2=128", "r2 m64w4 n64/n128 w13cols"]
 
 def _kernel_split_ms(fn, calls: int = 5) -> dict:
     """Device time per call of each kernel group (W1/W3, W2, everything else), by the profiler."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
     split = {"w13": 0.0, "w2": 0.0, "other": 0.0}
-    for ev in prof.key_averages():
-        us = getattr(ev, "device_time_total", None)
-        if us is None:
-            us = ev.cuda_time_total
-        key = "w13" if "_w13_kernel" in ev.key else "w2" if "_w2_kernel" in ev.key else "other"
-        split[key] += us / 1000.0 / calls
+    for name, us in _node_split_us(fn, calls).items():
+        key = "w13" if "_w13_kernel" in name else "w2" if "_w2_kernel" in name else "other"
+        split[key] += us / 1000.0
     return split
 
 
