@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The GPU tests, on the device machine (after `source .devbundle/env.sh`): each file under its own
+# time limit, then one summary line per file (pytest's counts, or TIMED OUT), so that a run that
+# is cut short shows which files it never finished. Exits non-zero if any file failed, timed out
+# or collected nothing.
+#
+#   bash tools/gpu_check.sh                      # every GPU test file, 240 s each
+#   GPU_CHECK_SECONDS=90 bash tools/gpu_check.sh packages/deepinfer-kernels/tests/test_gpu.py
+set -uo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+limit=${GPU_CHECK_SECONDS:-240}
+case $limit in
+  '' | *[!0-9]*) echo "GPU_CHECK_SECONDS must be a whole number of seconds, got '$limit'" >&2; exit 2 ;;
+esac
+if [ $# -gt 0 ]; then
+  files=("$@")
+else
+  k=packages/deepinfer-kernels/tests
+  files=("$k"/test_gpu*.py "$k"/test_decode_gemm_gpu.py "$k"/test_moe_decode_tilelang.py
+         packages/deepinfer-model/tests/test_cuda_graph.py
+         packages/deepinfer-sampling/tests/test_topk_triton.py
+         packages/deepinfer-sampling/tests/test_sampler.py)
+fi
+
+summary=()
+failed=0
+for f in "${files[@]}"; do
+  if [ ! -f "$f" ]; then
+    echo "no such test file: $f" >&2
+    exit 2
+  fi
+  echo "=== $f (limit ${limit}s) ==="
+  start=$SECONDS
+  # addopts' -q is dropped so that pytest prints its counts line, and -rfE names each failure
+  out=$(timeout "$limit" python3 -m pytest -o addopts="" -q -rfE -p no:cacheprovider "$f" 2>&1)
+  rc=$?
+  echo "$out" | tail -25
+  counts=$(echo "$out" | grep -E "^[0-9]+ (passed|failed|skipped|error)|^no tests ran" | tail -1)
+  if [ $rc -eq 124 ]; then verdict="TIMED OUT"
+  elif [ $rc -eq 5 ]; then verdict="FAILED (collected no tests)"
+  elif [ $rc -ne 0 ]; then verdict="FAILED (exit $rc)"
+  else verdict=ok; fi
+  [ "$verdict" = ok ] || failed=1
+  summary+=("$(printf '%-62s %-12s %4ss  %s' "$f" "$verdict" $((SECONDS - start)) "$counts")")
+done
+echo
+printf '%s\n' "${summary[@]}"
+exit $failed
