@@ -186,8 +186,11 @@ def test_shape_and_config_errors():
         md.MoeDecodeConfig(split_k=-1)
     with pytest.raises(ValueError, match="min_blocks"):
         md.MoeDecodeConfig(min_blocks=9)
-    with pytest.raises(ValueError, match="one_wait needs min_blocks <= 3"):
+    with pytest.raises(ValueError, match="one_wait with tile_rows=16 needs min_blocks <= 3"):
         md.MoeDecodeConfig(one_wait=True, min_blocks=4)
+    with pytest.raises(ValueError, match="tile_rows must be 8 or 16"):
+        md.MoeDecodeConfig(tile_rows=32)
+    assert md.MoeDecodeConfig(one_wait=True, min_blocks=4, tile_rows=8).tile_rows == 8
     with pytest.raises(ValueError, match="tilelang moe_decode_gemm: w must be"):
         md.moe_decode_gemm(xq, xs, None, wq.float(), ws)
     with pytest.raises(ValueError, match="tiles must be int32"):
@@ -206,15 +209,17 @@ def test_shape_and_config_errors():
         (2304, 5120, 2, md.MoeDecodeConfig()),
         (5120, 2304, 1, md.MoeDecodeConfig(num_stages=4, min_blocks=2)),
         (2304, 5120, 2, md.MoeDecodeConfig(min_blocks=3, one_wait=True)),
+        (2304, 5120, 2, md.MoeDecodeConfig(tile_rows=8)),
+        (5120, 2304, 1, md.MoeDecodeConfig(tile_rows=8, one_wait=True)),
     ],
 )
 def test_lowered_source(n, k, split, cfg):
     src = md.lower_source(n, k, split, "float32" if split > 1 else "bfloat16", cfg)
     assert f"__launch_bounds__(256, {cfg.min_blocks})" in src
     assert "warpgroup_reg_alloc" not in src  # setmaxnreg off at several CTAs per SM
-    # one m64 x n16 x k32 FP8 wgmma per 32-slice, both operands from shared memory
+    # one m64 x n(tile rows) x k32 FP8 wgmma per 32-slice, both operands from shared memory
     wgmma = re.findall(r"wgmma_ss<([^>]*)>", src)
-    assert wgmma and all("64, 16, 32" in w for w in wgmma)
+    assert wgmma and all(f"64, {cfg.tile_rows}, 32" in w for w in wgmma)
     assert all(
         "kFloat8_e4m3, tl::DataType::kFloat8_e4m3, tl::DataType::kFloat32" in w for w in wgmma
     )
@@ -313,6 +318,28 @@ def test_gpu_one_wait_same_bits():
     want = md.moe_decode_gemm(xq, xs, route, wq, ws, torch.float32)
     cfg = md.MoeDecodeConfig(one_wait=True, min_blocks=3)
     got = md.moe_decode_gemm(xq, xs, route, wq, ws, torch.float32, cfg)
+    assert torch.equal(got, want)
+
+
+@needs_hopper
+@pytest.mark.parametrize(
+    "cfg",
+    [md.MoeDecodeConfig(tile_rows=8), md.MoeDecodeConfig(tile_rows=8, one_wait=True)],
+    ids=str,
+)
+def test_gpu_eight_row_tiles_same_bits(cfg):
+    """8-row tiles (`MoeDecodeConfig.tile_rows`, a routing built with block_m=8): the same
+    sorted rows (the routing's order does not depend on block_m), and a column's bits do not
+    depend on the wgmma's N, so the default's bits. NOT YET RUN ON A GPU."""
+    from deepinfer_kernels.triton.moe import build_routing
+
+    t, e, n, k = 37, 8, 128, 512
+    xq, xs, wq, ws, ids, tw = _gpu_case(12, t, e, n, k, 4)
+    route16 = build_routing(tw, ids, e, md.TILE_ROWS)
+    route8 = build_routing(tw, ids, e, 8)
+    assert torch.equal(route8.sorted_token, route16.sorted_token)
+    want = md.moe_decode_gemm(xq, xs, route16, wq, ws, torch.float32)
+    got = md.moe_decode_gemm(xq, xs, route8, wq, ws, torch.float32, cfg)
     assert torch.equal(got, want)
 
 

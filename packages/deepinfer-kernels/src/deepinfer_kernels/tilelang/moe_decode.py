@@ -82,6 +82,10 @@ class MoeDecodeConfig:
     """One compiled kernel's schedule.
 
     split_k: K chunks (0: `moe_decode_split(N, K)`); each a multiple of 128.
+    tile_rows: routed rows per tile, the wgmma's N (16 or 8): the routing must be built with
+        `build_routing(..., block_m=tile_rows)`. 8 halves the promotion (4 instead of 8 values
+        per thread and slice) and the activation bytes per stage; decode routes ~1-2 rows per
+        expert tile at T <= 64. NOT RUN ON A GPU yet (lowering and SASS checked locally).
     num_stages: TMA ring depth (a stage: 64 x 64 B packed weights + 16 x 128 B activations +
         16 x 16 B activation scales; TileLang gives the e4m3 tile, written inside the pipelined
         loop, one copy per stage as well: 8 KB more).
@@ -89,7 +93,8 @@ class MoeDecodeConfig:
         TileLang's setmaxnreg off when > 1 (52 registers per thread, local nvcc 13).
     one_wait: issue the K tile's four slice wgmmas back to back, each into its own partial, and
         wait once before promoting them in slice order (one wgmma latency per K tile instead of
-        four; 80 registers per thread instead of 50, so at most 3 CTAs per SM). The same
+        four; 80 registers per thread instead of 50 at 16 rows, so at most 3 CTAs per SM; 59 at
+        8 rows). The same
         products and the same promotion order, so the same bits. NOT RUN ON A GPU yet
         (written after the session's one call; lowering-tested only): off by default. TileLang
         puts the e4m3 tile's proxy fence after the warpgroup barrier here (each thread fences,
@@ -103,6 +108,7 @@ class MoeDecodeConfig:
     """
 
     split_k: int = 0
+    tile_rows: int = TILE_ROWS
     num_stages: int = 3
     min_blocks: int = 4
     one_wait: bool = False
@@ -110,23 +116,27 @@ class MoeDecodeConfig:
     def __post_init__(self) -> None:
         if self.split_k < 0:
             raise ValueError(f"MoeDecodeConfig.split_k must be >= 0, got {self.split_k}")
+        if self.tile_rows not in (8, 16):
+            raise ValueError(f"MoeDecodeConfig.tile_rows must be 8 or 16, got {self.tile_rows}")
         if not 1 <= self.num_stages <= 12:
             raise ValueError(
                 f"MoeDecodeConfig.num_stages must be in [1, 12], got {self.num_stages}"
             )
         if not 1 <= self.min_blocks <= 8:
             raise ValueError(f"MoeDecodeConfig.min_blocks must be in [1, 8], got {self.min_blocks}")
-        if self.one_wait and self.min_blocks > 3:
-            # 4 partials need ~80 registers (local ptxas); 4 CTAs per SM cap a thread at 64
+        if self.one_wait and self.tile_rows == 16 and self.min_blocks > 3:
+            # 4 partials of 16 columns need ~80 registers (local ptxas); 4 CTAs per SM cap a
+            # thread at 64 (at 8 rows: 59, so 4 CTAs fit)
             raise ValueError(
-                f"MoeDecodeConfig.one_wait needs min_blocks <= 3, got {self.min_blocks}"
+                "MoeDecodeConfig.one_wait with tile_rows=16 needs min_blocks <= 3, "
+                f"got {self.min_blocks}"
             )
 
     def shared_bytes(self, k_chunk: int) -> int:
         """The TMA ring, the e4m3 weight tiles (one per stage) and the chunk's weight-scale
         bytes (e.g. 48 KB for V4.1's W1 at split 2: 4 CTAs fit an SM's 228 KB)."""
         packed = WARPGROUP_ROWS * BLOCK_K // 2
-        stage = packed + 2 * packed + TILE_ROWS * BLOCK_K + TILE_ROWS * SLICES * 4
+        stage = packed + 2 * packed + self.tile_rows * BLOCK_K + self.tile_rows * SLICES * 4
         return self.num_stages * stage + WARPGROUP_ROWS * (k_chunk // SCALE_BLOCK)
 
 
@@ -240,7 +250,7 @@ def build_kernel(n: int, k: int, split: int, out_dtype: str, cfg: MoeDecodeConfi
         raise ValueError(f"build_kernel: K={k} must split into {split} chunks of 128s")
     if out_dtype not in OUT_DTYPES.values():
         raise ValueError(f"build_kernel: out_dtype must be one of {list(OUT_DTYPES.values())}")
-    bn, bt = WARPGROUP_ROWS, TILE_ROWS
+    bn, bt = WARPGROUP_ROWS, cfg.tile_rows
     kc = k // split
     kbc = kc // SCALE_BLOCK
     kb_total = k // SCALE_BLOCK
