@@ -242,12 +242,12 @@ def _kernel_split_ms(fn, calls: int = 5) -> dict:
     return split
 
 
-def _compile_one(name: str) -> None:
-    """Compile one variant's kernels (a small routed batch at the real D, I; E = 8): run in
-    parallel processes before timing so the Triton disk cache holds every variant."""
+def _compile_config(cfg, tokens: int) -> None:
+    """Compile one MoE configuration's kernels (a small routed batch of `tokens` at the real D, I;
+    E = 8): run in parallel processes before timing so the Triton disk cache holds every
+    candidate (prefill variants with 64 tokens, decode candidates with 4)."""
     from deepinfer_kernels.triton import moe as tmoe
 
-    cfg = prefill_variants()[name]
     g = torch.Generator(device="cuda").manual_seed(1)
     e = 8
 
@@ -256,11 +256,11 @@ def _compile_one(name: str) -> None:
         scale = torch.randint(118, 123, (e, n, kk // 32), device="cuda", generator=g)
         return packed.to(torch.int8), scale.to(torch.uint8).view(torch.float8_e8m0fnu)
 
-    (w1, s1), (w3, s3), (w2, s2) = fp4(MOE_I, MOE_D), fp4(MOE_I, MOE_D), fp4(MOE_D, MOE_I)
-    x = torch.randn(64, MOE_D, device="cuda", generator=g).bfloat16()
-    ids = torch.rand(64, e, device="cuda", generator=g).topk(MOE_K, dim=-1).indices
-    tw = torch.rand(64, MOE_K, device="cuda", generator=g)
-    tmoe.moe_experts(x, tw, ids, w1, s1, w3, s3, w2, s2, MOE_LIMIT, config=cfg)
+    ws = (*fp4(MOE_I, MOE_D), *fp4(MOE_I, MOE_D), *fp4(MOE_D, MOE_I))
+    x = torch.randn(tokens, MOE_D, device="cuda", generator=g).bfloat16()
+    ids = torch.rand(tokens, e, device="cuda", generator=g).topk(MOE_K, dim=-1).indices
+    tw = torch.rand(tokens, MOE_K, device="cuda", generator=g)
+    tmoe.moe_experts(x, tw, ids, *ws, MOE_LIMIT, config=cfg)
     torch.cuda.synchronize()
 
 
@@ -420,26 +420,6 @@ def _node_split_us(fn, calls: int = 5) -> dict:
     return out
 
 
-def _compile_decode_one(name: str) -> None:
-    from deepinfer_kernels.triton import moe as tmoe
-
-    g = torch.Generator(device="cuda").manual_seed(1)
-    e = 8
-
-    def fp4(n, kk):
-        packed = torch.randint(-128, 128, (e, n, kk // 2), device="cuda", generator=g)
-        scale = torch.randint(118, 123, (e, n, kk // 32), device="cuda", generator=g)
-        return packed.to(torch.int8), scale.to(torch.uint8).view(torch.float8_e8m0fnu)
-
-    ws = (*fp4(MOE_I, MOE_D), *fp4(MOE_I, MOE_D), *fp4(MOE_D, MOE_I))
-    x = torch.randn(4, MOE_D, device="cuda", generator=g).bfloat16()
-    ids = torch.rand(4, e, device="cuda", generator=g).topk(MOE_K, dim=-1).indices
-    tw = torch.rand(4, MOE_K, device="cuda", generator=g)
-    cfg = decode_candidates()[name]
-    tmoe.moe_experts(x, tw, ids, *ws, MOE_LIMIT, config=cfg)
-    torch.cuda.synchronize()
-
-
 def decode_candidate_rows(ts, names, split_ts=(1, 16), split_names=("m3",)) -> list[dict]:
     """The MoE layer at each T: `head DECODE` (the committed default before this session, if
     HEAD_MOE is present), `auto` / `inv` (`moe_experts`' defaults now), the named candidates;
@@ -537,10 +517,10 @@ def main() -> None:
         tilelang_w1_rows(tuple(args.tilelang_w1) or (1, 16))
         return
     if args.compile_one:
-        _compile_one(args.compile_one)
+        _compile_config(prefill_variants()[args.compile_one], tokens=64)
         return
     if args.compile_decode:
-        _compile_decode_one(args.compile_decode)
+        _compile_config(decode_candidates()[args.compile_decode], tokens=4)
         return
     if args.decode_candidates is not None:
         decode_main(args)
