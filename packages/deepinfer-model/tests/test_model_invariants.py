@@ -97,13 +97,20 @@ def test_prefill_equals_token_by_token_decode(tiny, n, seed):
 
 @settings(max_examples=6, deadline=None)
 @given(n=st.integers(2, 30), cuts=st.lists(st.integers(1, 29), max_size=3), seed=st.integers(0, 50))
+@example(n=16, cuts=[1], seed=47)
 def test_chunked_prefill_equals_one_shot(tiny, n, cuts, seed):
+    """At the tolerance of `test_random_batches_equal_each_sequence_alone`, for the same reason:
+    the linears quantise activations to FP8 per 32 channels, so a last-bit fp32 difference
+    between a 16-row and a 1 + 15-row matmul can flip one FP8 rounding (the pinned example moves
+    logits by 1.8e-3; bitwise equal in batch-invariant mode, `test_batch_invariant.py`). Wrong
+    windows, entries or pages give O(1) errors and a different argmax."""
     cfg, model, spec = tiny
     toks = _tokens(n, seed)
     bounds = sorted({0, n, *[c for c in cuts if c < n]})
     one = _prefill(model, _cache(cfg, spec), toks, 0, [0, 1])
     chunked = _chunks(model, _cache(cfg, spec), toks, bounds, 2, [7, 3])
-    torch.testing.assert_close(chunked, one, **TOL)
+    torch.testing.assert_close(chunked, one, rtol=0, atol=1e-2)
+    assert torch.equal(chunked.argmax(-1), one.argmax(-1))
 
 
 def test_mixed_batch_equals_each_alone_then_decode_and_verify(tiny):
