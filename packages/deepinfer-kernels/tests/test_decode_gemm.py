@@ -171,15 +171,17 @@ def test_shape_reason():
 
 
 def test_triton_linear_routing(monkeypatch):
-    """pick_config hands out the TileLang tile only when asked (`tilelang_decode`: the kernel can
-    run the call): in auto mode for M inside TILELANG_DECODE_M, in invariant mode for every M
-    while TILELANG_INVARIANT; CPU inputs are never routed there."""
+    """pick_config hands out the TileLang tile only when asked (`tilelang_decode`: the caller's
+    route picks the call and the kernel can run it), and `tilelang_route` picks in auto mode M
+    inside TILELANG_DECODE_M, in invariant mode every M while TILELANG_INVARIANT; CPU inputs are
+    never routed there."""
     pytest.importorskip("triton")
     from deepinfer_kernels.triton import gemv
     from deepinfer_kernels.triton import linear as tl_linear
 
     def pick(m, inv, tilelang=True):
-        return tl_linear.pick_config(m, 5120, 8192, inv, tilelang_decode=tilelang)
+        routed = tilelang and tl_linear.tilelang_route(m, inv)  # as `fp8_gemm` asks
+        return tl_linear.pick_config(m, 5120, 8192, inv, tilelang_decode=routed)
 
     monkeypatch.setattr(tl_linear, "TILELANG_DECODE_M", (2, 64))
     monkeypatch.setattr(tl_linear, "TILELANG_INVARIANT", True)

@@ -468,6 +468,20 @@ def decode_gemm(
     why = shape_reason(x_fp8, x_scale, w, w_scale)
     if why is not None:
         raise ValueError(f"tilelang decode_gemm: {why}")
+    return decode_gemm_unchecked(x_fp8, x_scale, w, w_scale, out_dtype, config)
+
+
+def decode_gemm_unchecked(
+    x_fp8: torch.Tensor,
+    x_scale: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+    config: DecodeTileConfig | None = None,
+) -> torch.Tensor:
+    """`decode_gemm` for operands that already passed `shape_reason` (the caller routed the call
+    on it: `triton.linear.fp8_gemm` / `fp8_linear`), so that a call checks their shapes once.
+    The output dtype and the configuration are still checked here."""
     if out_dtype not in OUT_DTYPES:
         raise ValueError(f"out_dtype must be one of {list(OUT_DTYPES)}, got {out_dtype}")
     m, k = x_fp8.shape

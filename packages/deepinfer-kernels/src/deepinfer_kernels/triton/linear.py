@@ -221,11 +221,12 @@ def pick_config(
 ):
     """Decode shapes (M <= DECODE_MAX_M) take the weight-streaming kernel of `gemv.py`, whose
     split of K depends on (N, K) only; in auto mode M <= GEMV_AUTO_MAX_M takes its CUDA-core GEMV
-    instead (`gemv.gemv_config`). With `tilelang_decode` (the TileLang kernel can run the call:
-    `tilelang_decode_reason`) the calls `tilelang_route` picks (auto mode: M in
-    TILELANG_DECODE_M; invariant mode: every M while TILELANG_INVARIANT) take the TileLang
-    swap-AB kernel instead (a `tilelang.decode_gemm.DecodeTileConfig`). Larger M: tile shapes by
-    M bucket; in auto mode, M <= 256 adds split-K until there are ~4 CTAs per SM.
+    instead (`gemv.gemv_config`). With `tilelang_decode` (the caller found that `tilelang_route`
+    picks the call, auto mode: M in TILELANG_DECODE_M, invariant mode: every M while
+    TILELANG_INVARIANT, and that the TileLang kernel can run it: `tilelang_decode_reason`) the
+    call takes the TileLang swap-AB kernel instead (a `tilelang.decode_gemm.DecodeTileConfig`).
+    Larger M: tile shapes by M bucket; in auto mode, M <= 256 adds split-K until there are ~4
+    CTAs per SM.
 
     Every configuration expands the FP8 operands exactly to bf16 and runs on wgmma: on Triton
     the depth-32 FP8 dots with per-step promotion neither pipeline their loads nor fit in
@@ -236,7 +237,7 @@ def pick_config(
     (`decode_split(N, K)`, K/split per slice, fixed-order sum), so a row's bits do not depend on M
     across the decode/prefill boundary either.
     """
-    if tilelang_decode and tilelang_route(m, batch_invariant):
+    if tilelang_decode:
         from ..tilelang.decode_gemm import pick_tile_config
 
         return pick_tile_config(m, n, k)
@@ -279,19 +280,22 @@ def fp8_gemm(
     """
     m, k = x_fp8.shape
     n = w.shape[0]
+    # each check once: the route, then (only if routed) whether the TileLang kernel takes the
+    # operands, which its launch then does not ask again
+    tilelang = (
+        config is None
+        and tilelang_route(m, batch_invariant)
+        and tilelang_decode_reason(x_fp8, x_scale, w, w_scale) is None
+    )
     cfg = config or pick_config(
-        m,
-        n,
-        k,
-        batch_invariant,
-        x_fp8.dtype == torch.bfloat16,
-        tilelang_decode=tilelang_route(m, batch_invariant)
-        and tilelang_decode_reason(x_fp8, x_scale, w, w_scale) is None,
+        m, n, k, batch_invariant, x_fp8.dtype == torch.bfloat16, tilelang_decode=tilelang
     )
     if not isinstance(cfg, (GemmConfig, DecodeConfig)):  # tilelang.decode_gemm.DecodeTileConfig
         from ..tilelang import decode_gemm as tl_decode
 
-        return tl_decode.decode_gemm(x_fp8, x_scale, w, w_scale, out_dtype, cfg)
+        # a caller's config: its operands are checked by decode_gemm
+        run = tl_decode.decode_gemm_unchecked if tilelang else tl_decode.decode_gemm
+        return run(x_fp8, x_scale, w, w_scale, out_dtype, cfg)
     if isinstance(cfg, DecodeConfig):
         return decode_gemm(x_fp8, x_scale, w, w_scale, out_dtype, cfg)
     x_fp8, x_scale, w = x_fp8.contiguous(), x_scale.contiguous(), w.contiguous()
@@ -357,11 +361,13 @@ def fp8_linear(
 
     x2 = x.reshape(-1, x.shape[-1])
     m, k = x2.shape
-    if tilelang_route(m, batch_invariant) and x.is_cuda:
-        # the TileLang decode kernel takes FP8 activations: quantise, then route by fp8_gemm
+    if x.is_cuda and tilelang_route(m, batch_invariant):
+        # the TileLang decode kernel takes FP8 activations: quantise, then check them once
         xq, xs = act_quant_fp8(x2)
         if tilelang_decode_reason(xq, xs, w, w_scale) is None:
-            y = fp8_gemm(xq, xs, w, w_scale, x.dtype, batch_invariant=batch_invariant)
+            from ..tilelang import decode_gemm as tl_decode
+
+            y = tl_decode.decode_gemm_unchecked(xq, xs, w, w_scale, x.dtype)
             return y.reshape(*x.shape[:-1], w.shape[0])
     cfg = pick_config(m, w.shape[0], k, batch_invariant, a_bf16=True)
     if isinstance(cfg, DecodeConfig) and cfg.mma_fp8:  # FP8 dots take the FP8 activations
