@@ -178,33 +178,32 @@ def decode4_rows(rows: list | None = None, parts: tuple[str, ...] = PARTS):
         for t in (1, 16, 64, 256):
             sets = moe_routed_inputs(t, 8, g)
             active = sum(int(torch.unique(st[2]).numel()) for st in sets) / len(sets)
-            for inv in (False, True):
-                both(
-                    f"moe_experts[{'inv' if inv else 'auto'}]",
-                    f"T={t}",
-                    lambda x, tw, ids, inv=inv: tmoe.moe_experts(
-                        x, tw, ids, *experts, MOE_LIMIT, batch_invariant=inv
-                    ),
-                    sets,
-                    active * per_expert,
-                )
-            # candidate (fifth session; NOTES "MoE decode, fifth session"): FP4 mode 3, fewer
-            # expansion instructions, the same bits (chained: -2% at T=16/256, +10% at T=64).
-            # Measured slower and dropped: 32-wide column blocks, scale prefetch, scale rows
-            # warmed into L1/L2, 6 stages, 8 warps (`bench_moe.py --decode-candidates`)
+            # the two modes, then the candidate configs (fifth session; NOTES "MoE decode, fifth
+            # session"), each checked bitwise against auto mode's output before it is timed (` BAD`
+            # marks a difference). FP4 mode 3: fewer expansion instructions, the same bits
+            # (chained: -2% at T=16/256, +10% at T=64). Measured slower and dropped: 32-wide
+            # column blocks, scale prefetch, scale rows warmed into L1/L2, 6 stages, 8 warps
+            # (`bench_moe.py --decode-candidates`)
+            runs = (
+                ("auto", {"batch_invariant": False}),
+                ("inv", {"batch_invariant": True}),
+                ("fp4 m3", {"config": dataclasses.replace(tmoe.DECODE, fp4_mode=3)}),
+            )
             want = tmoe.moe_experts(*sets[0], *experts, MOE_LIMIT)
-            for name, cfg in (("fp4 m3", dataclasses.replace(tmoe.DECODE, fp4_mode=3)),):
-                try:
-                    got = tmoe.moe_experts(*sets[0], *experts, MOE_LIMIT, config=cfg)
-                except Exception as exc:  # reported; the other rows still run
-                    print(f"dec4 moe_experts[{name}] T={t} failed: {type(exc).__name__}: {exc}")
-                    continue
-                same = "" if torch.equal(got, want) else " BAD"
+            for name, kw in runs:
+                mark = ""
+                if "config" in kw:
+                    try:
+                        got = tmoe.moe_experts(*sets[0], *experts, MOE_LIMIT, **kw)
+                    except Exception as exc:  # reported; the other rows still run
+                        print(f"dec4 moe_experts[{name}] T={t} failed: {type(exc).__name__}: {exc}")
+                        continue
+                    mark = "" if torch.equal(got, want) else " BAD"
                 both(
-                    f"moe_experts[{name}]{same}",
+                    f"moe_experts[{name}]{mark}",
                     f"T={t}",
-                    lambda x, tw, ids, cfg=cfg: tmoe.moe_experts(
-                        x, tw, ids, *experts, MOE_LIMIT, config=cfg
+                    lambda x, tw, ids, kw=kw: tmoe.moe_experts(
+                        x, tw, ids, *experts, MOE_LIMIT, **kw
                     ),
                     sets,
                     active * per_expert,
