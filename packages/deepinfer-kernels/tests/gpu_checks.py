@@ -46,3 +46,47 @@ def gemm_inputs(m: int, n: int, k: int, seed: int):
     w, ws = quant.quantize_fp8_blocks(torch.randn(n, k, device="cuda", generator=g) * 0.02 * spread)
     xq, xs = quant.act_quant_fp8(x)
     return xq, xs, w, ws
+
+
+def moe_inputs(t: int, d: int, i: int, e: int, k: int, seed: int, neg: bool = False):
+    """One MoE layer's call on CUDA: x [t, d] bf16, routing weights [t, k], top-k ids (neg: every
+    third token's last slot -1, an expert on another rank), random FP4 experts with UE8M0 scales
+    2**-9..2**-5. -> (x, tw, ids, w1, s1, w3, s3, w2, s2)"""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(t, d, device="cuda", generator=g).bfloat16()
+
+    def fp4(n, kk):
+        packed = torch.randint(
+            -128, 128, (e, n, kk // 2), device="cuda", generator=g, dtype=torch.int8
+        )
+        scale = torch.randint(
+            118, 123, (e, n, kk // 32), device="cuda", generator=g, dtype=torch.uint8
+        )
+        return packed, scale.view(torch.float8_e8m0fnu)
+
+    (w1, s1), (w3, s3), (w2, s2) = fp4(i, d), fp4(i, d), fp4(d, i)
+    ids = torch.rand(t, e, device="cuda", generator=g).topk(k, dim=-1).indices
+    if neg:
+        ids[::3, -1] = -1  # experts held by another rank
+    tw = torch.rand(t, k, device="cuda", generator=g)
+    return x, tw, ids, w1, s1, w3, s3, w2, s2
+
+
+def assert_graph_replays_new_routing(fn, t: int, d: int, i: int, e: int, k: int) -> None:
+    """`fn(x, tw, ids, *weights, 10.0)` (a MoE experts function) captured in a CUDA graph replays
+    two new routings (copied into the captured inputs) bitwise as an eager call does: no host
+    sync in the capture, nothing of the first routing baked in."""
+    x, tw, ids, *ws = moe_inputs(t, d, i, e, k, seed=51)
+    fn(x, tw, ids, *ws, 10.0)  # compile and load outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(x, tw, ids, *ws, 10.0)
+    for seed in (52, 53):
+        x2, tw2, ids2, *_ = moe_inputs(t, d, i, e, k, seed=seed)
+        x.copy_(x2)
+        tw.copy_(tw2)
+        ids.copy_(ids2)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, fn(x, tw, ids, *ws, 10.0))

@@ -12,7 +12,7 @@ from deepinfer_kernels import quant
 from deepinfer_kernels.ref import linear as ref_linear
 from deepinfer_kernels.ref import moe as ref_moe
 from deepinfer_kernels.ref import quant as ref_quant
-from gpu_checks import gemm_inputs, poison, rel
+from gpu_checks import assert_graph_replays_new_routing, gemm_inputs, moe_inputs, poison, rel
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (triton tier)")
 pytestmark = cuda
@@ -170,27 +170,6 @@ def test_moe_gate_close_to_ref(t, e):
     assert rel(wg_sorted, wr_sorted) < 1e-5
 
 
-def _moe_inputs(t, d, i, e, k, seed, neg=False):
-    g = _gen(seed)
-    x = torch.randn(t, d, device=DEV, generator=g).bfloat16()
-
-    def fp4(n, kk):
-        packed = torch.randint(
-            -128, 128, (e, n, kk // 2), device=DEV, generator=g, dtype=torch.int8
-        )
-        scale = torch.randint(
-            118, 123, (e, n, kk // 32), device=DEV, generator=g, dtype=torch.uint8
-        )
-        return packed, scale.view(torch.float8_e8m0fnu)
-
-    (w1, s1), (w3, s3), (w2, s2) = fp4(i, d), fp4(i, d), fp4(d, i)
-    ids = torch.rand(t, e, device=DEV, generator=g).topk(k, dim=-1).indices
-    if neg:
-        ids[::3, -1] = -1  # experts held by another rank
-    tw = torch.rand(t, k, device=DEV, generator=g)
-    return x, tw, ids, w1, s1, w3, s3, w2, s2
-
-
 PREFILL_CANDIDATES = {
     "m64w4": dict(cols_fast=True),
     "m64w4_rowfast2": dict(cols_fast=True, cols_fast2=False),
@@ -250,7 +229,7 @@ MOE_SHAPES = [
 def test_moe_experts_close_to_ref(t, d, i, e, k, cfg_name):
     from deepinfer_kernels.triton import moe as tmoe
 
-    args = _moe_inputs(t, d, i, e, k, seed=t + e, neg=t % 2 == 1)
+    args = moe_inputs(t, d, i, e, k, seed=t + e, neg=t % 2 == 1)
     want = ref_moe.moe_experts(*args, 10.0)
     extra = {
         "wg_k256_m1": tmoe.MoeConfig(16, 64, 64, 4, 4, 4, True, 256, fp4_mode=1),
@@ -300,7 +279,7 @@ def test_fp4_expansion_modes_bitwise():
     are bitwise tile-independent: same outputs bit for bit, at real dims."""
     from deepinfer_kernels.triton import moe as tmoe
 
-    args = _moe_inputs(9, 5120, 2304, 64, 6, seed=61)
+    args = moe_inputs(9, 5120, 2304, 64, 6, seed=61)
     outs = [
         tmoe.moe_experts(
             *args, 10.0, config=tmoe.MoeConfig(16, 64, 64, 4, 4, 4, True, 128, fp4_mode=mode)
@@ -316,7 +295,7 @@ def test_fp4_expansion_modes_bitwise():
 def test_moe_experts_real_dims_decode():
     from deepinfer_kernels.triton import moe as tmoe
 
-    args = _moe_inputs(24, 5120, 2304, 384, 6, seed=5)
+    args = moe_inputs(24, 5120, 2304, 384, 6, seed=5)
     want = ref_moe.moe_experts(*args, 10.0)
     got = tmoe.moe_experts(*args, 10.0)
     assert rel(got, want) < 1.5e-2
@@ -330,17 +309,19 @@ def test_moe_experts_batch_invariant_bitwise(prefill, monkeypatch):
 
     if prefill is not None:
         monkeypatch.setattr(tmoe, "PREFILL", _prefill_candidate(prefill))
-    x, tw, ids, *ws = _moe_inputs(200, 512, 256, 16, 6, seed=21)
+    x, tw, ids, *ws = moe_inputs(200, 512, 256, 16, 6, seed=21)
     full = tmoe.moe_experts(x, tw, ids, *ws, 10.0, batch_invariant=True)
     for lo, hi in ((0, 1), (57, 58), (199, 200), (3, 40)):
         part = tmoe.moe_experts(x[lo:hi], tw[lo:hi], ids[lo:hi], *ws, 10.0, batch_invariant=True)
         assert torch.equal(part, full[lo:hi])
 
 
-def test_moe_ops_dispatch_to_triton():
+def test_moe_ops_prefill_sizes_dispatch_to_triton():
+    """Prefill-sized routing (pairs > 8 x experts) runs the Triton tier (decode sizes: the cuda
+    tier, test_cuda_moe.py)."""
     from deepinfer_kernels import REGISTRY, ops
 
-    x, tw, ids, *ws = _moe_inputs(4, 256, 128, 8, 2, seed=31)
+    x, tw, ids, *ws = moe_inputs(40, 256, 128, 8, 2, seed=31)
     assert REGISTRY.resolve("moe_experts", x, tw, ids, *ws, 10.0).tier == "triton"
     assert (
         rel(ops.moe_experts(x, tw, ids, *ws, 10.0), ref_moe.moe_experts(x, tw, ids, *ws, 10.0))
@@ -387,20 +368,7 @@ def test_moe_experts_cuda_graph_replay():
     """The decode path captures in a CUDA graph (no host sync) and replays on new routing."""
     from deepinfer_kernels.triton import moe as tmoe
 
-    x, tw, ids, *ws = _moe_inputs(8, 512, 256, 32, 6, seed=51)
-    out = tmoe.moe_experts(x, tw, ids, *ws, 10.0)  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = tmoe.moe_experts(x, tw, ids, *ws, 10.0)
-    for seed in (52, 53):
-        x2, tw2, ids2, *_ = _moe_inputs(8, 512, 256, 32, 6, seed=seed)
-        x.copy_(x2)
-        tw.copy_(tw2)
-        ids.copy_(ids2)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, tmoe.moe_experts(x, tw, ids, *ws, 10.0))
+    assert_graph_replays_new_routing(tmoe.moe_experts, 8, 512, 256, 32, 6)
 
 
 # -- decode (weight-streaming) GEMM ------------------------------------------------------------

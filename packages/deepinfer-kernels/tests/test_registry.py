@@ -111,7 +111,7 @@ def test_bad_override_names_list_the_choices():
     with pytest.raises(ValueError, match="has no 'vendor' implementation; it has triton, ref"):
         reg.configure(KernelSettings(overrides={"op": "vendor"}))
     with pytest.raises(ValueError, match="is not one of " + ", ".join(TIERS)):
-        parse_overrides("op=cuda")
+        parse_overrides("op=cutlass")
     with pytest.raises(ValueError, match="not of the form op=tier"):
         parse_overrides("op")
 

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-TIERS: tuple[str, ...] = ("vendor", "tilelang", "triton", "npu", "ref")
+TIERS: tuple[str, ...] = ("vendor", "tilelang", "cuda", "triton", "npu", "ref")
 """Implementation tiers in default order of preference (first capable one wins)."""
 
 _TRUE = ("1", "true", "yes", "on")

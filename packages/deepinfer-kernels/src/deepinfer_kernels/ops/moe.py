@@ -41,6 +41,19 @@ for _op in ("moe_gate", "moe_experts"):
         )
     )
 
+REGISTRY.register(
+    Implementation(
+        "moe_experts",
+        "cuda",
+        "deepinfer_kernels.cuda.moe_decode:moe_experts",
+        devices=("cuda",),
+        min_capability=(9, 0),
+        requires=("triton",),  # its routing, activation quantisation and combine kernels
+        supports="deepinfer_kernels.ops.moe:moe_experts_cuda_supports",
+        routing="decode-sized routing only (pairs <= 8 x experts), bf16, not batch-invariant",
+    )
+)
+
 GATE_MAX_EXPERTS = 1024
 """The Triton gate keeps all of a token's expert scores in registers (padded to a power of 2)."""
 
@@ -58,6 +71,28 @@ def moe_experts_gpu_supports(x: torch.Tensor, *args: object, **kw: object) -> st
         if isinstance(s, torch.Tensor) and s.dtype != torch.float8_e8m0fnu:
             return f"{name} is {s.dtype}, the Triton experts read float8_e8m0fnu scales"
     return cuda_input_reason(x)
+
+
+def moe_experts_cuda_supports(
+    x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w1: torch.Tensor,
+    *args: object, batch_invariant: bool = False, **kw: object,
+) -> str | None:  # fmt: skip
+    """Why the mma.sync decode experts (`cuda/moe_decode.py`) cannot run these arguments, or None:
+    they take decode-sized routing in bf16 outside batch-invariant mode, with UE8M0 scales."""
+    from ..cuda.module import nvrtc_reason
+    from ..cuda.moe_decode import shape_reason
+
+    if batch_invariant:
+        return "batch-invariant mode (the Triton tier's decode tiles match its prefill tiles)"
+    if x.dtype != torch.bfloat16:
+        return f"x is {x.dtype}, the cuda experts take bfloat16"
+    if topk_ids.numel() > 8 * w1.shape[0]:
+        return "prefill-sized routing (pairs > 8 x experts)"
+    return (
+        moe_experts_gpu_supports(x, topk_weights, topk_ids, w1, *args)
+        or shape_reason(x.shape[1], w1.shape[1])
+        or nvrtc_reason()
+    )
 
 
 def moe_gate(

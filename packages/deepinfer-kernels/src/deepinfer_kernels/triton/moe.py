@@ -867,6 +867,18 @@ def _combine_kernel(
     tl.store(out_ptr + t * D + cols, out, mask=cmask)
 
 
+def combine(y: torch.Tensor, route: Routing, out: torch.Tensor) -> torch.Tensor:
+    """out[t] = sum of y's rows for token t (`route.combine_pos`, ascending), summed in fp32 and
+    rounded to out.dtype. y [P, D] (one row per routed pair), out [T, D]; returns out."""
+    t, k = route.combine_pos.shape
+    p, d = y.shape
+    block = 1024
+    _combine_kernel[(t, triton.cdiv(d, block))](
+        y, route.combine_pos, out, d, p, TOPK=k, BLOCK=block, F32_MATH=not y.is_cuda
+    )
+    return out
+
+
 def _word_aligned(*scales: torch.Tensor) -> bool:
     """Whether the byte tensors can be read as int32 words (storage offset on a 4-byte boundary;
     rows of whole words follow from a 128-wide K step)."""
@@ -986,8 +998,4 @@ def moe_experts(
         num_warps=cfg.warps2,
         num_stages=cfg.stages2 or cfg.stages,
     )
-    block = 1024
-    _combine_kernel[(t, triton.cdiv(d, block))](
-        y, route.combine_pos, out, d, p, TOPK=k, BLOCK=block, F32_MATH=f32_math
-    )
-    return out
+    return combine(y, route, out)

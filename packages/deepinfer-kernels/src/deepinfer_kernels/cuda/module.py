@@ -1,0 +1,170 @@
+"""Compiling and launching hand-written CUDA kernels: CUDA C++ source -> cubin with NVRTC (the
+runtime compiler that ships with torch's CUDA libraries, so no nvcc is needed), loaded and
+launched through the CUDA driver on torch's current stream (so CUDA graphs capture them).
+
+Everything is reached through ctypes inside functions: importing this module loads no library.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.util
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+Arg = torch.Tensor | int | float | None
+"""A kernel argument: a tensor (its device pointer), an int (int32), a float (fp32), None (a
+null pointer)."""
+
+
+@functools.cache
+def nvrtc() -> ctypes.CDLL:
+    """libnvrtc for torch's CUDA major version: by soname first (torch loads it), then from the
+    `nvidia` wheels' lib folders, then `$CUDA_HOME/lib64`. OSError naming the places tried."""
+    major = (torch.version.cuda or "13").split(".")[0]
+    name = f"libnvrtc.so.{major}"
+    tried = [name]
+    try:
+        return ctypes.CDLL(name)
+    except OSError:
+        pass
+    places = []
+    spec = importlib.util.find_spec("nvidia")
+    for root in spec.submodule_search_locations if spec and spec.submodule_search_locations else []:
+        places += sorted(Path(root).glob(f"*/lib/{name}"))
+    cuda_home = os.environ.get("CUDA_HOME", "/usr/local/cuda")  # (nvcc's convention)
+    places.append(Path(cuda_home) / "lib64" / name)
+    for path in places:
+        tried.append(str(path))
+        if path.exists():
+            return ctypes.CDLL(str(path))
+    raise OSError(f"NVRTC not found (tried {', '.join(tried)})")
+
+
+def nvrtc_reason() -> str | None:
+    """Why CUDA kernels cannot be compiled here, or None."""
+    try:
+        nvrtc()
+    except OSError as e:
+        return str(e)
+    return None
+
+
+def _nvrtc_check(lib: ctypes.CDLL, result: int, what: str) -> None:
+    if result != 0:
+        lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+        raise RuntimeError(f"NVRTC {what}: {lib.nvrtcGetErrorString(result).decode()}")
+
+
+def compile_cubin(source: str, name: str, arch: str, defines: dict[str, int]) -> bytes:
+    """CUDA C++ `source` compiled for `arch` (e.g. "sm_90a") with `-D` `defines` -> cubin bytes.
+    A compile error raises RuntimeError with NVRTC's log. Runs on CPU (no GPU needed)."""
+    lib = nvrtc()
+    prog = ctypes.c_void_p()
+    _nvrtc_check(
+        lib,
+        lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), name.encode(), 0, None, None),
+        "create",
+    )
+    try:
+        opts = [f"--gpu-architecture={arch}", "-std=c++17"]
+        opts += [f"-D{k}={v}" for k, v in sorted(defines.items())]
+        argv = (ctypes.c_char_p * len(opts))(*(o.encode() for o in opts))
+        result = lib.nvrtcCompileProgram(prog, len(opts), argv)
+        if result != 0:
+            size = ctypes.c_size_t()
+            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+            log = ctypes.create_string_buffer(size.value)
+            lib.nvrtcGetProgramLog(prog, log)
+            raise RuntimeError(
+                f"NVRTC could not compile {name} ({' '.join(opts)}):\n{log.value.decode()}"
+            )
+        size = ctypes.c_size_t()
+        _nvrtc_check(lib, lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "cubin size")
+        cubin = ctypes.create_string_buffer(size.value)
+        _nvrtc_check(lib, lib.nvrtcGetCUBIN(prog, cubin), "cubin")
+        return cubin.raw
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+@functools.cache
+def _driver() -> ctypes.CDLL:
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def _cu_check(result: int, what: str) -> None:
+    if result != 0:
+        msg = ctypes.c_char_p()
+        _driver().cuGetErrorString(result, ctypes.byref(msg))
+        raise RuntimeError(f"CUDA driver {what}: {(msg.value or b'?').decode()} ({result})")
+
+
+@dataclass
+class Kernel:
+    """One `extern "C"` kernel of a loaded cubin, on one device."""
+
+    name: str
+    function: ctypes.c_void_p
+    module: ctypes.c_void_p  # kept so the module outlives the function handle
+
+    def launch(
+        self,
+        grid: Sequence[int],
+        block: int,
+        args: Sequence[Arg],
+        shared_bytes: int = 0,
+    ) -> None:
+        """Launch on torch's current stream of the current device. grid: 1 to 3 sizes."""
+        if any(g <= 0 for g in grid):
+            return  # nothing to do (an empty batch)
+        gx, gy, gz = (*grid, 1, 1)[:3]
+        holders: list[ctypes._SimpleCData] = []
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                holders.append(ctypes.c_void_p(a.data_ptr()))
+            elif a is None:
+                holders.append(ctypes.c_void_p(0))
+            elif isinstance(a, bool | int):
+                holders.append(ctypes.c_int32(int(a)))
+            elif isinstance(a, float):
+                holders.append(ctypes.c_float(a))
+            else:
+                raise TypeError(f"{self.name}: unsupported kernel argument {type(a).__name__}")
+        params = (ctypes.c_void_p * len(holders))(
+            *(ctypes.cast(ctypes.byref(h), ctypes.c_void_p) for h in holders)
+        )
+        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+        _cu_check(
+            _driver().cuLaunchKernel(
+                self.function, gx, gy, gz, block, 1, 1, shared_bytes, stream, params, None
+            ),
+            f"launch of {self.name}",
+        )
+
+
+def load_kernel(cubin: bytes, name: str, device: torch.device) -> Kernel:
+    """The kernel `name` of `cubin`, loaded into `device`'s primary context (the one torch uses)."""
+    drv = _driver()
+    torch.cuda.init()
+    with torch.cuda.device(device):
+        ctx = ctypes.c_void_p()
+        _cu_check(drv.cuCtxGetCurrent(ctypes.byref(ctx)), "current context")
+        if not ctx.value:  # torch has not touched this device from this thread yet
+            dev = ctypes.c_int()
+            _cu_check(drv.cuDeviceGet(ctypes.byref(dev), device.index or 0), "device")
+            _cu_check(drv.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "primary context")
+            _cu_check(drv.cuCtxSetCurrent(ctx), "set context")
+        module = ctypes.c_void_p()
+        _cu_check(drv.cuModuleLoadData(ctypes.byref(module), cubin), "module load")
+        function = ctypes.c_void_p()
+        _cu_check(
+            drv.cuModuleGetFunction(ctypes.byref(function), module, name.encode()),
+            f"kernel {name}",
+        )
+    return Kernel(name, function, module)

@@ -1,0 +1,380 @@
+// FP4 MoE decode GEMMs on mma.sync (m16n8k16, bf16 in, fp32 sums), compiled at run time by NVRTC
+// (`moe_decode.py` holds the contract and picks the constants below).
+//
+// Why this shape: at decode an expert sees a handful of tokens, so the GEMM streams FP4 weights
+// once and the cost is the instructions spent per weight byte. Each thread loads 16 packed bytes
+// (32 values = exactly one UE8M0 scale group) of a weight row straight into registers, expands
+// them to bf16 there and feeds them to mma.sync as the A fragment: no shared-memory round trip,
+// no CTA barrier in the K loop. The mma's K order is free as long as A and B agree, so thread
+// (g, t) of a warp takes K group `4i + t` for both its weight rows and its tokens' activations:
+// pair p (0..15) of its 32 values feeds mma p/2 as the (2t, 2t+1) or (2t+8, 2t+9) slot, and the
+// activations' 32 bf16 are read in the same natural order (LDG.128 x 4).
+//
+// Constants (-D): K_DIM (reduction length), N_DIM (weight rows per expert), MATS (1: W2; 2: W1
+// and W3 fused with SwiGLU), RT (16-row A tiles per matrix per warp), TOKG (8-token groups per
+// routing tile), SPLIT (warps of a CTA, each a contiguous share of K; summed in warp order),
+// MIN_BLOCKS (CTAs per SM the register allocation must allow), DEPTH (K steps loaded ahead).
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+typedef unsigned long long u64;
+
+#define NA (MATS * RT)          // A tiles (16 weight rows each) per warp
+#define KB (K_DIM / 2)          // packed bytes per weight row
+#define KG (K_DIM / 32)         // scale groups per weight row
+#define ROWS_PER_CTA (16 * RT)  // weight rows of each matrix per CTA
+
+static __device__ __forceinline__ void ldg_stream(u32 (&r)[4], const u8* p) {
+  // weights are read once: do not keep them in L1
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "l"(p));
+}
+
+static __device__ __forceinline__ void ldg_shared(u32 (&r)[4], const u8* p) {
+  asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "l"(p));
+}
+
+static __device__ __forceinline__ u32 ldg_u8(const u8* p) {
+  u16 v;
+  asm volatile("ld.global.nc.u8 %0, [%1];" : "=h"(v) : "l"(p));
+  return v;
+}
+
+// 8 e2m1 nibbles (value k in bits 4k..4k+3) -> 4 bf16 pairs (values 2m, 2m+1 in pair m), each
+// e2m1 * 2**(u - 127) exactly: the nibble's magnitude bits go to bf16 bits 8..6 and its sign to
+// bit 15 (the e2m1 value times 2**-126, subnormal for magnitude 1), then one bf16x2 multiply by
+// 2**(u - 1) (`sp`, both lanes). The values of triton/moe.py's FP4 mode 3, bit for bit.
+template <int M>
+static __device__ __forceinline__ u32 expand_pair(u32 even, u32 odd, u32 sp) {
+  u32 u, o;
+  // bytes M of `even` and `odd` into the low bytes of two 16-bit lanes; the sign-replicate
+  // selectors (msb of a masked byte: 0) zero the high bytes
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(u) : "r"(even), "r"(odd), "n"(0xC480 + 0x1111 * M));
+  const u32 t = (u * 0x1040u) & 0x81C081C0u;
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(o) : "r"(t), "r"(sp));
+  return o;
+}
+
+static __device__ __forceinline__ void expand8(u32 w, u32 sp, u32 (&o)[4]) {
+  const u32 even = w & 0x0F0F0F0Fu;
+  const u32 odd = (w >> 4) & 0x0F0F0F0Fu;
+  o[0] = expand_pair<0>(even, odd, sp);
+  o[1] = expand_pair<1>(even, odd, sp);
+  o[2] = expand_pair<2>(even, odd, sp);
+  o[3] = expand_pair<3>(even, odd, sp);
+}
+
+static __device__ __forceinline__ void mma16816(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3,
+                                                u32 b0, u32 b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+static __device__ __forceinline__ float bf16_round(float v) {
+  u16 b;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b) : "f"(v));
+  return __uint_as_float(((u32)b) << 16);
+}
+
+static __device__ __forceinline__ u16 bf16_bits(float v) {
+  u16 b;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b) : "f"(v));
+  return b;
+}
+
+// One K step's operands of one warp: for each A tile and row half (rows g, g + 8) 16 packed
+// bytes and their scale byte; for each token group 32 bf16 activations (16 pairs).
+struct Step {
+  u32 w[NA][2][4];
+  u32 s[NA][2];
+  u32 x[TOKG][16];
+};
+
+// Where a warp's loads start: w[m] and s[m] at the thread's first K group in row g of matrix m's
+// first A tile (the other rows are compile-time offsets from it), x[q] at its first group in the
+// activations of token 8q + g (has_x[q] false: no such token, zeros). Each step moves them 4
+// groups on.
+struct Cursor {
+  const u8* w[MATS];
+  const u8* s[MATS];
+  const u8* x[TOKG];
+  bool has_x[TOKG];
+
+  __device__ __forceinline__ void advance() {
+#pragma unroll
+    for (int m = 0; m < MATS; ++m) {
+      w[m] += 64;
+      s[m] += 4;
+    }
+#pragma unroll
+    for (int q = 0; q < TOKG; ++q) x[q] += 256;
+  }
+};
+
+static __device__ __forceinline__ void load_step(Step& st, const Cursor& cur, bool valid) {
+#pragma unroll
+  for (int a = 0; a < NA; ++a) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = 16 * (a % RT) + 8 * h;  // rows below the cursor's row
+      if (valid) {
+        ldg_stream(st.w[a][h], cur.w[a / RT] + row * KB);
+        st.s[a][h] = ldg_u8(cur.s[a / RT] + row * KG);
+      } else {
+        st.w[a][h][0] = st.w[a][h][1] = st.w[a][h][2] = st.w[a][h][3] = 0u;
+        st.s[a][h] = 0u;
+      }
+    }
+  }
+#pragma unroll
+  for (int q = 0; q < TOKG; ++q) {
+#pragma unroll
+    for (int v = 0; v < 4; ++v) {
+      u32 r[4] = {0u, 0u, 0u, 0u};
+      if (valid && cur.has_x[q]) ldg_shared(r, cur.x[q] + v * 16);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) st.x[q][4 * v + j] = r[j];
+    }
+  }
+}
+
+static __device__ __forceinline__ void compute_step(const Step& st, float (&acc)[NA][TOKG][4]) {
+#pragma unroll
+  for (int a = 0; a < NA; ++a) {
+    const u32 sp0 = ((st.s[a][0] + 126u) << 7) * 0x10001u;
+    const u32 sp1 = ((st.s[a][1] + 126u) << 7) * 0x10001u;
+#pragma unroll
+    for (int wd = 0; wd < 4; ++wd) {  // word wd: pairs 4wd..4wd+3, mmas 2wd and 2wd+1
+      u32 lo[4], hi[4];
+      expand8(st.w[a][0][wd], sp0, lo);
+      expand8(st.w[a][1][wd], sp1, hi);
+#pragma unroll
+      for (int q = 0; q < TOKG; ++q) {
+        mma16816(acc[a][q], lo[0], hi[0], lo[1], hi[1], st.x[q][4 * wd], st.x[q][4 * wd + 1]);
+        mma16816(acc[a][q], lo[2], hi[2], lo[3], hi[3], st.x[q][4 * wd + 2],
+                 st.x[q][4 * wd + 3]);
+      }
+    }
+  }
+}
+
+// The K loop of one warp over groups [g_begin, g_end): a ring of DEPTH + 1 register sets, so the
+// loads of the next DEPTH steps are in flight while a step computes (the ring is unrolled, so
+// every index is a compile-time register choice).
+static __device__ __forceinline__ void k_loop(float (&acc)[NA][TOKG][4], Cursor cur, int t,
+                                              int g_begin, int g_end) {
+  const int steps = (g_end - g_begin + 3) / 4;
+  const int mine = g_end - g_begin - t;  // groups t, t + 4, ... below this are the thread's
+  Step ring[DEPTH + 1];
+  load_step(ring[0], cur, 0 < mine);  // the cursor stays on the last step loaded
+#pragma unroll
+  for (int d = 1; d < DEPTH; ++d) {
+    cur.advance();
+    load_step(ring[d], cur, 4 * d < mine);
+  }
+  for (int i = 0; i < steps; i += DEPTH + 1) {
+#pragma unroll
+    for (int j = 0; j <= DEPTH; ++j) {
+      if (j == 0 || i + j < steps) {  // (j = 0: the loop condition)
+        cur.advance();
+        load_step(ring[(j + DEPTH) % (DEPTH + 1)], cur, 4 * (i + j + DEPTH) < mine);
+        compute_step(ring[j], acc);
+      }
+    }
+  }
+}
+
+// Sum the SPLIT warps' partials in warp order into warp 0's `acc`.
+static __device__ __forceinline__ void reduce_split(float (&acc)[NA][TOKG][4], int warp,
+                                                    int lane) {
+#if SPLIT > 1
+  __shared__ float part[SPLIT - 1][NA * TOKG * 4][32];
+  if (warp > 0) {
+#pragma unroll
+    for (int a = 0; a < NA; ++a)
+#pragma unroll
+      for (int q = 0; q < TOKG; ++q)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) part[warp - 1][(a * TOKG + q) * 4 + c][lane] = acc[a][q][c];
+  }
+  __syncthreads();
+  if (warp == 0) {
+#pragma unroll
+    for (int w = 0; w < SPLIT - 1; ++w)
+#pragma unroll
+      for (int a = 0; a < NA; ++a)
+#pragma unroll
+        for (int q = 0; q < TOKG; ++q)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) acc[a][q][c] += part[w][(a * TOKG + q) * 4 + c][lane];
+  }
+#endif
+}
+
+// Where a CTA's warp stands: its routing tile (expert or -1, first routed row, rows: at most
+// 8 TOKG), its lane roles (g = lane / 4: weight row and token column; t = lane % 4: K group),
+// its share of the K groups, the CTA's first weight row and the thread's global weight row.
+struct Place {
+  int expert, first, count;
+  int lane, warp, g, t;
+  int g_begin, g_end;
+  int row0;
+  u64 row;
+};
+
+static __device__ __forceinline__ Place place(const int* tiles) {
+  Place p;
+  const int tile = blockIdx.y;
+  p.expert = tiles[3 * tile];
+  p.first = tiles[3 * tile + 1];
+  const int left = tiles[3 * tile + 2] - p.first;
+  p.count = left < 8 * TOKG ? left : 8 * TOKG;
+  p.lane = threadIdx.x & 31;
+  p.warp = threadIdx.x >> 5;
+  p.g = p.lane >> 2;
+  p.t = p.lane & 3;
+  p.g_begin = p.warp * KG / SPLIT;
+  p.g_end = (p.warp + 1) * KG / SPLIT;
+  p.row0 = blockIdx.x * ROWS_PER_CTA;
+  p.row = (u64)p.expert * N_DIM + p.row0 + p.g;
+  return p;
+}
+
+// The cursor's weight and scale pointers for matrix m (w, s: its [E, N, K/2] and [E, N, K/32]).
+static __device__ __forceinline__ void aim(Cursor& cur, int m, const Place& p, const u8* w,
+                                           const u8* s) {
+  cur.w[m] = w + p.row * KB + (p.g_begin + p.t) * 16;
+  cur.s[m] = s + p.row * KG + p.g_begin + p.t;
+}
+
+#if MATS == 2
+
+// h = quant_dequant_fp8(swiglu(x W1^T, x W3^T) * weight) per 32 columns, as bf16: the W2 input.
+// Grid: (N_DIM / ROWS_PER_CTA, routing tiles); block SPLIT warps.
+extern "C" __global__ void __launch_bounds__(SPLIT * 32, MIN_BLOCKS)
+moe_w13(const u8* __restrict__ xa,  // [T, K_DIM] bf16: FP8 activations expanded exactly
+        const u8* __restrict__ w1, const u8* __restrict__ s1,  // [E, N, K/2], [E, N, K/32]
+        const u8* __restrict__ w3, const u8* __restrict__ s3,
+        const int* __restrict__ sorted_token,     // [P]
+        const float* __restrict__ sorted_weight,  // [P]
+        const int* __restrict__ tiles,            // [tiles, 3]: expert or -1, first row, end
+        u16* __restrict__ h,                      // [P, N_DIM] bf16
+        float limit, float amax_floor) {
+  const Place p = place(tiles);
+  if (p.expert < 0) return;
+  const int g = p.g, t = p.t;
+  Cursor cur;
+  aim(cur, 0, p, w1, s1);
+  aim(cur, 1, p, w3, s3);
+#pragma unroll
+  for (int q = 0; q < TOKG; ++q) {
+    const int n = 8 * q + g;
+    cur.has_x[q] = n < p.count;
+    const u64 token = cur.has_x[q] ? sorted_token[p.first + n] : 0;
+    cur.x[q] = xa + (token * K_DIM + (p.g_begin + t) * 32) * 2;
+  }
+  float acc[NA][TOKG][4] = {};
+  k_loop(acc, cur, t, p.g_begin, p.g_end);
+  reduce_split(acc, p.warp, p.lane);
+  if (p.warp != 0) return;
+
+  // element c of acc[a][q]: weight row row0 + 16 r + g + 8 (c >> 1), token 8 q + 2 t + (c & 1)
+#pragma unroll
+  for (int q = 0; q < TOKG; ++q) {
+#pragma unroll
+    for (int c1 = 0; c1 < 2; ++c1) {
+      const int n = 8 * q + 2 * t + c1;
+      const float rw = n < p.count ? sorted_weight[p.first + n] : 0.f;
+#pragma unroll
+      for (int grp = 0; grp < RT / 2; ++grp) {  // 32 weight rows = one FP8 group of h
+        float v[4];
+        float amax = 0.f;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int r = 2 * grp + (j >> 1), c = 2 * (j & 1) + c1;
+          float gt = bf16_round(acc[r][q][c]);
+          float up = bf16_round(acc[RT + r][q][c]);
+          if (limit > 0.f) {
+            up = fminf(fmaxf(up, -limit), limit);
+            gt = fminf(gt, limit);
+          }
+          // Triton's tl.exp (ex2.approx of x * log2(e)) and its fp32 division (div.full)
+          float e;
+          asm("ex2.approx.f32 %0, %1;" : "=f"(e) : "f"(-gt * 1.4426950408889634f));
+          float silu;
+          asm("div.full.f32 %0, %1, %2;" : "=f"(silu) : "f"(gt), "f"(1.f + e));
+          v[j] = bf16_round(rw * (silu * up));
+          amax = fmaxf(amax, fabsf(v[j]));
+        }
+        // the group's other rows sit in the lanes with the same t
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 4));
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 8));
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 16));
+        amax = fmaxf(amax, amax_floor);
+        // power-of-two scale 2**ceil(log2(amax / 448)) from the float's bits, and 1 / scale
+        const u32 bits = __float_as_uint(amax * (1.f / 448.f));
+        const u32 expo = ((bits >> 23) & 0xFFu) + ((bits & 0x7FFFFFu) != 0u);
+        const float scale = __uint_as_float(expo << 23);
+        const float inv = __uint_as_float((254u - expo) << 23);
+        if (n < p.count) {
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const float qv = fminf(fmaxf(v[j] * inv, -448.f), 448.f);
+            u16 q8;
+            asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(q8) : "f"(0.f), "f"(qv));
+            u32 f16x2;
+            asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(f16x2) : "h"(q8));
+            float qf;
+            asm("{.reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.f32.f16 %0, lo;}"
+                : "=f"(qf) : "r"(f16x2));
+            const int row = p.row0 + 16 * (2 * grp + (j >> 1)) + g + 8 * (j & 1);
+            h[(u64)(p.first + n) * N_DIM + row] = bf16_bits(qf * scale);
+          }
+        }
+      }
+    }
+  }
+}
+
+#else
+
+// y = h W2^T per routed row, rounded to bf16. Grid: (N_DIM / ROWS_PER_CTA, routing tiles).
+extern "C" __global__ void __launch_bounds__(SPLIT * 32, MIN_BLOCKS)
+moe_w2(const u8* __restrict__ h,                                // [P, K_DIM] bf16
+       const u8* __restrict__ w2, const u8* __restrict__ s2,    // [E, N, K/2], [E, N, K/32]
+       const int* __restrict__ tiles,                           // [tiles, 3]
+       u16* __restrict__ y) {                                   // [P, N_DIM] bf16
+  const Place p = place(tiles);
+  if (p.expert < 0) return;
+  const int g = p.g, t = p.t;
+  Cursor cur;
+  aim(cur, 0, p, w2, s2);
+#pragma unroll
+  for (int q = 0; q < TOKG; ++q) {
+    const int n = 8 * q + g;
+    cur.has_x[q] = n < p.count;
+    cur.x[q] = h + ((u64)(p.first + n) * K_DIM + (p.g_begin + t) * 32) * 2;
+  }
+  float acc[NA][TOKG][4] = {};
+  k_loop(acc, cur, t, p.g_begin, p.g_end);
+  reduce_split(acc, p.warp, p.lane);
+  if (p.warp != 0) return;
+#pragma unroll
+  for (int a = 0; a < NA; ++a)
+#pragma unroll
+    for (int q = 0; q < TOKG; ++q)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int n = 8 * q + 2 * t + (c & 1);
+        if (n < p.count) {
+          const int row = p.row0 + 16 * a + g + 8 * (c >> 1);
+          y[(u64)(p.first + n) * N_DIM + row] = bf16_bits(acc[a][q][c]);
+        }
+      }
+}
+
+#endif

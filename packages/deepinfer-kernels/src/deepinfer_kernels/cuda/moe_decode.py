@@ -1,0 +1,165 @@
+"""Routed FP4 experts at decode sizes on mma.sync (`moe_decode.cu`): the `cuda` tier of
+`moe_experts`.
+
+Same contract and numerics as `ref.moe.moe_experts` (and the Triton tier's): activations
+quantised per 32 to FP8 and expanded exactly to bf16, FP4 weights expanded exactly to bf16 in
+registers, fp32 sums; gate/up rounded to x.dtype, clamped SwiGLU x routing weight rounded to
+x.dtype, quantised per 32 to FP8 for W2; each routed row's W2 output rounded to x.dtype; rows
+summed per token in fp32 in routing order. Only the fp32 summation order differs from the
+reference (K split across SPLIT warps, summed in warp order).
+
+Routing (`triton.moe.build_routing`, 8- or 16-row tiles), the activation quantisation and the final
+combine are the Triton tier's kernels; the two GEMMs are CUDA C++ compiled at first use by NVRTC.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..quant import ACT_AMAX_FLOOR
+from . import module
+
+SOURCE = Path(__file__).with_name("moe_decode.cu")
+ARCH = "sm_90a"
+
+
+@dataclass(frozen=True)
+class MoeDecodeCudaConfig:
+    """How the two GEMMs cut their work. rt*: 16-row weight tiles per warp (W1/W3: per matrix,
+    even, so that a warp holds whole 32-column FP8 groups of h); split*: warps per CTA, each a
+    contiguous share of K (the partials summed in warp order); min_blocks*: the CTAs per SM the
+    register allocation must allow (`__launch_bounds__`); tile_tokens: routed rows per routing
+    tile (8 or 16: one or two n8 mma columns per expanded weight fragment); depth: K steps whose
+    loads are in flight while one computes (1 or 2; each costs a register set)."""
+
+    rt1: int = 2
+    split1: int = 4
+    min_blocks1: int = 3
+    rt2: int = 4
+    split2: int = 2
+    min_blocks2: int = 6
+    tile_tokens: int = 8
+    depth: int = 1
+
+    def __post_init__(self) -> None:
+        checks = (
+            ("rt1", self.rt1 in (2, 4), "2 or 4"),
+            ("rt2", self.rt2 in (1, 2, 4), "1, 2 or 4"),
+            ("split1", 1 <= self.split1 <= 8, "1..8"),
+            ("split2", 1 <= self.split2 <= 8, "1..8"),
+            ("min_blocks1", 1 <= self.min_blocks1 <= 8, "1..8"),
+            ("min_blocks2", 1 <= self.min_blocks2 <= 8, "1..8"),
+            ("tile_tokens", self.tile_tokens in (8, 16), "8 or 16"),
+            ("depth", self.depth in (1, 2), "1 or 2"),
+        )
+        for name, ok, allowed in checks:
+            if not ok:
+                raise ValueError(
+                    f"MoeDecodeCudaConfig.{name} must be {allowed}, got {getattr(self, name)!r}"
+                )
+
+
+DEFAULT = MoeDecodeCudaConfig()
+
+
+def shape_reason(d: int, i: int, cfg: MoeDecodeCudaConfig = DEFAULT) -> str | None:
+    """Why the kernels cannot run hidden size d, expert width i, or None."""
+    if d % 32 or i % 32:
+        return f"D={d} and I={i} must be multiples of 32"
+    if i % (16 * cfg.rt1):
+        return f"I={i} must be a multiple of {16 * cfg.rt1} (rt1={cfg.rt1})"
+    if d % (16 * cfg.rt2):
+        return f"D={d} must be a multiple of {16 * cfg.rt2} (rt2={cfg.rt2})"
+    return None
+
+
+def defines(kind: str, d: int, i: int, cfg: MoeDecodeCudaConfig) -> dict[str, int]:
+    """The compile-time constants of kernel `kind` ("w13" or "w2") for these dims."""
+    if kind == "w13":
+        return dict(
+            K_DIM=d, N_DIM=i, MATS=2, RT=cfg.rt1, TOKG=cfg.tile_tokens // 8, SPLIT=cfg.split1,
+            MIN_BLOCKS=cfg.min_blocks1, DEPTH=cfg.depth,
+        )  # fmt: skip
+    if kind == "w2":
+        return dict(
+            K_DIM=i, N_DIM=d, MATS=1, RT=cfg.rt2, TOKG=cfg.tile_tokens // 8, SPLIT=cfg.split2,
+            MIN_BLOCKS=cfg.min_blocks2, DEPTH=cfg.depth,
+        )  # fmt: skip
+    raise ValueError(f"kernel kind must be 'w13' or 'w2', got {kind!r}")
+
+
+@functools.cache
+def cubin(kind: str, d: int, i: int, cfg: MoeDecodeCudaConfig) -> bytes:
+    """The compiled kernel (NVRTC, once per process per shape and config; no GPU needed)."""
+    return module.compile_cubin(SOURCE.read_text(), SOURCE.name, ARCH, defines(kind, d, i, cfg))
+
+
+@functools.cache
+def _kernel(kind: str, d: int, i: int, cfg: MoeDecodeCudaConfig, device: int) -> module.Kernel:
+    name = "moe_w13" if kind == "w13" else "moe_w2"
+    return module.load_kernel(cubin(kind, d, i, cfg), name, torch.device("cuda", device))
+
+
+def moe_experts(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w1: torch.Tensor,
+    s1: torch.Tensor,
+    w3: torch.Tensor,
+    s3: torch.Tensor,
+    w2: torch.Tensor,
+    s2: torch.Tensor,
+    swiglu_limit: float,
+    *,
+    batch_invariant: bool = False,
+    config: MoeDecodeCudaConfig | None = None,
+) -> torch.Tensor:
+    """Routed FP4 experts (see the module docstring). x [T, D] bf16; topk_weights [T, k] fp32;
+    topk_ids [T, k] (< 0: skipped); w1/w3 [E, I, D/2] int8 + s1/s3 [E, I, D/32] e8m0; w2
+    [E, D, I/2] + s2 [E, D, I/32] -> [T, D] bf16. Not batch-invariant across the decode/prefill
+    boundary, so `moe_experts_cuda_supports` refuses that mode."""
+    from ..triton.moe import build_routing, combine
+    from ..triton.quant import act_fake_quant_bf16
+
+    if batch_invariant:
+        raise NotImplementedError(
+            "cuda moe_experts: batch-invariant mode needs the Triton tier (its decode tiles "
+            "match its prefill tiles bit for bit)"
+        )
+    cfg = config or DEFAULT
+    t, d = x.shape
+    e, i = w1.shape[0], w1.shape[1]
+    why = shape_reason(d, i, cfg)
+    if why is not None:
+        raise ValueError(f"cuda moe_experts: {why}")
+    out = torch.empty_like(x)
+    if t == 0 or topk_ids.shape[1] == 0:
+        return out.zero_()
+    route = build_routing(topk_weights, topk_ids, e, cfg.tile_tokens)
+    xa = act_fake_quant_bf16(x)
+    p = topk_ids.numel()
+    h = torch.empty(p, i, dtype=torch.bfloat16, device=x.device)
+    y = torch.empty(p, d, dtype=torch.bfloat16, device=x.device)
+    n_tiles = route.tiles.shape[0]
+    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    w13 = _kernel("w13", d, i, cfg, dev)
+    w13.launch(
+        (i // (16 * cfg.rt1), n_tiles),
+        32 * cfg.split1,
+        (
+            xa, w1.contiguous(), s1.contiguous(), w3.contiguous(), s3.contiguous(),
+            route.sorted_token, route.sorted_weight, route.tiles, h,
+            float(swiglu_limit), float(ACT_AMAX_FLOOR),
+        ),
+    )  # fmt: skip
+    _kernel("w2", d, i, cfg, dev).launch(
+        (d // (16 * cfg.rt2), n_tiles),
+        32 * cfg.split2,
+        (h, w2.contiguous(), s2.contiguous(), route.tiles, y),
+    )
+    return combine(y, route, out)

@@ -1,0 +1,185 @@
+"""The mma.sync FP4 MoE decode experts (`cuda/moe_decode.py`, `cuda/moe_decode.cu`).
+
+CPU: the config's checks, the `supports` reasons, and (where NVRTC loads) the kernels compiled for
+sm_90a at V4.1's and small dims: no local memory, and with triton's cuobjdump the K loop's
+instruction count per weight word. GPU (Hopper): against the ref tier (with skipped slots, experts
+with more tokens than a tile, odd T, real dims), every output written, rows bitwise independent of
+the rest of the batch, CUDA-graph replay on new routing, and the registry's choice."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+import pytest
+import torch
+from deepinfer_kernels.cuda import module
+from deepinfer_kernels.cuda import moe_decode as md
+from deepinfer_kernels.ops.moe import moe_experts_cuda_supports
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from sass_checks import cuda_tools
+
+HAVE_NVRTC = module.nvrtc_reason() is None
+needs_nvrtc = pytest.mark.skipif(not HAVE_NVRTC, reason=f"{module.nvrtc_reason()}")
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+needs_hopper = pytest.mark.skipif(
+    not (HOPPER and HAVE_NVRTC), reason="needs a Hopper GPU and NVRTC"
+)
+
+V41 = (5120, 2304)  # D, I
+
+
+# -- config and supports ---------------------------------------------------------------------
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    field=st.sampled_from(
+        ["rt1", "rt2", "split1", "split2", "min_blocks1", "min_blocks2", "tile_tokens", "depth"]
+    ),
+    value=st.integers(-3, 40),
+)
+def test_config_rejects_bad_values_naming_the_field(field, value):
+    allowed = {
+        "rt1": {2, 4},
+        "rt2": {1, 2, 4},
+        "tile_tokens": {8, 16},
+        "depth": {1, 2},
+    }.get(field, set(range(1, 9)))
+    if value in allowed:
+        assert getattr(md.MoeDecodeCudaConfig(**{field: value}), field) == value
+    else:
+        with pytest.raises(ValueError, match=f"MoeDecodeCudaConfig.{field} must be"):
+            md.MoeDecodeCudaConfig(**{field: value})
+
+
+def test_shape_reasons():
+    assert md.shape_reason(*V41) is None
+    assert "multiples of 32" in md.shape_reason(5120, 2300)
+    assert "rt2=4" in md.shape_reason(96, 64)  # D = 96 is not a multiple of 64
+    assert md.shape_reason(96, 64, md.MoeDecodeCudaConfig(rt2=2)) is None
+
+
+def _cpu_call(t=4, d=64, i=64, e=8, k=2, dtype=torch.bfloat16):
+    x = torch.zeros(t, d, dtype=dtype)
+    ids = torch.zeros(t, k, dtype=torch.int64)
+    w = torch.zeros(e, i, d // 2, dtype=torch.int8)
+    s = torch.zeros(e, i, d // 32, dtype=torch.float8_e8m0fnu)
+    w2 = torch.zeros(e, d, i // 2, dtype=torch.int8)
+    s2 = torch.zeros(e, d, i // 32, dtype=torch.float8_e8m0fnu)
+    return x, ids.float(), ids, w, s, w, s, w2, s2, 10.0
+
+
+def test_supports_reasons():
+    args = _cpu_call()
+    assert "batch-invariant" in moe_experts_cuda_supports(*args, batch_invariant=True)
+    assert "bfloat16" in moe_experts_cuda_supports(*_cpu_call(dtype=torch.float32))
+    assert "prefill-sized" in moe_experts_cuda_supports(*_cpu_call(t=40, e=8, k=2))
+    assert moe_experts_cuda_supports(*args) == "input on cpu"
+
+
+# -- compiled kernels (CPU) --------------------------------------------------------------------
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("dims", [V41, (256, 128)])
+@pytest.mark.parametrize("kind", ["w13", "w2"])
+def test_kernels_compile_without_local_memory(kind, dims, tmp_path):
+    """Both kernels compile for sm_90a (NVRTC on CPU); with cuobjdump: no spills (no local loads
+    or stores) and the K loop within 24 instructions per weight word and mma (the FP4 expansion
+    is 19: 3 to split a word, then per bf16 pair PRMT, IMAD, LOP3, HMUL2)."""
+    cub = md.cubin(kind, *dims, md.DEFAULT)
+    assert len(cub) > 1000
+    tools = cuda_tools()
+    if tools is None:
+        pytest.skip("no cuobjdump here (it ships with triton)")
+    path = tmp_path / "k.cubin"
+    path.write_bytes(cub)
+    sass = subprocess.run(
+        [tools[1], "-sass", str(path)], capture_output=True, text=True, check=True
+    ).stdout
+    assert not re.search(r"\b(LDL|STL)\b", sass), "the kernel spills to local memory"
+    lines = re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)
+    loops = [
+        (int(a, 16), int(m.group(1), 16))
+        for a, ins in lines
+        if (m := re.search(r"BRA (0x[0-9a-f]+)", ins)) and int(m.group(1), 16) < int(a, 16)
+    ]
+    if dims != V41:
+        return  # small K: the compiler may unroll the whole K loop
+    end, start = max(loops, key=lambda p: p[0] - p[1])  # the K loop: the longest backward jump
+    body = [ins for a, ins in lines if start <= int(a, 16) <= end]
+    mmas = sum("HMMA" in ins for ins in body)
+    assert mmas > 0
+    assert len(body) / mmas <= 24.0, f"{len(body)} instructions for {mmas} mma in the K loop"
+
+
+# -- GPU ---------------------------------------------------------------------------------------
+
+
+def _inputs(*args, **kw):
+    from gpu_checks import moe_inputs
+
+    return moe_inputs(*args, **kw)
+
+
+@needs_hopper
+@pytest.mark.parametrize(
+    ("t", "d", "i", "e", "k", "cfg"),
+    [
+        (1, 256, 128, 16, 4, md.DEFAULT),
+        (5, 512, 256, 32, 6, md.DEFAULT),
+        (37, 256, 96, 32, 6, md.DEFAULT),  # experts with more rows than a tile; odd T, odd I/32
+        (37, 256, 96, 32, 6, md.MoeDecodeCudaConfig(tile_tokens=16, split1=3, rt2=2)),
+        (16, 512, 256, 8, 4, md.MoeDecodeCudaConfig(rt1=4, split1=1, split2=5, rt2=1)),
+        (9, 512, 256, 16, 6, md.MoeDecodeCudaConfig(depth=2, min_blocks1=2, split2=3)),
+        (1, *V41, 384, 6, md.DEFAULT),
+        (16, *V41, 384, 6, md.DEFAULT),
+    ],
+)
+def test_close_to_ref(t, d, i, e, k, cfg):
+    from deepinfer_kernels.ref import moe as ref_moe
+    from gpu_checks import poison, rel
+
+    args = _inputs(t, d, i, e, k, seed=t + e + d, neg=t % 2 == 1)
+    want = ref_moe.moe_experts(*args, 10.0)
+    poison()
+    got = md.moe_experts(*args, 10.0, config=cfg)
+    assert got.dtype == torch.bfloat16
+    assert rel(got, want) < 1.5e-2
+
+
+@needs_hopper
+def test_rows_do_not_depend_on_the_batch():
+    """A token's output is bitwise the same alone and in any batch: each mma column is one token,
+    K is split by shape only, and the combine sums a token's rows in expert order."""
+    x, tw, ids, *ws = _inputs(48, 512, 256, 64, 6, seed=7)
+    full = md.moe_experts(x, tw, ids, *ws, 10.0)
+    for lo, hi in ((0, 1), (47, 48), (5, 21)):
+        assert torch.equal(md.moe_experts(x[lo:hi], tw[lo:hi], ids[lo:hi], *ws, 10.0), full[lo:hi])
+
+
+@needs_hopper
+def test_cuda_graph_replay_on_new_routing():
+    from gpu_checks import assert_graph_replays_new_routing
+
+    assert_graph_replays_new_routing(md.moe_experts, 8, 512, 256, 32, 6)
+
+
+@needs_hopper
+def test_registry_routes_decode_sizes_here():
+    """Decode-sized bf16 calls run this tier; batch-invariant mode runs the Triton tier."""
+    from deepinfer_kernels import REGISTRY, ops
+    from deepinfer_kernels.triton import moe as tmoe
+
+    x, tw, ids, *ws = _inputs(4, 256, 128, 8, 2, seed=31)
+    assert REGISTRY.resolve("moe_experts", x, tw, ids, *ws, 10.0).tier == "cuda"
+    assert torch.equal(
+        ops.moe_experts(x, tw, ids, *ws, 10.0), md.moe_experts(x, tw, ids, *ws, 10.0)
+    )
+    inv = REGISTRY.resolve("moe_experts", x, tw, ids, *ws, 10.0, batch_invariant=True)
+    assert inv.tier == "triton"
+    with REGISTRY.batch_invariant_mode():
+        got = ops.moe_experts(x, tw, ids, *ws, 10.0)
+    assert torch.equal(got, tmoe.moe_experts(x, tw, ids, *ws, 10.0, batch_invariant=True))
