@@ -82,6 +82,36 @@ def test_config_limits():
     assert dg.DecodeTileConfig(block_n=128).threads == 256
 
 
+# Each field's allowed values (the kernel's limits, written out here, within the drawn range
+# [-300, 300]) and how the error states them.
+FIELD_LIMITS = {
+    "block_n": ("64 or 128", {64, 128}),
+    "block_t": ("one of 8, 16, 32, 64", {8, 16, 32, 64}),
+    "split_k": (">= 0", set(range(0, 301))),
+    "num_stages": ("in [1, 12]", set(range(1, 13))),
+    "min_blocks": ("in [1, 8]", set(range(1, 9))),
+    "depth": ("1 or 2", {1, 2}),
+    "consumer_regs": ("0 or a multiple of 8 in [64, 240]", {0, *range(64, 241, 8)}),
+    "token_groups": ("1 or 2", {1, 2}),
+}
+
+
+@given(field=st.sampled_from(sorted(FIELD_LIMITS)), data=st.data())
+@settings(max_examples=120, deadline=None)
+def test_config_field_limits(field, data):
+    """A value outside a field's limits (the other fields at their defaults) is a ValueError that
+    names the field, the allowed values and the value; every allowed value is taken (at one CTA
+    per SM, where any consumer_regs fits the register file)."""
+    phrase, allowed = FIELD_LIMITS[field]
+    bad = data.draw(st.integers(-300, 300).filter(lambda v: v not in allowed), label="bad")
+    with pytest.raises(ValueError) as err:
+        dg.DecodeTileConfig(**{field: bad})
+    assert str(err.value) == f"DecodeTileConfig.{field} must be {phrase}, got {bad}"
+    good = data.draw(st.sampled_from(sorted(allowed)), label="good")
+    others = {"min_blocks": 1} if field == "consumer_regs" else {}
+    assert getattr(dg.DecodeTileConfig(**{field: good}, **others), field) == good
+
+
 @given(
     n=st.sampled_from([32, 200, 512, 2112, 5120, 32768]),
     kt=st.integers(1, 128),

@@ -59,6 +59,24 @@ PRODUCER_REGS = 24  # registers the TMA-issuing warpgroup keeps under `consumer_
 NUM_SMS = 132  # H200: the split policy's target (a constant: the split is a function of (N, K))
 
 
+_FIELD_LIMITS = (
+    ("block_n", "64 or 128", lambda v: v in (64, 128)),
+    ("block_t", "one of 8, 16, 32, 64", lambda v: v in (8, 16, 32, 64)),
+    ("split_k", ">= 0", lambda v: v >= 0),
+    ("num_stages", "in [1, 12]", lambda v: 1 <= v <= 12),
+    ("min_blocks", "in [1, 8]", lambda v: 1 <= v <= 8),
+    ("depth", "1 or 2", lambda v: v in (1, 2)),
+    (
+        "consumer_regs",
+        "0 or a multiple of 8 in [64, 240]",
+        lambda v: v == 0 or (v % 8 == 0 and 64 <= v <= 240),
+    ),
+    ("token_groups", "1 or 2", lambda v: v in (1, 2)),
+)
+"""`DecodeTileConfig`'s limits one field at a time: (field, allowed values as the error states
+them, the check). The checks that join fields follow them in `__post_init__`."""
+
+
 @dataclass(frozen=True)
 class DecodeTileConfig:
     """One compiled decode kernel's tile and schedule.
@@ -113,31 +131,10 @@ class DecodeTileConfig:
     token_groups: int = 1
 
     def __post_init__(self) -> None:
-        if self.block_n not in (64, 128):
-            raise ValueError(f"DecodeTileConfig.block_n must be 64 or 128, got {self.block_n}")
-        if self.block_t not in (8, 16, 32, 64):
-            raise ValueError(
-                f"DecodeTileConfig.block_t must be one of 8, 16, 32, 64, got {self.block_t}"
-            )
-        if self.split_k < 0:
-            raise ValueError(f"DecodeTileConfig.split_k must be >= 0, got {self.split_k}")
-        if not 1 <= self.min_blocks <= 8:
-            raise ValueError(
-                f"DecodeTileConfig.min_blocks must be in [1, 8], got {self.min_blocks}"
-            )
-        if self.depth not in (1, 2):
-            raise ValueError(f"DecodeTileConfig.depth must be 1 or 2, got {self.depth}")
-        if self.consumer_regs and not (
-            self.consumer_regs % 8 == 0 and 64 <= self.consumer_regs <= 240
-        ):
-            raise ValueError(
-                "DecodeTileConfig.consumer_regs must be 0 or a multiple of 8 in [64, 240], "
-                f"got {self.consumer_regs}"
-            )
-        if self.token_groups not in (1, 2):
-            raise ValueError(
-                f"DecodeTileConfig.token_groups must be 1 or 2, got {self.token_groups}"
-            )
+        for name, allowed, ok in _FIELD_LIMITS:
+            value = getattr(self, name)
+            if not ok(value):
+                raise ValueError(f"DecodeTileConfig.{name} must be {allowed}, got {value}")
         if self.token_groups == 2 and (self.block_n != WARPGROUP_ROWS or self.block_t < 16):
             raise ValueError(
                 "DecodeTileConfig.token_groups=2 needs block_n=64 and block_t >= 16, "
@@ -148,10 +145,6 @@ class DecodeTileConfig:
             raise ValueError(
                 f"DecodeTileConfig.consumer_regs={self.consumer_regs} with min_blocks="
                 f"{self.min_blocks} needs {per_sm} registers per SM (> 65536)"
-            )
-        if not 1 <= self.num_stages <= 12:
-            raise ValueError(
-                f"DecodeTileConfig.num_stages must be in [1, 12], got {self.num_stages}"
             )
 
     @property
