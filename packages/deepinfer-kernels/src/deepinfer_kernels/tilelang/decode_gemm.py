@@ -450,6 +450,8 @@ def decode_gemm(
     w_scale: torch.Tensor,
     out_dtype: torch.dtype = torch.bfloat16,
     config: DecodeTileConfig | None = None,
+    *,
+    shapes_checked: bool = False,
 ) -> torch.Tensor:
     """x_fp8 [M, K] e4m3 with x_scale [M, K/32] fp32 powers of two, w [N, K] e4m3 with w_scale
     [ceil(N/32), K/32] e8m0 (or fp32 powers of two) -> [M, N] out_dtype, fp32 accumulation.
@@ -457,24 +459,14 @@ def decode_gemm(
     Capturable in a CUDA graph (no host reads). With split > 1 the fp32 partials [split, M, N]
     are summed in ascending chunk order, inside the kernel (`DecodeTileConfig.fused_sum`, one
     token tile) or by a second kernel (`triton.gemv.sum_splits`): the same bits either way.
+    `shapes_checked`: the caller already found `shape_reason` None for these operands (it routed
+    the call on it: `triton.linear`), so a call checks them once; the output dtype and the
+    configuration are checked here either way.
     """
-    why = shape_reason(x_fp8, x_scale, w, w_scale)
-    if why is not None:
-        raise ValueError(f"tilelang decode_gemm: {why}")
-    return decode_gemm_unchecked(x_fp8, x_scale, w, w_scale, out_dtype, config)
-
-
-def decode_gemm_unchecked(
-    x_fp8: torch.Tensor,
-    x_scale: torch.Tensor,
-    w: torch.Tensor,
-    w_scale: torch.Tensor,
-    out_dtype: torch.dtype = torch.bfloat16,
-    config: DecodeTileConfig | None = None,
-) -> torch.Tensor:
-    """`decode_gemm` for operands that already passed `shape_reason` (the caller routed the call
-    on it: `triton.linear.fp8_gemm` / `fp8_linear`), so that a call checks their shapes once.
-    The output dtype and the configuration are still checked here."""
+    if not shapes_checked:
+        why = shape_reason(x_fp8, x_scale, w, w_scale)
+        if why is not None:
+            raise ValueError(f"tilelang decode_gemm: {why}")
     if out_dtype not in OUT_DTYPES:
         raise ValueError(f"out_dtype must be one of {list(OUT_DTYPES)}, got {out_dtype}")
     m, k = x_fp8.shape

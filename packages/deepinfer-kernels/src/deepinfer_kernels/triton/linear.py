@@ -293,9 +293,10 @@ def fp8_gemm(
     if not isinstance(cfg, (GemmConfig, DecodeConfig)):  # tilelang.decode_gemm.DecodeTileConfig
         from ..tilelang import decode_gemm as tl_decode
 
-        # a caller's config: its operands are checked by decode_gemm
-        run = tl_decode.decode_gemm_unchecked if tilelang else tl_decode.decode_gemm
-        return run(x_fp8, x_scale, w, w_scale, out_dtype, cfg)
+        # a caller's config: decode_gemm checks the operands (routed calls passed the check above)
+        return tl_decode.decode_gemm(
+            x_fp8, x_scale, w, w_scale, out_dtype, cfg, shapes_checked=tilelang
+        )
     if isinstance(cfg, DecodeConfig):
         return decode_gemm(x_fp8, x_scale, w, w_scale, out_dtype, cfg)
     x_fp8, x_scale, w = x_fp8.contiguous(), x_scale.contiguous(), w.contiguous()
@@ -367,7 +368,7 @@ def fp8_linear(
         if tilelang_decode_reason(xq, xs, w, w_scale) is None:
             from ..tilelang import decode_gemm as tl_decode
 
-            y = tl_decode.decode_gemm_unchecked(xq, xs, w, w_scale, x.dtype)
+            y = tl_decode.decode_gemm(xq, xs, w, w_scale, x.dtype, shapes_checked=True)
             return y.reshape(*x.shape[:-1], w.shape[0])
     cfg = pick_config(m, w.shape[0], k, batch_invariant, a_bf16=True)
     if isinstance(cfg, DecodeConfig) and cfg.mma_fp8:  # FP8 dots take the FP8 activations
