@@ -195,28 +195,14 @@ def pick_tile_config(m: int, n: int, k: int) -> DecodeTileConfig:
     result (GPU-tested: each schedule bitwise against the fourth session's)."""
     bt = 16 if m <= 16 else 32 if m <= 32 else 64
     split = decode_tile_split(n, k)
-    if bt < 64:
-        return DecodeTileConfig(
-            block_t=bt, split_k=split, num_stages=4, min_blocks=4, fused_sum=FUSED_SUM
-        )
     ctas = -(-m // bt) * -(-n // WARPGROUP_ROWS) * split
-    if ctas > NUM_SMS:
-        return DecodeTileConfig(
-            block_t=bt,
-            split_k=split,
-            num_stages=3,
-            min_blocks=4,
-            consumer_regs=104,
-            fused_sum=FUSED_SUM,
-        )
-    return DecodeTileConfig(
-        block_t=bt,
-        split_k=split,
-        num_stages=4,
-        min_blocks=3,
-        token_groups=2,
-        fused_sum=FUSED_SUM,
-    )
+    if bt < 64:
+        schedule = dict(num_stages=4, min_blocks=4)
+    elif ctas > NUM_SMS:
+        schedule = dict(num_stages=3, min_blocks=4, consumer_regs=104)
+    else:
+        schedule = dict(num_stages=4, min_blocks=3, token_groups=2)
+    return DecodeTileConfig(block_t=bt, split_k=split, fused_sum=FUSED_SUM, **schedule)
 
 
 def shape_reason(
