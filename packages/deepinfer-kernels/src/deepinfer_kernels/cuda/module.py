@@ -61,14 +61,26 @@ def _nvrtc_check(lib: ctypes.CDLL, result: int, what: str) -> None:
         raise RuntimeError(f"NVRTC {what}: {lib.nvrtcGetErrorString(result).decode()}")
 
 
-def compile_cubin(source: str, name: str, arch: str, defines: dict[str, int]) -> bytes:
-    """CUDA C++ `source` compiled for `arch` (e.g. "sm_90a") with `-D` `defines` -> cubin bytes.
-    A compile error raises RuntimeError with NVRTC's log. Runs on CPU (no GPU needed)."""
+def compile_cubin(
+    source: str,
+    name: str,
+    arch: str,
+    defines: dict[str, int],
+    headers: dict[str, str] | None = None,
+) -> bytes:
+    """CUDA C++ `source` compiled for `arch` (e.g. "sm_90a") with `-D` `defines` and the
+    `#include`-able `headers` (name -> text) -> cubin bytes. A compile error raises RuntimeError
+    with NVRTC's log. Runs on CPU (no GPU needed)."""
     lib = nvrtc()
     prog = ctypes.c_void_p()
+    headers = headers or {}
+    texts = (ctypes.c_char_p * len(headers))(*(t.encode() for t in headers.values()))
+    names = (ctypes.c_char_p * len(headers))(*(n.encode() for n in headers))
     _nvrtc_check(
         lib,
-        lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), name.encode(), 0, None, None),
+        lib.nvrtcCreateProgram(
+            ctypes.byref(prog), source.encode(), name.encode(), len(headers), texts, names
+        ),
         "create",
     )
     try:
@@ -146,6 +158,12 @@ class Kernel:
             ),
             f"launch of {self.name}",
         )
+
+
+def compile_file(path: Path, arch: str, defines: dict[str, int]) -> bytes:
+    """`compile_cubin` of a .cu file whose `#include "x.cuh"`s are .cuh files beside it."""
+    headers = {h.name: h.read_text() for h in sorted(path.parent.glob("*.cuh"))}
+    return compile_cubin(path.read_text(), path.name, arch, defines, headers)
 
 
 def load_kernel(cubin: bytes, name: str, device: torch.device) -> Kernel:

@@ -15,32 +15,12 @@
 // routing tile), SPLIT (warps of a CTA, each a contiguous share of K; summed in warp order),
 // MIN_BLOCKS (CTAs per SM the register allocation must allow), DEPTH (K steps loaded ahead).
 
-typedef unsigned int u32;
-typedef unsigned short u16;
-typedef unsigned char u8;
-typedef unsigned long long u64;
+#include "common.cuh"
 
 #define NA (MATS * RT)          // A tiles (16 weight rows each) per warp
 #define KB (K_DIM / 2)          // packed bytes per weight row
 #define KG (K_DIM / 32)         // scale groups per weight row
 #define ROWS_PER_CTA (16 * RT)  // weight rows of each matrix per CTA
-
-static __device__ __forceinline__ void ldg_stream(u32 (&r)[4], const u8* p) {
-  // weights are read once: do not keep them in L1
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "l"(p));
-}
-
-static __device__ __forceinline__ void ldg_shared(u32 (&r)[4], const u8* p) {
-  asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "l"(p));
-}
-
-static __device__ __forceinline__ u32 ldg_u8(const u8* p) {
-  u16 v;
-  asm volatile("ld.global.nc.u8 %0, [%1];" : "=h"(v) : "l"(p));
-  return v;
-}
 
 // 8 e2m1 nibbles (value k in bits 4k..4k+3) -> 4 bf16 pairs (values 2m, 2m+1 in pair m), each
 // e2m1 * 2**(u - 127) exactly: the nibble's magnitude bits go to bf16 bits 8..6 and its sign to
@@ -74,18 +54,6 @@ static __device__ __forceinline__ void mma16816(float (&c)[4], u32 a0, u32 a1, u
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-static __device__ __forceinline__ float bf16_round(float v) {
-  u16 b;
-  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b) : "f"(v));
-  return __uint_as_float(((u32)b) << 16);
-}
-
-static __device__ __forceinline__ u16 bf16_bits(float v) {
-  u16 b;
-  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b) : "f"(v));
-  return b;
-}
-
 // One K step's operands of one warp: for each A tile and row half (rows g, g + 8) 16 packed
 // bytes and their scale byte; for each token group 32 bf16 activations (16 pairs).
 struct Step {
@@ -93,54 +61,6 @@ struct Step {
   u32 s[NA][2];
   u32 x[TOKG][16];
 };
-
-// Where a warp's loads start: w[m] and s[m] at the thread's first K group in row g of matrix m's
-// first A tile (the other rows are compile-time offsets from it), x[q] at its first group in the
-// activations of token 8q + g (has_x[q] false: no such token, zeros). Each step moves them 4
-// groups on.
-struct Cursor {
-  const u8* w[MATS];
-  const u8* s[MATS];
-  const u8* x[TOKG];
-  bool has_x[TOKG];
-
-  __device__ __forceinline__ void advance() {
-#pragma unroll
-    for (int m = 0; m < MATS; ++m) {
-      w[m] += 64;
-      s[m] += 4;
-    }
-#pragma unroll
-    for (int q = 0; q < TOKG; ++q) x[q] += 256;
-  }
-};
-
-static __device__ __forceinline__ void load_step(Step& st, const Cursor& cur, bool valid) {
-#pragma unroll
-  for (int a = 0; a < NA; ++a) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = 16 * (a % RT) + 8 * h;  // rows below the cursor's row
-      if (valid) {
-        ldg_stream(st.w[a][h], cur.w[a / RT] + row * KB);
-        st.s[a][h] = ldg_u8(cur.s[a / RT] + row * KG);
-      } else {
-        st.w[a][h][0] = st.w[a][h][1] = st.w[a][h][2] = st.w[a][h][3] = 0u;
-        st.s[a][h] = 0u;
-      }
-    }
-  }
-#pragma unroll
-  for (int q = 0; q < TOKG; ++q) {
-#pragma unroll
-    for (int v = 0; v < 4; ++v) {
-      u32 r[4] = {0u, 0u, 0u, 0u};
-      if (valid && cur.has_x[q]) ldg_shared(r, cur.x[q] + v * 16);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) st.x[q][4 * v + j] = r[j];
-    }
-  }
-}
 
 static __device__ __forceinline__ void compute_step(const Step& st, float (&acc)[NA][TOKG][4]) {
 #pragma unroll
@@ -162,58 +82,63 @@ static __device__ __forceinline__ void compute_step(const Step& st, float (&acc)
   }
 }
 
-// The K loop of one warp over groups [g_begin, g_end): a ring of DEPTH + 1 register sets, so the
-// loads of the next DEPTH steps are in flight while a step computes (the ring is unrolled, so
-// every index is a compile-time register choice).
-static __device__ __forceinline__ void k_loop(float (&acc)[NA][TOKG][4], Cursor cur, int t,
-                                              int g_begin, int g_end) {
-  const int steps = (g_end - g_begin + 3) / 4;
-  const int mine = g_end - g_begin - t;  // groups t, t + 4, ... below this are the thread's
-  Step ring[DEPTH + 1];
-  load_step(ring[0], cur, 0 < mine);  // the cursor stays on the last step loaded
+// A warp's K stream (see `ring_loop`): w[m] and s[m] at the thread's current K group in row g of
+// matrix m's first A tile (the other rows are compile-time offsets from it), x[q] at its group
+// in the activations of token 8q + g (has_x[q] false: no such token, zeros); each step is 4
+// groups (the quad's 4 threads take one each); `mine` counts the warp's groups from the
+// thread's first.
+struct Stream {
+  typedef ::Step Step;
+  const u8* w[MATS];
+  const u8* s[MATS];
+  const u8* x[TOKG];
+  bool has_x[TOKG];
+  int mine;
+  float (&acc)[NA][TOKG][4];
+
+  __device__ __forceinline__ Stream(float (&acc_)[NA][TOKG][4]) : acc(acc_) {}
+
+  __device__ __forceinline__ bool valid(int step) const { return 4 * step < mine; }
+
+  __device__ __forceinline__ void advance() {
 #pragma unroll
-  for (int d = 1; d < DEPTH; ++d) {
-    cur.advance();
-    load_step(ring[d], cur, 4 * d < mine);
+    for (int m = 0; m < MATS; ++m) {
+      w[m] += 64;
+      s[m] += 4;
+    }
+#pragma unroll
+    for (int q = 0; q < TOKG; ++q) x[q] += 256;
   }
-  for (int i = 0; i < steps; i += DEPTH + 1) {
+
+  __device__ __forceinline__ void load(Step& st, bool ok) const {
 #pragma unroll
-    for (int j = 0; j <= DEPTH; ++j) {
-      if (j == 0 || i + j < steps) {  // (j = 0: the loop condition)
-        cur.advance();
-        load_step(ring[(j + DEPTH) % (DEPTH + 1)], cur, 4 * (i + j + DEPTH) < mine);
-        compute_step(ring[j], acc);
+    for (int a = 0; a < NA; ++a) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = 16 * (a % RT) + 8 * h;  // rows below the cursor's row
+        if (ok) {
+          ldg_stream(st.w[a][h], w[a / RT] + row * KB);
+          st.s[a][h] = ldg_u8(s[a / RT] + row * KG);
+        } else {
+          st.w[a][h][0] = st.w[a][h][1] = st.w[a][h][2] = st.w[a][h][3] = 0u;
+          st.s[a][h] = 0u;
+        }
+      }
+    }
+#pragma unroll
+    for (int q = 0; q < TOKG; ++q) {
+#pragma unroll
+      for (int v = 0; v < 4; ++v) {
+        u32 r[4] = {0u, 0u, 0u, 0u};
+        if (ok && has_x[q]) ldg_shared(r, x[q] + v * 16);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) st.x[q][4 * v + j] = r[j];
       }
     }
   }
-}
 
-// Sum the SPLIT warps' partials in warp order into warp 0's `acc`.
-static __device__ __forceinline__ void reduce_split(float (&acc)[NA][TOKG][4], int warp,
-                                                    int lane) {
-#if SPLIT > 1
-  __shared__ float part[SPLIT - 1][NA * TOKG * 4][32];
-  if (warp > 0) {
-#pragma unroll
-    for (int a = 0; a < NA; ++a)
-#pragma unroll
-      for (int q = 0; q < TOKG; ++q)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) part[warp - 1][(a * TOKG + q) * 4 + c][lane] = acc[a][q][c];
-  }
-  __syncthreads();
-  if (warp == 0) {
-#pragma unroll
-    for (int w = 0; w < SPLIT - 1; ++w)
-#pragma unroll
-      for (int a = 0; a < NA; ++a)
-#pragma unroll
-        for (int q = 0; q < TOKG; ++q)
-#pragma unroll
-          for (int c = 0; c < 4; ++c) acc[a][q][c] += part[w][(a * TOKG + q) * 4 + c][lane];
-  }
-#endif
-}
+  __device__ __forceinline__ void compute(const Step& st) { compute_step(st, acc); }
+};
 
 // Where a CTA's warp stands: its routing tile (expert or -1, first routed row, rows: at most
 // 8 TOKG), its lane roles (g = lane / 4: weight row and token column; t = lane % 4: K group),
@@ -244,11 +169,18 @@ static __device__ __forceinline__ Place place(const int* tiles) {
   return p;
 }
 
-// The cursor's weight and scale pointers for matrix m (w, s: its [E, N, K/2] and [E, N, K/32]).
-static __device__ __forceinline__ void aim(Cursor& cur, int m, const Place& p, const u8* w,
+// The stream's weight and scale pointers for matrix m (w, s: its [E, N, K/2] and [E, N, K/32]).
+static __device__ __forceinline__ void aim(Stream& st, int m, const Place& p, const u8* w,
                                            const u8* s) {
-  cur.w[m] = w + p.row * KB + (p.g_begin + p.t) * 16;
-  cur.s[m] = s + p.row * KG + p.g_begin + p.t;
+  st.w[m] = w + p.row * KB + (p.g_begin + p.t) * 16;
+  st.s[m] = s + p.row * KG + p.g_begin + p.t;
+  st.mine = p.g_end - p.g_begin - p.t;  // groups t, t + 4, ... below this are the thread's
+}
+
+// The warp's K loop (its groups [g_begin, g_end)) and the CTA's warp-order sum into warp 0.
+static __device__ __forceinline__ void run(Stream& st, const Place& p) {
+  ring_loop<DEPTH>(st, (p.g_end - p.g_begin + 3) / 4);
+  reduce_warps<NA, TOKG, SPLIT>(st.acc, p.warp, p.lane);
 }
 
 #if MATS == 2
@@ -267,19 +199,18 @@ moe_w13(const u8* __restrict__ xa,  // [T, K_DIM] bf16: FP8 activations expanded
   const Place p = place(tiles);
   if (p.expert < 0) return;
   const int g = p.g, t = p.t;
-  Cursor cur;
-  aim(cur, 0, p, w1, s1);
-  aim(cur, 1, p, w3, s3);
+  float acc[NA][TOKG][4] = {};
+  Stream st(acc);
+  aim(st, 0, p, w1, s1);
+  aim(st, 1, p, w3, s3);
 #pragma unroll
   for (int q = 0; q < TOKG; ++q) {
     const int n = 8 * q + g;
-    cur.has_x[q] = n < p.count;
-    const u64 token = cur.has_x[q] ? sorted_token[p.first + n] : 0;
-    cur.x[q] = xa + (token * K_DIM + (p.g_begin + t) * 32) * 2;
+    st.has_x[q] = n < p.count;
+    const u64 token = st.has_x[q] ? sorted_token[p.first + n] : 0;
+    st.x[q] = xa + (token * K_DIM + (p.g_begin + t) * 32) * 2;
   }
-  float acc[NA][TOKG][4] = {};
-  k_loop(acc, cur, t, p.g_begin, p.g_end);
-  reduce_split(acc, p.warp, p.lane);
+  run(st, p);
   if (p.warp != 0) return;
 
   // element c of acc[a][q]: weight row row0 + 16 r + g + 8 (c >> 1), token 8 q + 2 t + (c & 1)
@@ -351,17 +282,16 @@ moe_w2(const u8* __restrict__ h,                                // [P, K_DIM] bf
   const Place p = place(tiles);
   if (p.expert < 0) return;
   const int g = p.g, t = p.t;
-  Cursor cur;
-  aim(cur, 0, p, w2, s2);
+  float acc[NA][TOKG][4] = {};
+  Stream st(acc);
+  aim(st, 0, p, w2, s2);
 #pragma unroll
   for (int q = 0; q < TOKG; ++q) {
     const int n = 8 * q + g;
-    cur.has_x[q] = n < p.count;
-    cur.x[q] = h + ((u64)(p.first + n) * K_DIM + (p.g_begin + t) * 32) * 2;
+    st.has_x[q] = n < p.count;
+    st.x[q] = h + ((u64)(p.first + n) * K_DIM + (p.g_begin + t) * 32) * 2;
   }
-  float acc[NA][TOKG][4] = {};
-  k_loop(acc, cur, t, p.g_begin, p.g_end);
-  reduce_split(acc, p.warp, p.lane);
+  run(st, p);
   if (p.warp != 0) return;
 #pragma unroll
   for (int a = 0; a < NA; ++a)

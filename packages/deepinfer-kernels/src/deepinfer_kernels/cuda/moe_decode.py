@@ -95,7 +95,7 @@ def defines(kind: str, d: int, i: int, cfg: MoeDecodeCudaConfig) -> dict[str, in
 @functools.cache
 def cubin(kind: str, d: int, i: int, cfg: MoeDecodeCudaConfig) -> bytes:
     """The compiled kernel (NVRTC, once per process per shape and config; no GPU needed)."""
-    return module.compile_cubin(SOURCE.read_text(), SOURCE.name, ARCH, defines(kind, d, i, cfg))
+    return module.compile_file(SOURCE, ARCH, defines(kind, d, i, cfg))
 
 
 @functools.cache
