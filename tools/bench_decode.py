@@ -15,12 +15,10 @@ CHAIN_L = 16
 """Calls per captured graph in the chained harness: L distinct weight sets (> L2 in total)."""
 
 
-PARTS = ("cuda", "dense", "probes", "shapes", "prefill", "moe")
-"""`decode4_rows`' sections, in the order they run: the cuda tier's mma.sync GEMM against auto /
-invariant / the TileLang default at 5120x8192, 2112x7168 and 32768x1280, M = 64 / 32 / 16 / 8 /
-1; dense 5120x8192 at M = 64 / 32 / 16 / 1 with the TileLang candidates; floor probes; 2112x7168
-and 32768x1280 at M = 64 / 16 / 1 with the candidates; batch-invariant mode at prefill sizes
-(eager); the MoE layer."""
+PARTS = ("dense", "probes", "shapes", "prefill", "moe")
+"""`decode4_rows`' sections, in the order they run: dense 5120x8192 at M = 64 / 32 / 16 / 1 with
+the TileLang candidates; floor probes; 2112x7168 and 32768x1280 at M = 64 / 16 / 1 with the
+candidates; batch-invariant mode at prefill sizes (eager); the MoE layer."""
 
 
 def _tile_configs():
@@ -59,7 +57,6 @@ def decode4_rows(rows: list | None = None, parts: tuple[str, ...] = PARTS):
     7 GB, so L2 does not serve them either). Rows print as measured and are appended to `rows`
     (returned), so a caller keeps those measured before an interruption."""
     from deepinfer_kernels import quant
-    from deepinfer_kernels.cuda import fp8_decode as cuda_fp8
     from deepinfer_kernels.ref import linear as ref_linear
     from deepinfer_kernels.tilelang import decode_gemm as tld
     from deepinfer_kernels.triton import gemv
@@ -83,9 +80,8 @@ def decode4_rows(rows: list | None = None, parts: tuple[str, ...] = PARTS):
 
     weights = {}
 
-    def dense(n, k, ms_list, only="", cuda=False):
-        """Rows at each M; the candidates of the M's token tile whose names contain `only`; with
-        `cuda`, auto mode and the cuda tier's mma.sync GEMM (`cuda/fp8_decode.py`) only."""
+    def dense(n, k, ms_list, only=""):
+        """Rows at each M; the candidates of the M's token tile whose names contain `only`."""
         weights.clear()
         weights[(n, k)] = [
             quant.quantize_fp8_blocks(torch.randn(n, k, device="cuda") * 0.02)
@@ -102,7 +98,7 @@ def decode4_rows(rows: list | None = None, parts: tuple[str, ...] = PARTS):
                 xq, xs = quant.act_quant_fp8(torch.randn(m, k, device="cuda").bfloat16())
                 sets.append((xq, xs, w, ws))
             shape = f"{m}x{n}x{k}"
-            for inv in (False,) if cuda else (False, True):
+            for inv in (False, True):
                 both(
                     f"fp8_gemm[{'inv' if inv else 'auto'}]",
                     shape,
@@ -113,12 +109,6 @@ def decode4_rows(rows: list | None = None, parts: tuple[str, ...] = PARTS):
                     nbytes,
                 )
             want = ref_linear.fp8_gemm(*sets[0], torch.float32).double()
-            if cuda:
-                got = cuda_fp8.fp8_gemm(*sets[0], torch.float32).double()
-                err = ((got - want).norm() / want.norm()).item()
-                print(f"dec4 cuda mma.sync {shape} rel err {err:.2e}")
-                both("cuda mma.sync", shape, cuda_fp8.fp8_gemm, sets, nbytes)
-                continue  # (auto is the TileLang default or the GEMV: no candidates here)
             bt = tld.pick_tile_config(m, n, k).block_t
             base_cfg = dataclasses.replace(fourth_session[bt], split_k=split)
             base = tld.decode_gemm(*sets[0], check_dtype, base_cfg)
@@ -261,9 +251,6 @@ def decode4_rows(rows: list | None = None, parts: tuple[str, ...] = PARTS):
                     print(f"dec4 {name} {m}x{n}x{k} failed: {type(exc).__name__}: {exc}")
 
     # most telling first, so that a run cut off by its time limit still has them
-    if "cuda" in parts:
-        for n, k in ((5120, 8192), (2112, 7168), (32768, 1280)):
-            dense(n, k, (64, 32, 16, 8, 1), cuda=True)
     if "dense" in parts:
         dense(5120, 8192, (64, 32, 16, 1))
     if "probes" in parts:

@@ -125,16 +125,14 @@ def test_fp8_gemm_variants(mode):
     assert rel(got, want) < 1e-3
 
 
-def test_fp8_linear_op_dispatches_by_m():
-    """M <= 16 runs the cuda tier (test_cuda_fp8.py), larger decode M the triton tier."""
+def test_fp8_linear_op_dispatches_to_triton():
     from deepinfer_kernels import REGISTRY, ops
 
-    x = torch.randn(40, 256, device=DEV, generator=_gen(8)).bfloat16()
+    x = torch.randn(5, 256, device=DEV, generator=_gen(8)).bfloat16()
     w, ws = quant.quantize_fp8_blocks(torch.randn(128, 256, device=DEV, generator=_gen(9)))
-    assert REGISTRY.resolve("fp8_linear", x[:5], w, ws).tier == "cuda"
     assert REGISTRY.resolve("fp8_linear", x, w, ws).tier == "triton"
-    for rows in (x[:5], x):
-        assert rel(ops.fp8_linear(rows, w, ws), ref_linear.fp8_linear(rows, w, ws)) < 1e-2
+    got = ops.fp8_linear(x, w, ws)
+    assert rel(got, ref_linear.fp8_linear(x, w, ws)) < 1e-2
 
 
 @pytest.mark.parametrize(("n", "k"), [(2112, 7168), (512, 1280)])

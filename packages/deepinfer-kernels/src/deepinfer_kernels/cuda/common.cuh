@@ -13,29 +13,14 @@ static __device__ __forceinline__ void ldg_stream(u32 (&r)[4], const u8* p) {
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "l"(p));
 }
 
-static __device__ __forceinline__ void ldg_stream(u32 (&r)[2], const u8* p) {
-  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];"
-               : "=r"(r[0]), "=r"(r[1]) : "l"(p));
-}
-
 static __device__ __forceinline__ void ldg_shared(u32 (&r)[4], const u8* p) {
   asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "l"(p));
 }
 
-static __device__ __forceinline__ void ldg_shared(u32 (&r)[2], const u8* p) {
-  asm volatile("ld.global.nc.v2.u32 {%0,%1}, [%2];" : "=r"(r[0]), "=r"(r[1]) : "l"(p));
-}
-
 static __device__ __forceinline__ u32 ldg_u8(const u8* p) {
   u16 v;
   asm volatile("ld.global.nc.u8 %0, [%1];" : "=h"(v) : "l"(p));
-  return v;
-}
-
-static __device__ __forceinline__ float ldg_f32(const float* p) {
-  float v;
-  asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(v) : "l"(p));
   return v;
 }
 

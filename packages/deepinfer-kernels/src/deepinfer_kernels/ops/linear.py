@@ -8,7 +8,7 @@ import torch
 
 from ..quant import FP8_BLOCK
 from ..registry import REGISTRY, Implementation
-from ._checks import FLOAT_DTYPES, cuda_input_reason, need, need_dtype
+from ._checks import FLOAT_DTYPES, need, need_dtype
 
 REGISTRY.declare(
     "fp8_gemm",
@@ -52,59 +52,6 @@ for _op, _check in (("fp8_gemm", "supports"), ("fp8_linear", "supports_linear"))
             routing="M > 64 (in batch-invariant mode too, with INVARIANT_PREFILL)",
         )
     )
-
-
-# mma.sync FP8 decode GEMM (CUDA C++ through NVRTC): small M outside batch-invariant mode
-for _op in ("fp8_gemm", "fp8_linear"):
-    REGISTRY.register(
-        Implementation(
-            _op,
-            "cuda",
-            f"deepinfer_kernels.cuda.fp8_decode:{_op}",
-            devices=("cuda",),
-            min_capability=(9, 0),
-            requires=("triton",),  # fp8_linear's activation quantisation
-            supports=f"deepinfer_kernels.ops.linear:{_op}_cuda_supports",
-            routing="M <= cuda.fp8_decode.ROUTED_MAX_M outside batch-invariant mode",
-        )
-    )
-
-
-def fp8_gemm_cuda_supports(
-    x_fp8: torch.Tensor,
-    x_scale: torch.Tensor,
-    w: torch.Tensor,
-    w_scale: torch.Tensor,
-    out_dtype: torch.dtype = torch.bfloat16,
-    *,
-    batch_invariant: bool = False,
-) -> str | None:
-    """Why the cuda tier's decode GEMM cannot run these arguments (or is not routed them)."""
-    if out_dtype not in (torch.bfloat16, torch.float32):
-        return f"out_dtype {out_dtype} (the cuda GEMM writes bfloat16 or float32)"
-    return _cuda_decode_reason(x_fp8, x_fp8.shape[0], w, w_scale, batch_invariant)
-
-
-def fp8_linear_cuda_supports(
-    x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, *, batch_invariant: bool = False
-) -> str | None:
-    """`fp8_gemm_cuda_supports` for the quantised x."""
-    return _cuda_decode_reason(x, x.numel() // x.shape[-1], w, w_scale, batch_invariant)
-
-
-def _cuda_decode_reason(
-    x: torch.Tensor, m: int, w: torch.Tensor, w_scale: torch.Tensor, batch_invariant: bool
-) -> str | None:
-    from ..cuda.fp8_decode import ROUTED_MAX_M, shape_reason
-    from ..cuda.module import nvrtc_reason
-
-    if batch_invariant:
-        return "batch-invariant mode (the TileLang decode kernel's rows match the prefill's)"
-    if not 1 <= m <= ROUTED_MAX_M:
-        return f"M={m} is not routed here (1..{ROUTED_MAX_M})"
-    if w_scale.dtype != torch.float8_e8m0fnu:
-        return f"w_scale is {w_scale.dtype}, the cuda GEMM reads float8_e8m0fnu"
-    return cuda_input_reason(x) or shape_reason(m, w.shape[0], w.shape[1]) or nvrtc_reason()
 
 
 def _check_weight(w: torch.Tensor, w_scale: torch.Tensor, k: int) -> None:
