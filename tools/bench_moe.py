@@ -391,12 +391,11 @@ def cuda_decode_candidates() -> dict:
     c = cmd.MoeDecodeCudaConfig
     return {
         "cuda": cmd.DEFAULT,
-        "cuda mb4": c(min_blocks1=4, min_blocks2=4),  # W13 at T=1 in one wave
-        "cuda d2": c(depth=2, min_blocks1=2),  # two K steps of loads in flight
-        "cuda s1=5": c(split1=5),
-        "cuda w2 r2s4": c(rt2=2, split2=4),
-        "cuda w2 r4s4": c(split2=4),
-        # measured in the first call (NOTES.md): split1=2 / 8, 16-token tiles, min_blocks 2
+        "cuda d2": c(depth=2, min_blocks1=2, min_blocks2=4),  # two K steps of loads in flight
+        "cuda d2 s2=4": c(depth=2, min_blocks1=2, split2=4, min_blocks2=2),
+        "cuda s2=4": c(split2=4, min_blocks2=3),
+        # measured before (NOTES.md): split1=2 / 5 / 8, 16-token tiles, min_blocks 2 / 4, W2 with
+        # 2 row tiles x 4 warps
     }
 
 
