@@ -177,6 +177,20 @@ static __device__ __forceinline__ void aim(Stream& st, int m, const Place& p, co
   st.mine = p.g_end - p.g_begin - p.t;  // groups t, t + 4, ... below this are the thread's
 }
 
+// The stream's activation pointers: token column n (8q + g) reads row row_of(n) of x [rows,
+// K_DIM] bf16 (n past the tile's rows: none, zeros).
+template <typename RowOf>
+static __device__ __forceinline__ void aim_x(Stream& st, const Place& p, const u8* x,
+                                             RowOf row_of) {
+#pragma unroll
+  for (int q = 0; q < TOKG; ++q) {
+    const int n = 8 * q + p.g;
+    st.has_x[q] = n < p.count;
+    const u64 row = st.has_x[q] ? row_of(n) : 0;
+    st.x[q] = x + (row * K_DIM + (p.g_begin + p.t) * 32) * 2;
+  }
+}
+
 // The warp's K loop (its groups [g_begin, g_end)) and the CTA's warp-order sum into warp 0.
 static __device__ __forceinline__ void run(Stream& st, const Place& p) {
   ring_loop<DEPTH>(st, (p.g_end - p.g_begin + 3) / 4);
@@ -203,13 +217,7 @@ moe_w13(const u8* __restrict__ xa,  // [T, K_DIM] bf16: FP8 activations expanded
   Stream st(acc);
   aim(st, 0, p, w1, s1);
   aim(st, 1, p, w3, s3);
-#pragma unroll
-  for (int q = 0; q < TOKG; ++q) {
-    const int n = 8 * q + g;
-    st.has_x[q] = n < p.count;
-    const u64 token = st.has_x[q] ? sorted_token[p.first + n] : 0;
-    st.x[q] = xa + (token * K_DIM + (p.g_begin + t) * 32) * 2;
-  }
+  aim_x(st, p, xa, [&](int n) { return (u64)sorted_token[p.first + n]; });
   run(st, p);
   if (p.warp != 0) return;
 
@@ -285,12 +293,7 @@ moe_w2(const u8* __restrict__ h,                                // [P, K_DIM] bf
   float acc[NA][TOKG][4] = {};
   Stream st(acc);
   aim(st, 0, p, w2, s2);
-#pragma unroll
-  for (int q = 0; q < TOKG; ++q) {
-    const int n = 8 * q + g;
-    st.has_x[q] = n < p.count;
-    st.x[q] = h + ((u64)(p.first + n) * K_DIM + (p.g_begin + t) * 32) * 2;
-  }
+  aim_x(st, p, h, [&](int n) { return (u64)(p.first + n); });
   run(st, p);
   if (p.warp != 0) return;
 #pragma unroll
