@@ -79,6 +79,20 @@ def test_supports_reasons():
     assert moe_experts_cuda_supports(*args) == "input on cpu"
 
 
+def test_missing_nvrtc_is_a_reason_not_a_crash(monkeypatch):
+    """Without an NVRTC for torch's CUDA version the tier reports why (once searched) and a
+    compile raises OSError naming the places tried."""
+    monkeypatch.setattr(torch.version, "cuda", "99.0")
+    module._find_nvrtc.cache_clear()
+    try:
+        why = module.nvrtc_reason()
+        assert why is not None and "libnvrtc.so.99" in why
+        with pytest.raises(OSError, match="NVRTC not found"):
+            module.compile_cubin("", "empty.cu", "sm_90a", {})
+    finally:
+        module._find_nvrtc.cache_clear()
+
+
 # -- compiled kernels (CPU) --------------------------------------------------------------------
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import importlib.util
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,12 +22,12 @@ null pointer)."""
 
 
 @functools.cache
-def nvrtc() -> ctypes.CDLL:
-    """libnvrtc for torch's CUDA major version: by soname first (torch loads it), then from the
-    `nvidia` wheels' lib folders, then `$CUDA_HOME/lib64`. OSError naming the places tried."""
+def _find_nvrtc() -> ctypes.CDLL | str:
+    """libnvrtc for torch's CUDA major version, or why not (searched once per process): by soname
+    first (torch loads it), then in the `nvidia` wheels' and torch's lib folders, then in
+    /usr/local/cuda/lib64."""
     major = (torch.version.cuda or "13").split(".")[0]
     name = f"libnvrtc.so.{major}"
-    tried = [name]
     try:
         return ctypes.CDLL(name)
     except OSError:
@@ -37,22 +36,25 @@ def nvrtc() -> ctypes.CDLL:
     spec = importlib.util.find_spec("nvidia")
     for root in spec.submodule_search_locations if spec and spec.submodule_search_locations else []:
         places += sorted(Path(root).glob(f"*/lib/{name}"))
-    cuda_home = os.environ.get("CUDA_HOME", "/usr/local/cuda")  # (nvcc's convention)
-    places.append(Path(cuda_home) / "lib64" / name)
+    places += [Path(torch.__file__).parent / "lib" / name, Path("/usr/local/cuda/lib64") / name]
     for path in places:
-        tried.append(str(path))
         if path.exists():
             return ctypes.CDLL(str(path))
-    raise OSError(f"NVRTC not found (tried {', '.join(tried)})")
+    return f"NVRTC not found (tried {name} by soname, {', '.join(map(str, places))})"
+
+
+def nvrtc() -> ctypes.CDLL:
+    """The NVRTC library; OSError naming the places tried if there is none."""
+    found = _find_nvrtc()
+    if isinstance(found, str):
+        raise OSError(found)
+    return found
 
 
 def nvrtc_reason() -> str | None:
-    """Why CUDA kernels cannot be compiled here, or None."""
-    try:
-        nvrtc()
-    except OSError as e:
-        return str(e)
-    return None
+    """Why CUDA kernels cannot be compiled here, or None (cheap: the search runs once)."""
+    found = _find_nvrtc()
+    return found if isinstance(found, str) else None
 
 
 def _nvrtc_check(lib: ctypes.CDLL, result: int, what: str) -> None:
