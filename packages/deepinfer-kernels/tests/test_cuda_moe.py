@@ -77,6 +77,19 @@ def test_supports_reasons():
     assert "bfloat16" in moe_experts_cuda_supports(*_cpu_call(dtype=torch.float32))
     assert "prefill-sized" in moe_experts_cuda_supports(*_cpu_call(t=40, e=8, k=2))
     assert moe_experts_cuda_supports(*args) == "input on cpu"
+    x, tw, ids, w1, s1, w3, s3, w2, s2, limit = args
+    assert "s3 is torch.float32" in moe_experts_cuda_supports(
+        x, tw, ids, w1, s1, w3, s3.float(), w2, s2, limit
+    )
+    assert "multiples of 32" in moe_experts_cuda_supports(*_cpu_call(d=48))
+
+
+def test_direct_call_with_bad_arguments_is_a_value_error():
+    """A direct call (not through the registry) refuses what it cannot run, before any launch."""
+    with pytest.raises(ValueError, match="cuda moe_experts: input on cpu"):
+        md.moe_experts(*_cpu_call())
+    with pytest.raises(ValueError, match=r"x is torch\.float32"):
+        md.moe_experts(*_cpu_call(dtype=torch.float32))
 
 
 def test_missing_nvrtc_is_a_reason_not_a_crash(monkeypatch):

@@ -77,6 +77,27 @@ def shape_reason(d: int, i: int, cfg: MoeDecodeCudaConfig = DEFAULT) -> str | No
     return None
 
 
+def call_reason(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    scales: dict[str, torch.Tensor],
+    cfg: MoeDecodeCudaConfig = DEFAULT,
+) -> str | None:
+    """Why `moe_experts` cannot run x [T, D] with w1 [E, I, D/2] and these named scales here
+    (device, dtypes, dims, NVRTC), or None."""
+    if x.dtype != torch.bfloat16:
+        return f"x is {x.dtype}, the cuda experts take bfloat16"
+    for name, s in scales.items():
+        if s.dtype != torch.float8_e8m0fnu:
+            return f"{name} is {s.dtype}, the cuda experts read float8_e8m0fnu scales"
+    why = shape_reason(x.shape[1], w1.shape[1], cfg)
+    if why is not None:
+        return why
+    if x.device.type != "cuda":
+        return f"input on {x.device.type}"
+    return module.nvrtc_reason()
+
+
 def defines(kind: str, d: int, i: int, cfg: MoeDecodeCudaConfig) -> dict[str, int]:
     """The compile-time constants of kernel `kind` ("w13" or "w2") for these dims."""
     if kind == "w13":
@@ -134,7 +155,7 @@ def moe_experts(
     cfg = config or DEFAULT
     t, d = x.shape
     e, i = w1.shape[0], w1.shape[1]
-    why = shape_reason(d, i, cfg)
+    why = call_reason(x, w1, {"s1": s1, "s3": s3, "s2": s2}, cfg)
     if why is not None:
         raise ValueError(f"cuda moe_experts: {why}")
     out = torch.empty_like(x)

@@ -75,24 +75,18 @@ def moe_experts_gpu_supports(x: torch.Tensor, *args: object, **kw: object) -> st
 
 def moe_experts_cuda_supports(
     x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w1: torch.Tensor,
+    s1: torch.Tensor, w3: torch.Tensor, s3: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
     *args: object, batch_invariant: bool = False, **kw: object,
 ) -> str | None:  # fmt: skip
     """Why the mma.sync decode experts (`cuda/moe_decode.py`) cannot run these arguments, or None:
     they take decode-sized routing in bf16 outside batch-invariant mode, with UE8M0 scales."""
-    from ..cuda.module import nvrtc_reason
-    from ..cuda.moe_decode import shape_reason
+    from ..cuda.moe_decode import call_reason
 
     if batch_invariant:
         return "batch-invariant mode (the Triton tier's decode tiles match its prefill tiles)"
-    if x.dtype != torch.bfloat16:
-        return f"x is {x.dtype}, the cuda experts take bfloat16"
     if topk_ids.numel() > 8 * w1.shape[0]:
         return "prefill-sized routing (pairs > 8 x experts)"
-    return (
-        moe_experts_gpu_supports(x, topk_weights, topk_ids, w1, *args)
-        or shape_reason(x.shape[1], w1.shape[1])
-        or nvrtc_reason()
-    )
+    return call_reason(x, w1, {"s1": s1, "s3": s3, "s2": s2})
 
 
 def moe_gate(
