@@ -575,6 +575,81 @@ def _dot(a, b, acc, F32_MATH: tl.constexpr):
 
 
 @triton.jit
+def _tile_operands(
+    a_ptr,
+    a_rows,
+    a_stride,
+    expert,
+    col,
+    n,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    FP4_MODE: tl.constexpr,
+    S_WORDS: tl.constexpr,
+):
+    """The first K step's operands of one program, as both grouped GEMMs address them: the bf16
+    activations' pointers [BLOCK_M, BLOCK_K] (rows `a_rows` [BLOCK_M] int64 of a [*, a_stride]
+    matrix), and column block `col` of expert `expert`'s FP4 weights [E, n, K / PACK] (PACK
+    values per int8 or int32 element) with their UE8M0 scales. Returns (a pointers, columns
+    offs_n [BLOCK_N] (those >= n read column 0: the stores mask them), offsets of the packed
+    weights [BLOCK_N, BLOCK_K / PACK], offsets of the scales ([BLOCK_N] int32 words of 4 groups
+    with S_WORDS, else [BLOCK_N, BLOCK_K / 32] bytes), the group index offs_g [BLOCK_K / 32],
+    the weight and the scale offsets' advance per K step). The order of the lines is the one the
+    SASS was measured in (another order reschedules W2's decode prologue)."""
+    offs_n = col * BLOCK_N + tl.arange(0, BLOCK_N)
+    ncl = tl.where(offs_n < n, offs_n, 0).to(tl.int64)
+    ex = expert.to(tl.int64)
+    KG: tl.constexpr = BLOCK_K // 32
+    PACK: tl.constexpr = 8 if FP4_MODE >= 2 else 2  # values per weight element (int32 / int8)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_p = tl.arange(0, BLOCK_K // PACK)
+    offs_g = tl.arange(0, KG)
+    a_ptrs = a_ptr + a_rows[:, None] * a_stride + offs_k[None, :]
+    w_off = ex * stride_we + ncl[:, None] * stride_wn + offs_p[None, :]
+    if S_WORDS:  # one int32 word (the step's 4 scale bytes) per weight row
+        s_off = ex * stride_se + ncl * stride_sn
+    else:
+        s_off = ex * stride_se + ncl[:, None] * stride_sn + offs_g[None, :]
+    return a_ptrs, offs_n, w_off, s_off, offs_g, BLOCK_K // PACK, 1 if S_WORDS else KG
+
+
+@triton.jit
+def _first_scales(s_ptrs, offs_g, S_WORDS: tl.constexpr, PREFETCH: tl.constexpr):
+    """PREFETCH: the first K step's scales (each step then loads the next step's); otherwise an
+    unused placeholder that `_weight_step` passes through."""
+    if PREFETCH:  # noqa: SIM108 (a Triton constexpr branch)
+        sc = _scale_bytes(s_ptrs, offs_g, S_WORDS)
+    else:
+        sc = 0
+    return sc
+
+
+@triton.jit
+def _acc_tile(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):
+    """The fp32 accumulator: [BLOCK_M, BLOCK_N], or [BLOCK_N, BLOCK_M] with SWAP_AB (the weight
+    rows fill the MMA's M: few tokens per expert, decode)."""
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def _tile_dot(a16, b16, acc, SWAP_AB: tl.constexpr, F32_MATH: tl.constexpr):
+    """acc + a16 [BLOCK_M, BLOCK_K] @ b16 [BLOCK_N, BLOCK_K]^T in `_acc_tile`'s layout."""
+    if SWAP_AB:
+        acc = _dot(b16, tl.trans(a16), acc, F32_MATH)
+    else:
+        acc = _dot(a16, tl.trans(b16), acc, F32_MATH)
+    return acc
+
+
+@triton.jit
 def _round_to(v, DTYPE: tl.constexpr, F32_MATH: tl.constexpr):
     """fp32 v rounded to DTYPE (to nearest, ties to even), returned as fp32. F32_MATH rounds to
     bf16 on the float's bits: the interpreter's fp32 -> bf16 conversion does not round to nearest
@@ -681,37 +756,30 @@ def _w13_kernel(
         return
     _, rows, rmask = _tile_rows(tiles_ptr, tile, BLOCK_M)
     tok = tl.load(tok_ptr + rows, mask=rmask, other=0).to(tl.int64)
-    offs_n = col * BLOCK_N + tl.arange(0, BLOCK_N)
-    ncl = tl.where(offs_n < I, offs_n, 0).to(tl.int64)
-    ex = expert.to(tl.int64)
-    KG: tl.constexpr = BLOCK_K // 32
-    PACK: tl.constexpr = 8 if FP4_MODE >= 2 else 2  # values per weight element (int32 / int8)
-    S_STEP: tl.constexpr = 1 if S_WORDS else KG
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_p = tl.arange(0, BLOCK_K // PACK)
-    offs_g = tl.arange(0, KG)
-    a_ptrs = xa_ptr + tok[:, None] * D + offs_k[None, :]
-    w_off = ex * stride_we + ncl[:, None] * stride_wn + offs_p[None, :]
+    a_ptrs, offs_n, w_off, s_off, offs_g, W_STEP, S_STEP = _tile_operands(
+        xa_ptr,
+        tok,
+        D,
+        expert,
+        col,
+        I,
+        stride_we,
+        stride_wn,
+        stride_se,
+        stride_sn,
+        BLOCK_N,
+        BLOCK_K,
+        FP4_MODE,
+        S_WORDS,
+    )
     w1_ptrs = w1_ptr + w_off
     w3_ptrs = w3_ptr + w_off
-    if S_WORDS:  # one int32 word (the step's 4 scale bytes) per weight row
-        s_off = ex * stride_se + ncl * stride_sn
-    else:
-        s_off = ex * stride_se + ncl[:, None] * stride_sn + offs_g[None, :]
     s1_ptrs = s1_ptr + s_off
     s3_ptrs = s3_ptr + s_off
-    if PREFETCH:  # the first step's scales; each step then loads the next step's
-        sc1 = _scale_bytes(s1_ptrs, offs_g, S_WORDS)
-        sc3 = _scale_bytes(s3_ptrs, offs_g, S_WORDS)
-    else:  # unused placeholders (`_weight_step` passes them through)
-        sc1 = 0
-        sc3 = 0
-    if SWAP_AB:  # weight rows fill the MMA's M: few tokens per expert (decode)
-        acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    sc1 = _first_scales(s1_ptrs, offs_g, S_WORDS, PREFETCH)
+    sc3 = _first_scales(s3_ptrs, offs_g, S_WORDS, PREFETCH)
+    acc_g = _acc_tile(BLOCK_M, BLOCK_N, SWAP_AB)
+    acc_u = _acc_tile(BLOCK_M, BLOCK_N, SWAP_AB)
     # D is a multiple of BLOCK_K (checked on the host): no masks in the loop
     for k0 in range(0, D, BLOCK_K):
         a16 = tl.load(a_ptrs)
@@ -744,15 +812,11 @@ def _w13_kernel(
             PREFETCH,
             F32_MATH,
         )
-        if SWAP_AB:
-            acc_g = _dot(b1, tl.trans(a16), acc_g, F32_MATH)
-            acc_u = _dot(b3, tl.trans(a16), acc_u, F32_MATH)
-        else:
-            acc_g = _dot(a16, tl.trans(b1), acc_g, F32_MATH)
-            acc_u = _dot(a16, tl.trans(b3), acc_u, F32_MATH)
+        acc_g = _tile_dot(a16, b1, acc_g, SWAP_AB, F32_MATH)
+        acc_u = _tile_dot(a16, b3, acc_u, SWAP_AB, F32_MATH)
         a_ptrs += BLOCK_K
-        w1_ptrs += BLOCK_K // PACK
-        w3_ptrs += BLOCK_K // PACK
+        w1_ptrs += W_STEP
+        w3_ptrs += W_STEP
         s1_ptrs += S_STEP
         s3_ptrs += S_STEP
     if SWAP_AB:
@@ -798,30 +862,26 @@ def _w2_kernel(
         return
     row0, rows, rmask = _tile_rows(tiles_ptr, tile, BLOCK_M)
     r64 = tl.where(rmask, rows, row0).to(tl.int64)
-    offs_n = col * BLOCK_N + tl.arange(0, BLOCK_N)
-    ncl = tl.where(offs_n < D, offs_n, 0).to(tl.int64)
-    ex = expert.to(tl.int64)
-    KG: tl.constexpr = BLOCK_K // 32
-    PACK: tl.constexpr = 8 if FP4_MODE >= 2 else 2  # values per weight element (int32 / int8)
-    S_STEP: tl.constexpr = 1 if S_WORDS else KG
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = h_ptr + r64[:, None] * I + offs_k[None, :]
-    w_ptrs = (
-        w2_ptr + ex * stride_we + ncl[:, None] * stride_wn + tl.arange(0, BLOCK_K // PACK)[None, :]
+    a_ptrs, offs_n, w_off, s_off, offs_g, W_STEP, S_STEP = _tile_operands(
+        h_ptr,
+        r64,
+        I,
+        expert,
+        col,
+        D,
+        stride_we,
+        stride_wn,
+        stride_se,
+        stride_sn,
+        BLOCK_N,
+        BLOCK_K,
+        FP4_MODE,
+        S_WORDS,
     )
-    offs_g = tl.arange(0, KG)
-    if S_WORDS:
-        s_ptrs = s2_ptr + ex * stride_se + ncl * stride_sn
-    else:
-        s_ptrs = s2_ptr + ex * stride_se + ncl[:, None] * stride_sn + offs_g[None, :]
-    if PREFETCH:  # noqa: SIM108 (a Triton constexpr branch)
-        sc = _scale_bytes(s_ptrs, offs_g, S_WORDS)
-    else:  # unused placeholder (`_weight_step` passes it through)
-        sc = 0
-    if SWAP_AB:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    w_ptrs = w2_ptr + w_off
+    s_ptrs = s2_ptr + s_off
+    sc = _first_scales(s_ptrs, offs_g, S_WORDS, PREFETCH)
+    acc = _acc_tile(BLOCK_M, BLOCK_N, SWAP_AB)
     for k0 in range(0, I, BLOCK_K):
         a16 = tl.load(a_ptrs)
         b16, sc = _weight_step(
@@ -837,12 +897,9 @@ def _w2_kernel(
             PREFETCH,
             F32_MATH,
         )
-        if SWAP_AB:
-            acc = _dot(b16, tl.trans(a16), acc, F32_MATH)
-        else:
-            acc = _dot(a16, tl.trans(b16), acc, F32_MATH)
+        acc = _tile_dot(a16, b16, acc, SWAP_AB, F32_MATH)
         a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K // PACK
+        w_ptrs += W_STEP
         s_ptrs += S_STEP
     if SWAP_AB:
         acc = tl.trans(acc)
