@@ -540,19 +540,22 @@ def _weight_step(
     s_ahead,
     offs_g,
     more,
-    ROWS: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    FP4_MODE: tl.constexpr,
-    S_WORDS: tl.constexpr,
-    PREFETCH: tl.constexpr,
-    F32_MATH: tl.constexpr,
+    SPEC: tl.constexpr,
 ):
     """One K step of one FP4 weight matrix, as all three GEMMs (W1, W3, W2) run it: load the packed
     tile [ROWS, BLOCK_K / PACK], then its UE8M0 scales (PREFETCH: take `s_ahead`, loaded during
     the previous step, and load the next step's now, if `more`), then expand to bf16
     [ROWS, BLOCK_K]. The order (weights, then scales, then expansion) is the one the decode SASS
     was measured in. Returns (expanded tile, the scales to pass as `s_ahead` next step; without
-    PREFETCH `s_ahead` unchanged)."""
+    PREFETCH `s_ahead` unchanged). SPEC: the kernel's constants (ROWS, BLOCK_K, FP4_MODE, S_WORDS,
+    PREFETCH, F32_MATH) as one tuple, built once per kernel (Triton 3.6 compiles indexing into a
+    constexpr tuple, not `*SPEC` unpacking)."""
+    ROWS: tl.constexpr = SPEC[0]
+    BLOCK_K: tl.constexpr = SPEC[1]
+    FP4_MODE: tl.constexpr = SPEC[2]
+    S_WORDS: tl.constexpr = SPEC[3]
+    PREFETCH: tl.constexpr = SPEC[4]
+    F32_MATH: tl.constexpr = SPEC[5]
     wq = tl.load(w_ptrs)
     if PREFETCH:
         cur = s_ahead
@@ -780,6 +783,7 @@ def _w13_kernel(
     sc3 = _first_scales(s3_ptrs, offs_g, S_WORDS, PREFETCH)
     acc_g = _acc_tile(BLOCK_M, BLOCK_N, SWAP_AB)
     acc_u = _acc_tile(BLOCK_M, BLOCK_N, SWAP_AB)
+    SPEC: tl.constexpr = (BLOCK_N, BLOCK_K, FP4_MODE, S_WORDS, PREFETCH, F32_MATH)
     # D is a multiple of BLOCK_K (checked on the host): no masks in the loop
     for k0 in range(0, D, BLOCK_K):
         a16 = tl.load(a_ptrs)
@@ -792,12 +796,7 @@ def _w13_kernel(
             sc1,
             offs_g,
             more,
-            BLOCK_N,
-            BLOCK_K,
-            FP4_MODE,
-            S_WORDS,
-            PREFETCH,
-            F32_MATH,
+            SPEC,
         )
         b3, sc3 = _weight_step(
             w3_ptrs,
@@ -805,12 +804,7 @@ def _w13_kernel(
             sc3,
             offs_g,
             more,
-            BLOCK_N,
-            BLOCK_K,
-            FP4_MODE,
-            S_WORDS,
-            PREFETCH,
-            F32_MATH,
+            SPEC,
         )
         acc_g = _tile_dot(a16, b1, acc_g, SWAP_AB, F32_MATH)
         acc_u = _tile_dot(a16, b3, acc_u, SWAP_AB, F32_MATH)
@@ -882,6 +876,7 @@ def _w2_kernel(
     s_ptrs = s2_ptr + s_off
     sc = _first_scales(s_ptrs, offs_g, S_WORDS, PREFETCH)
     acc = _acc_tile(BLOCK_M, BLOCK_N, SWAP_AB)
+    SPEC: tl.constexpr = (BLOCK_N, BLOCK_K, FP4_MODE, S_WORDS, PREFETCH, F32_MATH)
     for k0 in range(0, I, BLOCK_K):
         a16 = tl.load(a_ptrs)
         b16, sc = _weight_step(
@@ -890,12 +885,7 @@ def _w2_kernel(
             sc,
             offs_g,
             k0 + BLOCK_K < I,
-            BLOCK_N,
-            BLOCK_K,
-            FP4_MODE,
-            S_WORDS,
-            PREFETCH,
-            F32_MATH,
+            SPEC,
         )
         acc = _tile_dot(a16, b16, acc, SWAP_AB, F32_MATH)
         a_ptrs += BLOCK_K
