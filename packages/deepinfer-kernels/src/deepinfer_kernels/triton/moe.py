@@ -589,10 +589,7 @@ def _tile_operands(
     stride_wn,
     stride_se,
     stride_sn,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    FP4_MODE: tl.constexpr,
-    S_WORDS: tl.constexpr,
+    SPEC: tl.constexpr,
 ):
     """The first K step's operands of one program, as both grouped GEMMs address them: the bf16
     activations' pointers [BLOCK_M, BLOCK_K] (rows `a_rows` [BLOCK_M] int64 of a [*, a_stride]
@@ -602,7 +599,12 @@ def _tile_operands(
     weights [BLOCK_N, BLOCK_K / PACK], offsets of the scales ([BLOCK_N] int32 words of 4 groups
     with S_WORDS, else [BLOCK_N, BLOCK_K / 32] bytes), the group index offs_g [BLOCK_K / 32],
     the weight and the scale offsets' advance per K step). The order of the lines is the one the
-    SASS was measured in (another order reschedules W2's decode prologue)."""
+    SASS was measured in (another order reschedules W2's decode prologue). SPEC: the kernel's
+    constants, as `_weight_step` takes them."""
+    BLOCK_N: tl.constexpr = SPEC[0]
+    BLOCK_K: tl.constexpr = SPEC[1]
+    FP4_MODE: tl.constexpr = SPEC[2]
+    S_WORDS: tl.constexpr = SPEC[3]
     offs_n = col * BLOCK_N + tl.arange(0, BLOCK_N)
     ncl = tl.where(offs_n < n, offs_n, 0).to(tl.int64)
     ex = expert.to(tl.int64)
@@ -759,21 +761,9 @@ def _w13_kernel(
         return
     _, rows, rmask = _tile_rows(tiles_ptr, tile, BLOCK_M)
     tok = tl.load(tok_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    SPEC: tl.constexpr = (BLOCK_N, BLOCK_K, FP4_MODE, S_WORDS, PREFETCH, F32_MATH)
     a_ptrs, offs_n, w_off, s_off, offs_g, W_STEP, S_STEP = _tile_operands(
-        xa_ptr,
-        tok,
-        D,
-        expert,
-        col,
-        I,
-        stride_we,
-        stride_wn,
-        stride_se,
-        stride_sn,
-        BLOCK_N,
-        BLOCK_K,
-        FP4_MODE,
-        S_WORDS,
+        xa_ptr, tok, D, expert, col, I, stride_we, stride_wn, stride_se, stride_sn, SPEC
     )
     w1_ptrs = w1_ptr + w_off
     w3_ptrs = w3_ptr + w_off
@@ -783,29 +773,14 @@ def _w13_kernel(
     sc3 = _first_scales(s3_ptrs, offs_g, S_WORDS, PREFETCH)
     acc_g = _acc_tile(BLOCK_M, BLOCK_N, SWAP_AB)
     acc_u = _acc_tile(BLOCK_M, BLOCK_N, SWAP_AB)
-    SPEC: tl.constexpr = (BLOCK_N, BLOCK_K, FP4_MODE, S_WORDS, PREFETCH, F32_MATH)
     # D is a multiple of BLOCK_K (checked on the host): no masks in the loop
     for k0 in range(0, D, BLOCK_K):
         a16 = tl.load(a_ptrs)
         # W1's whole step before W3's: the order the decode path's SASS was measured in (a
         # reordering changes its schedule)
         more = k0 + BLOCK_K < D
-        b1, sc1 = _weight_step(
-            w1_ptrs,
-            s1_ptrs,
-            sc1,
-            offs_g,
-            more,
-            SPEC,
-        )
-        b3, sc3 = _weight_step(
-            w3_ptrs,
-            s3_ptrs,
-            sc3,
-            offs_g,
-            more,
-            SPEC,
-        )
+        b1, sc1 = _weight_step(w1_ptrs, s1_ptrs, sc1, offs_g, more, SPEC)
+        b3, sc3 = _weight_step(w3_ptrs, s3_ptrs, sc3, offs_g, more, SPEC)
         acc_g = _tile_dot(a16, b1, acc_g, SWAP_AB, F32_MATH)
         acc_u = _tile_dot(a16, b3, acc_u, SWAP_AB, F32_MATH)
         a_ptrs += BLOCK_K
@@ -856,37 +831,17 @@ def _w2_kernel(
         return
     row0, rows, rmask = _tile_rows(tiles_ptr, tile, BLOCK_M)
     r64 = tl.where(rmask, rows, row0).to(tl.int64)
+    SPEC: tl.constexpr = (BLOCK_N, BLOCK_K, FP4_MODE, S_WORDS, PREFETCH, F32_MATH)
     a_ptrs, offs_n, w_off, s_off, offs_g, W_STEP, S_STEP = _tile_operands(
-        h_ptr,
-        r64,
-        I,
-        expert,
-        col,
-        D,
-        stride_we,
-        stride_wn,
-        stride_se,
-        stride_sn,
-        BLOCK_N,
-        BLOCK_K,
-        FP4_MODE,
-        S_WORDS,
+        h_ptr, r64, I, expert, col, D, stride_we, stride_wn, stride_se, stride_sn, SPEC
     )
     w_ptrs = w2_ptr + w_off
     s_ptrs = s2_ptr + s_off
     sc = _first_scales(s_ptrs, offs_g, S_WORDS, PREFETCH)
     acc = _acc_tile(BLOCK_M, BLOCK_N, SWAP_AB)
-    SPEC: tl.constexpr = (BLOCK_N, BLOCK_K, FP4_MODE, S_WORDS, PREFETCH, F32_MATH)
     for k0 in range(0, I, BLOCK_K):
         a16 = tl.load(a_ptrs)
-        b16, sc = _weight_step(
-            w_ptrs,
-            s_ptrs,
-            sc,
-            offs_g,
-            k0 + BLOCK_K < I,
-            SPEC,
-        )
+        b16, sc = _weight_step(w_ptrs, s_ptrs, sc, offs_g, k0 + BLOCK_K < I, SPEC)
         acc = _tile_dot(a16, b16, acc, SWAP_AB, F32_MATH)
         a_ptrs += BLOCK_K
         w_ptrs += W_STEP
