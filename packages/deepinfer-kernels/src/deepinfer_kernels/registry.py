@@ -26,10 +26,7 @@ class Implementation:
     `devices`: torch device types it runs on. `min_capability`: lowest CUDA compute capability.
     `requires`: modules that must be importable (checked without importing them).
     `supports`: optional ``"module:function"`` taking the op's arguments and returning ``None`` when
-    it can run them, else a short reason (dtype, shape limit, ...). Where the target function has
-    an `after_supports` attribute (a function of the same arguments), `OpRegistry.call` runs that
-    one once `supports` passed: the target without the checks `supports` just made, which a
-    direct call of the target still runs.
+    it can run them, else a short reason (dtype, shape limit, ...).
     `routing`: how the tier shares its calls among its kernels (by M, mode, ...), for people
     reading `python -m deepinfer_kernels`; empty when it has one kernel.
     """
@@ -218,14 +215,11 @@ class OpRegistry:
         CUDA device, so a call whose tensors live on another GPU runs under that device."""
         device = _first_tensor(args).device
         impl = self._resolve(op, device, args, kwargs)
-        fn = self.function(impl)
-        if impl.supports is not None:  # it passed: skip the target's copy of its checks
-            fn = getattr(fn, "after_supports", fn)
         other_gpu = device.type == "cuda" and device.index is not None
         if other_gpu and device.index != torch.cuda.current_device():
             with torch.cuda.device(device):
-                return fn(*args, **kwargs)
-        return fn(*args, **kwargs)
+                return self.function(impl)(*args, **kwargs)
+        return self.function(impl)(*args, **kwargs)
 
 
 REGISTRY = OpRegistry()

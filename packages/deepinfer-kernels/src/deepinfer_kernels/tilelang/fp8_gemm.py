@@ -47,7 +47,6 @@ config) compiles once per process (seconds).
 # No `from __future__ import annotations`: TileLang evaluates the kernel's argument annotations
 # (tensor shapes built from closure variables) at definition time.
 
-import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -200,9 +199,8 @@ def shape_reason(
         return "x_fp8 and w must be float8_e4m3fn"
     if x_scale.dtype != torch.float32:
         return f"x_scale must be float32, got {x_scale.dtype}"
-    why = _w_scale_reason(w_scale)
-    if why is not None:
-        return why
+    if w_scale.dtype not in (torch.float8_e8m0fnu, torch.float32):
+        return f"w_scale must be float8_e8m0fnu or float32, got {w_scale.dtype}"
     if x_fp8.dim() != 2 or w.dim() != 2 or w.shape[1] != x_fp8.shape[1]:
         return f"x_fp8 [M, K] and w [N, K] must share K, got {list(x_fp8.shape)}, {list(w.shape)}"
     m, k = x_fp8.shape
@@ -210,13 +208,6 @@ def shape_reason(
         return f"K must be a multiple of {BLOCK_K}, got {k}"
     if list(x_scale.shape) != [m, k // SCALE_BLOCK]:
         return f"x_scale must be [{m}, {k // SCALE_BLOCK}], got {list(x_scale.shape)}"
-    return None
-
-
-def _w_scale_reason(w_scale: torch.Tensor) -> str | None:
-    """`shape_reason`'s w_scale dtype check: the one `supports_linear` leaves to the launch."""
-    if w_scale.dtype not in (torch.float8_e8m0fnu, torch.float32):
-        return f"w_scale must be float8_e8m0fnu or float32, got {w_scale.dtype}"
     return None
 
 
@@ -624,22 +615,18 @@ def fp8_gemm(
     *,
     batch_invariant: bool = False,
     config: TileConfig | None = None,
-    supported: bool = False,
 ) -> torch.Tensor:
     """x_fp8 [M, K] e4m3 with x_scale [M, K/32] fp32 powers of two, w [N, K] e4m3 with w_scale
     [ceil(N/32), K/32] e8m0 (or fp32) -> [M, N] out_dtype, fp32 accumulation.
 
     Every configuration is batch-invariant (the tiles do not depend on M); `batch_invariant`
     picks `invariant_config` (the decode kernel's K split), unless `config` is given.
-    `supported`: `supports` passed on these arguments (the registry's call, `after_supports`),
-    and it ran this function's checks (`shape_reason`, out_dtype), so they are not repeated.
     """
-    if not supported:
-        why = shape_reason(x_fp8, x_scale, w, w_scale)
-        if why is not None:
-            raise ValueError(f"tilelang fp8_gemm: {why}")
-        if out_dtype not in OUT_DTYPES:
-            raise ValueError(f"out_dtype must be one of {list(OUT_DTYPES)}, got {out_dtype}")
+    why = shape_reason(x_fp8, x_scale, w, w_scale)
+    if why is not None:
+        raise ValueError(f"tilelang fp8_gemm: {why}")
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"out_dtype must be one of {list(OUT_DTYPES)}, got {out_dtype}")
     m, k = x_fp8.shape
     n = w.shape[0]
     cfg = config or (invariant_config(n, k) if batch_invariant else DEFAULT_CONFIG)
@@ -660,36 +647,14 @@ def fp8_linear(
     *,
     batch_invariant: bool = False,
     config: TileConfig | None = None,
-    supported: bool = False,
 ) -> torch.Tensor:
     """x [..., K] float -> [..., N] x.dtype: per-32 FP8 activation quantisation (the Triton
     quantiser, as the triton tier's decode path uses, so both tiers see the same FP8 operands
     whatever the registry's overrides), then `fp8_gemm` on w [N, K] e4m3 / w_scale
-    [ceil(N/32), K/32]. `supported`: `supports_linear` passed on these arguments (the
-    registry's call, `after_supports`): it checked x's dtype, K and w, and the quantiser makes
-    x_fp8 and x_scale as `shape_reason` wants them, so of `fp8_gemm`'s checks only w_scale's
-    dtype is left (with `fp8_gemm`'s message)."""
+    [ceil(N/32), K/32]."""
     from ..triton.quant import act_quant_fp8
 
     x2 = x.reshape(-1, x.shape[-1])
     xq, xs = act_quant_fp8(x2)
-    if supported:
-        why = _w_scale_reason(w_scale)
-        if why is not None:
-            raise ValueError(f"tilelang fp8_gemm: {why}")
-    y = fp8_gemm(
-        xq,
-        xs,
-        w,
-        w_scale,
-        x.dtype,
-        batch_invariant=batch_invariant,
-        config=config,
-        supported=supported,
-    )
+    y = fp8_gemm(xq, xs, w, w_scale, x.dtype, batch_invariant=batch_invariant, config=config)
     return y.reshape(*x.shape[:-1], w.shape[0])
-
-
-# the registry's call once `supports` / `supports_linear` passed (`Implementation.supports`)
-fp8_gemm.after_supports = functools.partial(fp8_gemm, supported=True)  # type: ignore[attr-defined]
-fp8_linear.after_supports = functools.partial(fp8_linear, supported=True)  # type: ignore[attr-defined]
