@@ -534,13 +534,7 @@ def main() -> None:
     ap.add_argument("--decode-t", nargs="*", type=int, default=[1, 16, 64, 256])
     ap.add_argument("--prefill-row", action="store_true", help="PREFILL at T=8192, eager")
     ap.add_argument("--profile-once", action="store_true", help="calls for ncu (see profile_once)")
-    ap.add_argument(
-        "--tilelang-w1", nargs="*", type=int, help="T for the TileLang MoE decode GEMM (W1) rows"
-    )
     args = ap.parse_args()
-    if args.tilelang_w1 is not None:
-        tilelang_w1_rows(tuple(args.tilelang_w1) or (1, 16))
-        return
     if args.compile_one:
         _compile_config(prefill_variants()[args.compile_one], tokens=64)
         return
@@ -645,120 +639,6 @@ def prefill_head_rows() -> list[dict]:
     if len(outs) == 2:
         print(f"prefill head vs now bitwise equal: {torch.equal(outs['head'], outs['now'])}")
     return rows
-
-
-# ---------------------------------------------------------------------------------------------
-# TileLang grouped decode GEMM (fifth session, helper "moe-tl"): W1 alone, not routed anywhere
-# ---------------------------------------------------------------------------------------------
-
-
-def tilelang_w1_rows(ts=(1, 16)) -> None:
-    """`tilelang/moe_decode.py` on one layer's W1 (E=384 experts of I=2304 rows x D=5120, FP4)
-    at each T, in the engine's harness (`chain_graph_ms`: one CUDA graph of 8 calls on 8 routings,
-    us per call). The activations are quantised and the routings built outside the graph, so a
-    call is the row gather, the kernel and the split sum (`sorted`: the kernel and the sum on rows
-    already in routing order, as the W2 input would be). Variants: schedules (`st` ring stages,
-    `b` CTAs per SM asked) and split 1. Each T first checks the default on the first routing
-    against the reference math (dequantised experts, fp32 matmul; `check`), the variants against
-    the default (`same` = bitwise). `%bw`: the distinct routed experts' W1 bytes (packed FP4 +
-    UE8M0 scales) over the time, against the copy ceiling measured in the same run. The table
-    prints last, also after a `timeout` (SIGTERM)."""
-    import signal
-    import sys
-
-    from bench_common import chain_graph_ms, measure_copy_gbs
-    from deepinfer_kernels import quant
-    from deepinfer_kernels.tilelang import moe_decode as md
-    from deepinfer_kernels.triton import moe as tmoe
-
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit("bench_moe: SIGTERM"))
-    cfg = md.MoeDecodeConfig
-    variants = {
-        "default": cfg(),
-        "sorted": cfg(),
-        "st3 b4": cfg(num_stages=3, min_blocks=4),
-        "st4 b3": cfg(num_stages=4, min_blocks=3),
-        "split1 st4 b3": cfg(split_k=1, num_stages=4, min_blocks=3),
-        # written after the first call (not yet timed): split 1 at the default schedule, and
-        # one wgmma wait per K tile
-        "split1": cfg(split_k=1),
-        "one_wait b3": cfg(one_wait=True, min_blocks=3),
-        # written after the session's last call (not yet timed): 8-row tiles (a routing built
-        # with block_m=8; local SASS: 260 instructions per K tile against 299), with one wait
-        "rows8": cfg(tile_rows=8),
-        "rows8 one_wait": cfg(tile_rows=8, one_wait=True),
-    }
-    g = torch.Generator(device="cuda").manual_seed(0)
-    (w1, s1, *_), _ = moe_layer_weights(g)
-    per_expert = MOE_I * MOE_D // 2 + MOE_I * MOE_D // 32
-    rows = []
-    copy_gbs = float("nan")
-    try:
-        copy_gbs = measure_copy_gbs()
-        for t in ts:
-            sets = []
-            for x, tw, ids in moe_routed_inputs(t, 8, g):
-                xq, xs = quant.act_quant_fp8(x)
-                routes = {r: tmoe.build_routing(tw, ids, MOE_E, r) for r in (8, md.TILE_ROWS)}
-                sets.append((xq, xs, routes, ids))
-            active = sum(int(torch.unique(st[3]).numel()) for st in sets) / len(sets)
-            xq, xs, routes, ids = sets[0]
-            route = routes[md.TILE_ROWS]
-            flat = ids.reshape(-1)
-            experts = flat[torch.argsort(flat, stable=True)]
-            xd = quant.act_dequant_fp8(xq, xs, torch.float32)
-            want = torch.empty(flat.numel(), MOE_I, dtype=torch.float64, device="cuda")
-            for ex in torch.unique(experts).tolist():
-                r = (experts == ex).nonzero().squeeze(1)
-                wd = quant.dequantize_fp4(w1[ex], s1[ex], torch.float32)
-                want[r] = (xd[route.sorted_token[r].long()] @ wd.t()).double()
-            base = None
-            for name, c in variants.items():
-                # each variant takes the routing cut into its own tile rows (same sorted order)
-                runs = [(st[0], st[1], st[2][c.tile_rows]) for st in sets]
-                if name == "sorted":
-                    tok = [run[2].sorted_token.long() for run in runs]
-                    args = [
-                        (run[0].view(torch.uint8)[tk].view(torch.float8_e4m3fn), run[1][tk], run[2])
-                        for run, tk in zip(runs, tok, strict=True)
-                    ]
-
-                    def fn(xr, sxr, route, c=c):
-                        return md.grouped_gemm_sorted(
-                            xr, sxr, route.tiles, w1, s1, torch.bfloat16, c
-                        )
-
-                else:
-                    args = runs
-
-                    def fn(xq, xs, route, c=c):
-                        return md.moe_decode_gemm(xq, xs, route, w1, s1, torch.bfloat16, c)
-
-                try:
-                    got = fn(*args[0]).double()
-                    if base is None:
-                        base = got
-                        rel = ((got - want).norm() / want.norm()).item()
-                        check = f"rel {rel:.1e}" + (" BAD" if rel > 1e-2 else "")
-                    else:
-                        diff = ((got - base).norm() / base.norm()).item()
-                        check = "same" if torch.equal(got, base) else f"{diff:.1e} vs default"
-                    us = chain_graph_ms(fn, args) * 1e3
-                except Exception as exc:  # reported; the other rows still run
-                    print(f"tilelang W1 {name} T={t} failed: {type(exc).__name__}: {exc}"[:400])
-                    continue
-                rows.append(dict(name=name, t=t, us=us, bytes=active * per_expert, check=check))
-                print(f"tilelang W1 {name} T={t}: {us:.1f} us, {check}", flush=True)
-    finally:
-        shape = f"I={MOE_I} x D={MOE_D}, {MOE_E} experts, top-{MOE_K}"
-        print(f"\nTileLang MoE decode GEMM, W1 only ({shape}), bf16 out; split (default)")
-        print(f"{md.moe_decode_split(MOE_I, MOE_D)}; chained graph, 8 routings; copy ceiling")
-        print(f"{copy_gbs:.0f} GB/s")
-        print(f"{'variant':<16}{'T':>5}{'us':>9}{'MB':>9}{'%bw':>7}  check")
-        for r in rows:
-            pct = 100 * r["bytes"] / (r["us"] * 1e-6) / 1e9 / copy_gbs
-            cells = f"{r['name']:<16}{r['t']:>5}{r['us']:>9.1f}{r['bytes'] / 1e6:>9.1f}"
-            print(f"{cells}{pct:>7.1f}  {r['check']}")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ if [ $# -gt 0 ]; then
   files=("$@")
 else
   k=packages/deepinfer-kernels/tests
-  files=("$k"/test_gpu*.py "$k"/test_decode_gemm_gpu.py "$k"/test_moe_decode_tilelang.py
+  files=("$k"/test_gpu*.py "$k"/test_decode_gemm_gpu.py
          "$k"/test_cuda_moe.py
          packages/deepinfer-model/tests/test_cuda_graph.py
          packages/deepinfer-sampling/tests/test_topk_triton.py

@@ -22,7 +22,7 @@ SM90A = {"kind": "cuda", "arch": "sm_90a"}
 @contextlib.contextmanager
 def row_swizzle_lowering(on: bool) -> Iterator[None]:
     """While a kernel is lowered with 128-B rows (`fp8_gemm.TileConfig.row_swizzle`,
-    `decode_gemm.DecodeTileConfig.row_swizzle`, `moe_decode`), TileLang's wgmma layout
+    `decode_gemm.DecodeTileConfig.row_swizzle`), TileLang's wgmma layout
     inference gives shared operands whose rows are 128 B the 128-B swizzle over the whole row
     (it would infer a 32-B swizzle from a 32-wide k-slice). Restored on exit; tied to TileLang
     0.1.15's `GemmWGMMA.infer_layout`, so any other version is refused with the reason."""
