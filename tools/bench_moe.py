@@ -394,6 +394,13 @@ def cuda_decode_candidates() -> dict:
         "cuda d2": c(depth=2, min_blocks1=2, min_blocks2=4),  # two K steps of loads in flight
         "cuda d2 s2=4": c(depth=2, min_blocks1=2, split2=4, min_blocks2=2),
         "cuda s2=4": c(split2=4, min_blocks2=3),
+        # batch-invariant mode's wgmma kernels (rows bitwise those of Triton's PREFILL)
+        "cuda inv": cmd.WGMMA_DEFAULT,
+        "cuda inv d2": cmd.MoeDecodeWgmmaConfig(depth1=2, depth2=2),
+        "cuda inv d6": cmd.MoeDecodeWgmmaConfig(depth1=6, depth2=6),
+        "cuda inv d8": cmd.MoeDecodeWgmmaConfig(depth1=8, depth2=8),
+        "cuda inv d4 mb2": cmd.MoeDecodeWgmmaConfig(min_blocks1=2, min_blocks2=2),
+        "cuda inv t16": cmd.MoeDecodeWgmmaConfig(tile_tokens=16),
         # measured before (NOTES.md): split1=2 / 5 / 8, 16-token tiles, min_blocks 2 / 4, W2 with
         # 2 row tiles x 4 warps
     }
@@ -476,9 +483,14 @@ def decode_candidate_rows(ts, names, split_ts=(1, 64), split_names=("m3",)) -> l
                     x, tw, ids, *experts, MOE_LIMIT, config=cfg
                 )
         want = fns["auto"](*sets[0]).double()
+        want_inv = fns["inv"](*sets[0]).double()
         for name, fn in fns.items():
             try:
                 got = fn(*sets[0]).double()
+                # batch-invariant candidates must equal Triton's invariant rows bit for bit
+                inv = isinstance(cuda_cands.get(name), cmd.MoeDecodeWgmmaConfig)
+                if inv and not torch.equal(got, want_inv):
+                    name += " NOT INVARIANT"
                 diff = ((got - want).norm() / want.norm()).item()
                 check = "same" if torch.equal(got, want) else f"{diff:.1e}"
                 # the cuda tier sums K in another order: bf16 roundings may differ (ref-level)

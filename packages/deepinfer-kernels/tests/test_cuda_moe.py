@@ -1,10 +1,12 @@
-"""The mma.sync FP4 MoE decode experts (`cuda/moe_decode.py`, `cuda/moe_decode.cu`).
+"""The cuda tier's FP4 MoE decode experts (`cuda/moe_decode.py`): the mma.sync kernels
+(`moe_decode.cu`) and batch-invariant mode's wgmma kernels (`moe_decode_wgmma.cu`).
 
-CPU: the config's checks, the `supports` reasons, and (where NVRTC loads) the kernels compiled for
-sm_90a at V4.1's and small dims: no local memory, and with triton's cuobjdump the K loop's
+CPU: the configs' checks, the `supports` reasons, and (where NVRTC loads) the kernels compiled for
+sm_90a at V4.1's and small dims: no local memory, and with triton's cuobjdump the mma.sync K loop's
 instruction count per weight word. GPU (Hopper): against the ref tier (with skipped slots, experts
 with more tokens than a tile, odd T, real dims), every output written, rows bitwise independent of
-the rest of the batch, CUDA-graph replay on new routing, and the registry's choice."""
+the rest of the batch, the wgmma rows bitwise those of the Triton tier's prefill tiles, CUDA-graph
+replay on new routing, and the registry's choice."""
 
 from __future__ import annotations
 
@@ -54,6 +56,20 @@ def test_config_rejects_bad_values_naming_the_field(field, value):
             md.MoeDecodeCudaConfig(**{field: value})
 
 
+@settings(max_examples=30, deadline=None)
+@given(
+    field=st.sampled_from(["tile_tokens", "depth1", "depth2", "min_blocks1", "min_blocks2"]),
+    value=st.integers(-3, 20),
+)
+def test_wgmma_config_rejects_bad_values_naming_the_field(field, value):
+    allowed = {"tile_tokens": {8, 16}, "min_blocks1": {1, 2, 3, 4}, "min_blocks2": {1, 2, 3, 4}}
+    if value in allowed.get(field, set(range(1, 9))):
+        assert getattr(md.MoeDecodeWgmmaConfig(**{field: value}), field) == value
+    else:
+        with pytest.raises(ValueError, match=f"MoeDecodeWgmmaConfig.{field} must be"):
+            md.MoeDecodeWgmmaConfig(**{field: value})
+
+
 def test_shape_reasons():
     assert md.shape_reason(*V41) is None
     assert "multiples of 32" in md.shape_reason(5120, 2300)
@@ -73,7 +89,11 @@ def _cpu_call(t=4, d=64, i=64, e=8, k=2, dtype=torch.bfloat16):
 
 def test_supports_reasons():
     args = _cpu_call()
-    assert "batch-invariant" in moe_experts_cuda_supports(*args, batch_invariant=True)
+    # batch-invariant mode runs the wgmma kernels: dims must be multiples of 128
+    assert "multiples of 128" in moe_experts_cuda_supports(*args, batch_invariant=True)
+    assert moe_experts_cuda_supports(*_cpu_call(d=128, i=128), batch_invariant=True) == (
+        "input on cpu"
+    )
     assert "bfloat16" in moe_experts_cuda_supports(*_cpu_call(dtype=torch.float32))
     assert "prefill-sized" in moe_experts_cuda_supports(*_cpu_call(t=40, e=8, k=2))
     assert moe_experts_cuda_supports(*args) == "input on cpu"
@@ -107,6 +127,26 @@ def test_missing_nvrtc_is_a_reason_not_a_crash(monkeypatch):
 
 
 # -- compiled kernels (CPU) --------------------------------------------------------------------
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("kind", ["w13", "w2"])
+def test_wgmma_kernels_compile_without_local_memory(kind, tmp_path):
+    """The batch-invariant kernels compile for sm_90a (NVRTC on CPU) at V4.1's dims; with
+    cuobjdump: no spills, and the mma is wgmma (HGMMA) with A from registers."""
+    cub = md.cubin(kind, *V41, md.WGMMA_DEFAULT)
+    tools = cuda_tools()
+    if tools is None:
+        pytest.skip("no cuobjdump here (it ships with triton)")
+    path = tmp_path / "k.cubin"
+    path.write_bytes(cub)
+    sass = subprocess.run(
+        [tools[1], "-sass", str(path)], capture_output=True, text=True, check=True
+    ).stdout
+    assert not re.search(r"\b(LDL|STL)\b", sass), "the kernel spills to local memory"
+    gmma = re.findall(r"HGMMA\.64x8x16\.F32\.BF16 R\d+, R\d+, gdesc", sass)
+    assert gmma, "no register-A wgmma in the kernel"
+    assert "HMMA" not in sass.replace("HGMMA", "")
 
 
 @needs_nvrtc
@@ -163,6 +203,9 @@ def _inputs(*args, **kw):
         (9, 512, 256, 16, 6, md.MoeDecodeCudaConfig(depth=2, min_blocks1=2, split2=3)),
         (1, *V41, 384, 6, md.DEFAULT),
         (16, *V41, 384, 6, md.DEFAULT),
+        (1, 256, 128, 16, 4, md.WGMMA_DEFAULT),
+        (37, 256, 128, 32, 6, md.MoeDecodeWgmmaConfig(tile_tokens=16, depth1=2, depth2=7)),
+        (16, *V41, 384, 6, md.WGMMA_DEFAULT),
     ],
 )
 def test_close_to_ref(t, d, i, e, k, cfg):
@@ -188,6 +231,27 @@ def test_rows_do_not_depend_on_the_batch():
 
 
 @needs_hopper
+@pytest.mark.parametrize(("t", "d", "i", "e", "k"), [(37, 512, 256, 32, 6), (16, *V41, 384, 6)])
+def test_wgmma_rows_are_the_triton_prefill_tiles_bits(t, d, i, e, k):
+    """Batch-invariant mode: every routed row bitwise equals the Triton tier's prefill tiles (and
+    its decode wgmma tiles), whatever the tile size or load depth, alone or in a batch."""
+    from deepinfer_kernels.triton import moe as tmoe
+
+    x, tw, ids, *ws = _inputs(t, d, i, e, k, seed=3 + t)
+    got = md.moe_experts(x, tw, ids, *ws, 10.0, batch_invariant=True)
+    prefill = tmoe.moe_experts(x, tw, ids, *ws, 10.0, config=tmoe.PREFILL)
+    assert torch.equal(got, prefill)
+    assert torch.equal(got, tmoe.moe_experts(x, tw, ids, *ws, 10.0, batch_invariant=True))
+    other = md.MoeDecodeWgmmaConfig(tile_tokens=16, depth1=1, depth2=8, min_blocks1=2)
+    assert torch.equal(
+        md.moe_experts(x, tw, ids, *ws, 10.0, batch_invariant=True, config=other), got
+    )
+    for lo, hi in ((0, 1), (t - 1, t), (3, 11)):
+        alone = md.moe_experts(x[lo:hi], tw[lo:hi], ids[lo:hi], *ws, 10.0, batch_invariant=True)
+        assert torch.equal(alone, got[lo:hi])
+
+
+@needs_hopper
 def test_cuda_graph_replay_on_new_routing():
     from gpu_checks import assert_graph_replays_new_routing
 
@@ -196,7 +260,8 @@ def test_cuda_graph_replay_on_new_routing():
 
 @needs_hopper
 def test_registry_routes_decode_sizes_here():
-    """Decode-sized bf16 calls run this tier; batch-invariant mode runs the Triton tier."""
+    """Decode-sized bf16 calls run this tier in both modes (batch-invariant: the wgmma kernels,
+    bitwise the Triton tier's invariant rows); prefill-sized ones run the Triton tier."""
     from deepinfer_kernels import REGISTRY, ops
     from deepinfer_kernels.triton import moe as tmoe
 
@@ -206,7 +271,9 @@ def test_registry_routes_decode_sizes_here():
         ops.moe_experts(x, tw, ids, *ws, 10.0), md.moe_experts(x, tw, ids, *ws, 10.0)
     )
     inv = REGISTRY.resolve("moe_experts", x, tw, ids, *ws, 10.0, batch_invariant=True)
-    assert inv.tier == "triton"
+    assert inv.tier == "cuda"
     with REGISTRY.batch_invariant_mode():
         got = ops.moe_experts(x, tw, ids, *ws, 10.0)
     assert torch.equal(got, tmoe.moe_experts(x, tw, ids, *ws, 10.0, batch_invariant=True))
+    xp, twp, idsp, *_ = _inputs(40, 256, 128, 8, 2, seed=32)
+    assert REGISTRY.resolve("moe_experts", xp, twp, idsp, *ws, 10.0).tier == "triton"

@@ -1,5 +1,6 @@
 // What the hand-written decode kernels share: integer types, the global loads they use, bf16
-// rounding, the warp-order sum of a CTA's K split and the register-ring K loop.
+// rounding, the exact FP4 expansion, the SwiGLU and FP8 steps of the MoE epilogue, a CTA's
+// routing tile, the warp-order sum of a CTA's K split and the register-ring K loop.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -32,6 +33,96 @@ static __device__ __forceinline__ u16 bf16_bits(float v) {
 
 static __device__ __forceinline__ float bf16_round(float v) {
   return __uint_as_float(((u32)bf16_bits(v)) << 16);
+}
+
+// 8 e2m1 nibbles (value k in bits 4k..4k+3) -> 4 bf16 pairs (values 2m, 2m+1 in pair m), each
+// e2m1 * 2**(u - 127) exactly: the nibble's magnitude bits go to bf16 bits 8..6 and its sign to
+// bit 15 (the e2m1 value times 2**-126, subnormal for magnitude 1), then one bf16x2 multiply by
+// 2**(u - 1) (`sp`, both lanes). The values of triton/moe.py's FP4 mode 3, bit for bit.
+template <int M>
+static __device__ __forceinline__ u32 expand_pair(u32 even, u32 odd, u32 sp) {
+  u32 u, o;
+  // bytes M of `even` and `odd` into the low bytes of two 16-bit lanes; the sign-replicate
+  // selectors (msb of a masked byte: 0) zero the high bytes
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(u) : "r"(even), "r"(odd), "n"(0xC480 + 0x1111 * M));
+  const u32 t = (u * 0x1040u) & 0x81C081C0u;
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(o) : "r"(t), "r"(sp));
+  return o;
+}
+
+// 2**(u - 1) in both lanes of a bf16x2, for UE8M0 byte u: `expand8`'s scale operand.
+static __device__ __forceinline__ u32 scale_pair(u32 u) { return ((u + 126u) << 7) * 0x10001u; }
+
+static __device__ __forceinline__ void expand8(u32 w, u32 sp, u32 (&o)[4]) {
+  const u32 even = w & 0x0F0F0F0Fu;
+  const u32 odd = (w >> 4) & 0x0F0F0F0Fu;
+  o[0] = expand_pair<0>(even, odd, sp);
+  o[1] = expand_pair<1>(even, odd, sp);
+  o[2] = expand_pair<2>(even, odd, sp);
+  o[3] = expand_pair<3>(even, odd, sp);
+}
+
+// bf16(rw * silu(gate) * up) from the fp32 sums, each of gate and up rounded to bf16 first and
+// clamped to V4.1's limit (limit <= 0: none): triton/moe.py's epilogue, instruction for instruction.
+static __device__ __forceinline__ float swiglu_weighted(float gate_acc, float up_acc, float rw,
+                                                        float limit) {
+  float gt = bf16_round(gate_acc);
+  float up = bf16_round(up_acc);
+  if (limit > 0.f) {
+    up = fminf(fmaxf(up, -limit), limit);
+    gt = fminf(gt, limit);
+  }
+  // Triton's tl.exp (ex2.approx of x * log2(e)) and its fp32 division (div.full)
+  float e;
+  asm("ex2.approx.f32 %0, %1;" : "=f"(e) : "f"(-gt * 1.4426950408889634f));
+  float silu;
+  asm("div.full.f32 %0, %1, %2;" : "=f"(silu) : "f"(gt), "f"(1.f + e));
+  return bf16_round(rw * (silu * up));
+}
+
+// A 32-value group's FP8 scale: the power of two 2**ceil(log2(amax / 448)), and its inverse.
+struct Fp8Scale {
+  float scale, inv;
+};
+
+static __device__ __forceinline__ Fp8Scale fp8_scale(float amax) {
+  const u32 bits = __float_as_uint(amax * (1.f / 448.f));  // the exponent, rounded up, from bits
+  const u32 expo = ((bits >> 23) & 0xFFu) + ((bits & 0x7FFFFFu) != 0u);
+  return {__uint_as_float(expo << 23), __uint_as_float((254u - expo) << 23)};
+}
+
+// v quantised to e4m3 with the group's scale and expanded back, as bf16 bits.
+static __device__ __forceinline__ u16 fp8_round_trip(float v, Fp8Scale sc) {
+  const float qv = fminf(fmaxf(v * sc.inv, -448.f), 448.f);
+  u16 q8;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(q8) : "f"(0.f), "f"(qv));
+  u32 f16x2;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(f16x2) : "h"(q8));
+  float qf;
+  asm("{.reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.f32.f16 %0, lo;}" : "=f"(qf) : "r"(f16x2));
+  return bf16_bits(qf * sc.scale);
+}
+
+// A CTA's routing tile, row blockIdx.y of `tiles` [tiles, 3] (expert or -1, first routed row,
+// end; count: its rows, at most max_rows), and the thread's lane roles (g = lane / 4: A row and
+// token column of the mma fragments; t = lane % 4).
+struct TilePlace {
+  int expert, first, count;
+  int lane, warp, g, t;
+};
+
+static __device__ __forceinline__ TilePlace tile_place(const int* tiles, int max_rows) {
+  TilePlace p;
+  const int tile = blockIdx.y;
+  p.expert = tiles[3 * tile];
+  p.first = tiles[3 * tile + 1];
+  const int left = tiles[3 * tile + 2] - p.first;
+  p.count = left < max_rows ? left : max_rows;
+  p.lane = threadIdx.x & 31;
+  p.warp = threadIdx.x >> 5;
+  p.g = p.lane >> 2;
+  p.t = p.lane & 3;
+  return p;
 }
 
 // Sum the W warps' partials acc[A][Q][4] (one lane's fragment each) in warp order into warp 0's.

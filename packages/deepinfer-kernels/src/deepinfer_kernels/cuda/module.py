@@ -107,6 +107,9 @@ def compile_cubin(
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
+_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8  # CUfunction_attribute
+
+
 @functools.cache
 def _driver() -> ctypes.CDLL:
     return ctypes.CDLL("libcuda.so.1")
@@ -168,8 +171,9 @@ def compile_file(path: Path, arch: str, defines: dict[str, int]) -> bytes:
     return compile_cubin(path.read_text(), path.name, arch, defines, headers)
 
 
-def load_kernel(cubin: bytes, name: str, device: torch.device) -> Kernel:
-    """The kernel `name` of `cubin`, loaded into `device`'s primary context (the one torch uses)."""
+def load_kernel(cubin: bytes, name: str, device: torch.device, shared_bytes: int = 0) -> Kernel:
+    """The kernel `name` of `cubin`, loaded into `device`'s primary context (the one torch uses),
+    allowed `shared_bytes` of dynamic shared memory (above 48 KiB needs the opt-in)."""
     drv = _driver()
     torch.cuda.init()
     with torch.cuda.device(device):
@@ -187,4 +191,9 @@ def load_kernel(cubin: bytes, name: str, device: torch.device) -> Kernel:
             drv.cuModuleGetFunction(ctypes.byref(function), module, name.encode()),
             f"kernel {name}",
         )
+        if shared_bytes > 48 * 1024:
+            _cu_check(
+                drv.cuFuncSetAttribute(function, _MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_bytes),
+                f"{shared_bytes} bytes of shared memory for {name}",
+            )
     return Kernel(name, function, module)

@@ -22,30 +22,6 @@
 #define KG (K_DIM / 32)         // scale groups per weight row
 #define ROWS_PER_CTA (16 * RT)  // weight rows of each matrix per CTA
 
-// 8 e2m1 nibbles (value k in bits 4k..4k+3) -> 4 bf16 pairs (values 2m, 2m+1 in pair m), each
-// e2m1 * 2**(u - 127) exactly: the nibble's magnitude bits go to bf16 bits 8..6 and its sign to
-// bit 15 (the e2m1 value times 2**-126, subnormal for magnitude 1), then one bf16x2 multiply by
-// 2**(u - 1) (`sp`, both lanes). The values of triton/moe.py's FP4 mode 3, bit for bit.
-template <int M>
-static __device__ __forceinline__ u32 expand_pair(u32 even, u32 odd, u32 sp) {
-  u32 u, o;
-  // bytes M of `even` and `odd` into the low bytes of two 16-bit lanes; the sign-replicate
-  // selectors (msb of a masked byte: 0) zero the high bytes
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(u) : "r"(even), "r"(odd), "n"(0xC480 + 0x1111 * M));
-  const u32 t = (u * 0x1040u) & 0x81C081C0u;
-  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(o) : "r"(t), "r"(sp));
-  return o;
-}
-
-static __device__ __forceinline__ void expand8(u32 w, u32 sp, u32 (&o)[4]) {
-  const u32 even = w & 0x0F0F0F0Fu;
-  const u32 odd = (w >> 4) & 0x0F0F0F0Fu;
-  o[0] = expand_pair<0>(even, odd, sp);
-  o[1] = expand_pair<1>(even, odd, sp);
-  o[2] = expand_pair<2>(even, odd, sp);
-  o[3] = expand_pair<3>(even, odd, sp);
-}
-
 static __device__ __forceinline__ void mma16816(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3,
                                                 u32 b0, u32 b1) {
   asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
@@ -65,8 +41,8 @@ struct Step {
 static __device__ __forceinline__ void compute_step(const Step& st, float (&acc)[NA][TOKG][4]) {
 #pragma unroll
   for (int a = 0; a < NA; ++a) {
-    const u32 sp0 = ((st.s[a][0] + 126u) << 7) * 0x10001u;
-    const u32 sp1 = ((st.s[a][1] + 126u) << 7) * 0x10001u;
+    const u32 sp0 = scale_pair(st.s[a][0]);
+    const u32 sp1 = scale_pair(st.s[a][1]);
 #pragma unroll
     for (int wd = 0; wd < 4; ++wd) {  // word wd: pairs 4wd..4wd+3, mmas 2wd and 2wd+1
       u32 lo[4], hi[4];
@@ -140,12 +116,9 @@ struct Stream {
   __device__ __forceinline__ void compute(const Step& st) { compute_step(st, acc); }
 };
 
-// Where a CTA's warp stands: its routing tile (expert or -1, first routed row, rows: at most
-// 8 TOKG), its lane roles (g = lane / 4: weight row and token column; t = lane % 4: K group),
-// its share of the K groups, the CTA's first weight row and the thread's global weight row.
-struct Place {
-  int expert, first, count;
-  int lane, warp, g, t;
+// Where a CTA's warp stands: its routing tile and lane roles (t: the K group), its share of
+// the K groups, the CTA's first weight row and the thread's global weight row.
+struct Place : TilePlace {
   int g_begin, g_end;
   int row0;
   u64 row;
@@ -153,15 +126,7 @@ struct Place {
 
 static __device__ __forceinline__ Place place(const int* tiles) {
   Place p;
-  const int tile = blockIdx.y;
-  p.expert = tiles[3 * tile];
-  p.first = tiles[3 * tile + 1];
-  const int left = tiles[3 * tile + 2] - p.first;
-  p.count = left < 8 * TOKG ? left : 8 * TOKG;
-  p.lane = threadIdx.x & 31;
-  p.warp = threadIdx.x >> 5;
-  p.g = p.lane >> 2;
-  p.t = p.lane & 3;
+  static_cast<TilePlace&>(p) = tile_place(tiles, 8 * TOKG);
   p.g_begin = p.warp * KG / SPLIT;
   p.g_end = (p.warp + 1) * KG / SPLIT;
   p.row0 = blockIdx.x * ROWS_PER_CTA;
@@ -235,43 +200,19 @@ moe_w13(const u8* __restrict__ xa,  // [T, K_DIM] bf16: FP8 activations expanded
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           const int r = 2 * grp + (j >> 1), c = 2 * (j & 1) + c1;
-          float gt = bf16_round(acc[r][q][c]);
-          float up = bf16_round(acc[RT + r][q][c]);
-          if (limit > 0.f) {
-            up = fminf(fmaxf(up, -limit), limit);
-            gt = fminf(gt, limit);
-          }
-          // Triton's tl.exp (ex2.approx of x * log2(e)) and its fp32 division (div.full)
-          float e;
-          asm("ex2.approx.f32 %0, %1;" : "=f"(e) : "f"(-gt * 1.4426950408889634f));
-          float silu;
-          asm("div.full.f32 %0, %1, %2;" : "=f"(silu) : "f"(gt), "f"(1.f + e));
-          v[j] = bf16_round(rw * (silu * up));
+          v[j] = swiglu_weighted(acc[r][q][c], acc[RT + r][q][c], rw, limit);
           amax = fmaxf(amax, fabsf(v[j]));
         }
         // the group's other rows sit in the lanes with the same t
         amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 4));
         amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 8));
         amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 16));
-        amax = fmaxf(amax, amax_floor);
-        // power-of-two scale 2**ceil(log2(amax / 448)) from the float's bits, and 1 / scale
-        const u32 bits = __float_as_uint(amax * (1.f / 448.f));
-        const u32 expo = ((bits >> 23) & 0xFFu) + ((bits & 0x7FFFFFu) != 0u);
-        const float scale = __uint_as_float(expo << 23);
-        const float inv = __uint_as_float((254u - expo) << 23);
+        const Fp8Scale sc = fp8_scale(fmaxf(amax, amax_floor));
         if (n < p.count) {
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
-            const float qv = fminf(fmaxf(v[j] * inv, -448.f), 448.f);
-            u16 q8;
-            asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(q8) : "f"(0.f), "f"(qv));
-            u32 f16x2;
-            asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(f16x2) : "h"(q8));
-            float qf;
-            asm("{.reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.f32.f16 %0, lo;}"
-                : "=f"(qf) : "r"(f16x2));
             const int row = p.row0 + 16 * (2 * grp + (j >> 1)) + g + 8 * (j & 1);
-            h[(u64)(p.first + n) * N_DIM + row] = bf16_bits(qf * scale);
+            h[(u64)(p.first + n) * N_DIM + row] = fp8_round_trip(v[j], sc);
           }
         }
       }

@@ -1,12 +1,15 @@
-"""Routed FP4 experts at decode sizes on mma.sync (`moe_decode.cu`): the `cuda` tier of
-`moe_experts`.
+"""Routed FP4 experts at decode sizes: the `cuda` tier of `moe_experts`. Two kernel pairs:
+mma.sync (`moe_decode.cu`), the fastest, and for batch-invariant mode wgmma
+(`moe_decode_wgmma.cu`), whose fp32 sums are those of the Triton tier's prefill tiles, so that a
+routed row's bits do not depend on the batch or on which path (decode or prefill) ran it.
 
 Same contract and numerics as `ref.moe.moe_experts` (and the Triton tier's): activations
 quantised per 32 to FP8 and expanded exactly to bf16, FP4 weights expanded exactly to bf16 in
 registers, fp32 sums; gate/up rounded to x.dtype, clamped SwiGLU x routing weight rounded to
 x.dtype, quantised per 32 to FP8 for W2; each routed row's W2 output rounded to x.dtype; rows
 summed per token in fp32 in routing order. Only the fp32 summation order differs from the
-reference (K split across SPLIT warps, summed in warp order).
+reference (mma.sync: K split across SPLIT warps, summed in warp order; wgmma: one chain of k16
+steps over all of K, in order).
 
 Routing (`triton.moe.build_routing`, 8- or 16-row tiles), the activation quantisation and the final
 combine are the Triton tier's kernels; the two GEMMs are CUDA C++ compiled at first use by NVRTC.
@@ -24,7 +27,17 @@ from ..quant import ACT_AMAX_FLOOR
 from . import module
 
 SOURCE = Path(__file__).with_name("moe_decode.cu")
+WGMMA_SOURCE = Path(__file__).with_name("moe_decode_wgmma.cu")
 ARCH = "sm_90a"
+
+
+def _check_fields(cfg: object, checks: tuple[tuple[str, bool, str], ...]) -> None:
+    """Raise ValueError naming the first field of cfg whose check (name, ok, allowed) fails."""
+    for name, ok, allowed in checks:
+        if not ok:
+            raise ValueError(
+                f"{type(cfg).__name__}.{name} must be {allowed}, got {getattr(cfg, name)!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -34,7 +47,8 @@ class MoeDecodeCudaConfig:
     contiguous share of K (the partials summed in warp order); min_blocks*: the CTAs per SM the
     register allocation must allow (`__launch_bounds__`); tile_tokens: routed rows per routing
     tile (8 or 16: one or two n8 mma columns per expanded weight fragment); depth: K steps whose
-    loads are in flight while one computes (1 or 2; each costs a register set)."""
+    loads are in flight while one computes (1 or 2; each costs a register set). The fp32 sums
+    depend on K, split1 and split2 only: configs with the same splits give the same bits."""
 
     rt1: int = 2
     split1: int = 4
@@ -56,20 +70,66 @@ class MoeDecodeCudaConfig:
             ("tile_tokens", self.tile_tokens in (8, 16), "8 or 16"),
             ("depth", self.depth in (1, 2), "1 or 2"),
         )
-        for name, ok, allowed in checks:
-            if not ok:
-                raise ValueError(
-                    f"MoeDecodeCudaConfig.{name} must be {allowed}, got {getattr(self, name)!r}"
-                )
+        _check_fields(self, checks)
 
 
 DEFAULT = MoeDecodeCudaConfig()
 
 
-def shape_reason(d: int, i: int, cfg: MoeDecodeCudaConfig = DEFAULT) -> str | None:
+@dataclass(frozen=True)
+class MoeDecodeWgmmaConfig:
+    """The batch-invariant kernels' knobs (none changes a sum): tile_tokens, routed rows per
+    routing tile (8 or 16: the wgmma's N); depth1 / depth2, K steps (128 values) whose loads are
+    in flight while one computes (1..8); min_blocks1 / min_blocks2, the CTAs per SM the
+    register allocation must allow (1..4)."""
+
+    tile_tokens: int = 8
+    depth1: int = 6
+    depth2: int = 6
+    min_blocks1: int = 1
+    min_blocks2: int = 1
+
+    def __post_init__(self) -> None:
+        checks = (
+            ("tile_tokens", self.tile_tokens in (8, 16), "8 or 16"),
+            ("depth1", 1 <= self.depth1 <= 8, "1..8"),
+            ("depth2", 1 <= self.depth2 <= 8, "1..8"),
+            ("min_blocks1", 1 <= self.min_blocks1 <= 4, "1..4"),
+            ("min_blocks2", 1 <= self.min_blocks2 <= 4, "1..4"),
+        )
+        _check_fields(self, checks)
+
+
+WGMMA_DEFAULT = MoeDecodeWgmmaConfig()
+WGMMA_ROWS = 64  # weight rows per CTA (one warpgroup's M)
+
+
+Config = MoeDecodeCudaConfig | MoeDecodeWgmmaConfig
+# dynamic shared memory a wgmma CTA may take for its activations (the H200's 227 KiB, less the
+# static epilogue buffer)
+WGMMA_MAX_SHARED = 227 * 1024 - 1024
+
+
+def _wgmma_shared_bytes(k: int, cfg: MoeDecodeWgmmaConfig) -> int:
+    return k * cfg.tile_tokens * 2  # the routing tile's bf16 activations
+
+
+def shape_reason(d: int, i: int, cfg: Config = DEFAULT) -> str | None:
     """Why the kernels cannot run hidden size d, expert width i, or None."""
     if d % 32 or i % 32:
         return f"D={d} and I={i} must be multiples of 32"
+    if isinstance(cfg, MoeDecodeWgmmaConfig):
+        if d % 128 or i % 128:
+            return (
+                f"D={d} and I={i} must be multiples of 128 (the wgmma tile's {WGMMA_ROWS} rows "
+                "and K steps of 128)"
+            )
+        if _wgmma_shared_bytes(max(d, i), cfg) > WGMMA_MAX_SHARED:
+            return (
+                f"a {cfg.tile_tokens}-token tile of K={max(d, i)} activations exceeds "
+                f"{WGMMA_MAX_SHARED} bytes of shared memory"
+            )
+        return None
     if i % (16 * cfg.rt1):
         return f"I={i} must be a multiple of {16 * cfg.rt1} (rt1={cfg.rt1})"
     if d % (16 * cfg.rt2):
@@ -81,7 +141,7 @@ def call_reason(
     x: torch.Tensor,
     w1: torch.Tensor,
     scales: dict[str, torch.Tensor],
-    cfg: MoeDecodeCudaConfig = DEFAULT,
+    cfg: Config = DEFAULT,
 ) -> str | None:
     """Why `moe_experts` cannot run x [T, D] with w1 [E, I, D/2] and these named scales here
     (device, dtypes, dims, NVRTC), or None."""
@@ -98,31 +158,48 @@ def call_reason(
     return module.nvrtc_reason()
 
 
-def defines(kind: str, d: int, i: int, cfg: MoeDecodeCudaConfig) -> dict[str, int]:
+def defines(kind: str, d: int, i: int, cfg: Config) -> dict[str, int]:
     """The compile-time constants of kernel `kind` ("w13" or "w2") for these dims."""
-    if kind == "w13":
+    if kind not in ("w13", "w2"):
+        raise ValueError(f"kernel kind must be 'w13' or 'w2', got {kind!r}")
+    w13 = kind == "w13"
+    shape = dict(K_DIM=d, N_DIM=i, MATS=2) if w13 else dict(K_DIM=i, N_DIM=d, MATS=1)
+    if isinstance(cfg, MoeDecodeWgmmaConfig):
         return dict(
-            K_DIM=d, N_DIM=i, MATS=2, RT=cfg.rt1, TOKG=cfg.tile_tokens // 8, SPLIT=cfg.split1,
-            MIN_BLOCKS=cfg.min_blocks1, DEPTH=cfg.depth,
+            shape, TOKG=cfg.tile_tokens // 8,
+            MIN_BLOCKS=cfg.min_blocks1 if w13 else cfg.min_blocks2,
+            DEPTH=cfg.depth1 if w13 else cfg.depth2,
         )  # fmt: skip
-    if kind == "w2":
-        return dict(
-            K_DIM=i, N_DIM=d, MATS=1, RT=cfg.rt2, TOKG=cfg.tile_tokens // 8, SPLIT=cfg.split2,
-            MIN_BLOCKS=cfg.min_blocks2, DEPTH=cfg.depth,
-        )  # fmt: skip
-    raise ValueError(f"kernel kind must be 'w13' or 'w2', got {kind!r}")
+    return dict(
+        shape, RT=cfg.rt1 if w13 else cfg.rt2, TOKG=cfg.tile_tokens // 8,
+        SPLIT=cfg.split1 if w13 else cfg.split2,
+        MIN_BLOCKS=cfg.min_blocks1 if w13 else cfg.min_blocks2, DEPTH=cfg.depth,
+    )  # fmt: skip
 
 
 @functools.cache
-def cubin(kind: str, d: int, i: int, cfg: MoeDecodeCudaConfig) -> bytes:
+def cubin(kind: str, d: int, i: int, cfg: Config) -> bytes:
     """The compiled kernel (NVRTC, once per process per shape and config; no GPU needed)."""
-    return module.compile_file(SOURCE, ARCH, defines(kind, d, i, cfg))
+    source = WGMMA_SOURCE if isinstance(cfg, MoeDecodeWgmmaConfig) else SOURCE
+    return module.compile_file(source, ARCH, defines(kind, d, i, cfg))
 
 
 @functools.cache
-def _kernel(kind: str, d: int, i: int, cfg: MoeDecodeCudaConfig, device: int) -> module.Kernel:
+def _kernel(kind: str, d: int, i: int, cfg: Config, device: int) -> module.Kernel:
     name = "moe_w13" if kind == "w13" else "moe_w2"
-    return module.load_kernel(cubin(kind, d, i, cfg), name, torch.device("cuda", device))
+    shared = 0
+    if isinstance(cfg, MoeDecodeWgmmaConfig):
+        shared = _wgmma_shared_bytes(d if kind == "w13" else i, cfg)
+    return module.load_kernel(cubin(kind, d, i, cfg), name, torch.device("cuda", device), shared)
+
+
+def _launch_shape(kind: str, d: int, i: int, cfg: Config) -> tuple[int, int, int]:
+    """(CTAs per routing tile, threads per CTA, dynamic shared bytes) of kernel `kind`."""
+    n, k = (i, d) if kind == "w13" else (d, i)
+    if isinstance(cfg, MoeDecodeWgmmaConfig):
+        return n // WGMMA_ROWS, 128, _wgmma_shared_bytes(k, cfg)
+    rt, split = (cfg.rt1, cfg.split1) if kind == "w13" else (cfg.rt2, cfg.split2)
+    return n // (16 * rt), 32 * split, 0
 
 
 def moe_experts(
@@ -138,21 +215,22 @@ def moe_experts(
     swiglu_limit: float,
     *,
     batch_invariant: bool = False,
-    config: MoeDecodeCudaConfig | None = None,
+    config: Config | None = None,
 ) -> torch.Tensor:
     """Routed FP4 experts (see the module docstring). x [T, D] bf16; topk_weights [T, k] fp32;
     topk_ids [T, k] (< 0: skipped); w1/w3 [E, I, D/2] int8 + s1/s3 [E, I, D/32] e8m0; w2
-    [E, D, I/2] + s2 [E, D, I/32] -> [T, D] bf16. Not batch-invariant across the decode/prefill
-    boundary, so `moe_experts_cuda_supports` refuses that mode."""
+    [E, D, I/2] + s2 [E, D, I/32] -> [T, D] bf16. batch_invariant: the wgmma kernels (config: a
+    MoeDecodeWgmmaConfig, default WGMMA_DEFAULT); otherwise the mma.sync ones (DEFAULT), or
+    whichever kernels `config` names."""
     from ..triton.moe import build_routing, combine
     from ..triton.quant import act_fake_quant_bf16
 
-    if batch_invariant:
-        raise NotImplementedError(
-            "cuda moe_experts: batch-invariant mode needs the Triton tier (its decode tiles "
-            "match its prefill tiles bit for bit)"
+    cfg = config or (WGMMA_DEFAULT if batch_invariant else DEFAULT)
+    if batch_invariant and not isinstance(cfg, MoeDecodeWgmmaConfig):
+        raise ValueError(
+            "cuda moe_experts: batch-invariant mode runs the wgmma kernels, so config must be a "
+            f"MoeDecodeWgmmaConfig, got {cfg!r}"
         )
-    cfg = config or DEFAULT
     t, d = x.shape
     e, i = w1.shape[0], w1.shape[1]
     why = call_reason(x, w1, {"s1": s1, "s3": s3, "s2": s2}, cfg)
@@ -168,19 +246,19 @@ def moe_experts(
     y = torch.empty(p, d, dtype=torch.bfloat16, device=x.device)
     n_tiles = route.tiles.shape[0]
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    w13 = _kernel("w13", d, i, cfg, dev)
-    w13.launch(
-        (i // (16 * cfg.rt1), n_tiles),
-        32 * cfg.split1,
+    ctas, threads, shared = _launch_shape("w13", d, i, cfg)
+    _kernel("w13", d, i, cfg, dev).launch(
+        (ctas, n_tiles),
+        threads,
         (
             xa, w1.contiguous(), s1.contiguous(), w3.contiguous(), s3.contiguous(),
             route.sorted_token, route.sorted_weight, route.tiles, h,
             float(swiglu_limit), float(ACT_AMAX_FLOOR),
         ),
+        shared,
     )  # fmt: skip
+    ctas, threads, shared = _launch_shape("w2", d, i, cfg)
     _kernel("w2", d, i, cfg, dev).launch(
-        (d // (16 * cfg.rt2), n_tiles),
-        32 * cfg.split2,
-        (h, w2.contiguous(), s2.contiguous(), route.tiles, y),
+        (ctas, n_tiles), threads, (h, w2.contiguous(), s2.contiguous(), route.tiles, y), shared
     )
     return combine(y, route, out)

@@ -50,7 +50,10 @@ REGISTRY.register(
         min_capability=(9, 0),
         requires=("triton",),  # its routing, activation quantisation and combine kernels
         supports="deepinfer_kernels.ops.moe:moe_experts_cuda_supports",
-        routing="decode-sized routing only (pairs <= 8 x experts), bf16, not batch-invariant",
+        routing=(
+            "decode-sized routing only (pairs <= 8 x experts), bf16: mma.sync kernels, or in "
+            "batch-invariant mode wgmma kernels with the Triton prefill tiles' bits"
+        ),
     )
 )
 
@@ -78,15 +81,15 @@ def moe_experts_cuda_supports(
     s1: torch.Tensor, w3: torch.Tensor, s3: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
     *args: object, batch_invariant: bool = False, **kw: object,
 ) -> str | None:  # fmt: skip
-    """Why the mma.sync decode experts (`cuda/moe_decode.py`) cannot run these arguments, or None:
-    they take decode-sized routing in bf16 outside batch-invariant mode, with UE8M0 scales."""
-    from ..cuda.moe_decode import call_reason
+    """Why the cuda decode experts (`cuda/moe_decode.py`) cannot run these arguments, or None:
+    they take decode-sized routing in bf16 with UE8M0 scales (batch-invariant mode: the wgmma
+    kernels, whose dims must be multiples of 128)."""
+    from ..cuda.moe_decode import DEFAULT, WGMMA_DEFAULT, call_reason
 
-    if batch_invariant:
-        return "batch-invariant mode (the Triton tier's decode tiles match its prefill tiles)"
     if topk_ids.numel() > 8 * w1.shape[0]:
         return "prefill-sized routing (pairs > 8 x experts)"
-    return call_reason(x, w1, {"s1": s1, "s3": s3, "s2": s2})
+    cfg = WGMMA_DEFAULT if batch_invariant else DEFAULT
+    return call_reason(x, w1, {"s1": s1, "s3": s3, "s2": s2}, cfg)
 
 
 def moe_gate(
