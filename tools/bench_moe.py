@@ -384,8 +384,10 @@ def decode_candidates() -> dict:
 
 
 def cuda_decode_candidates() -> dict:
-    """name -> MoeDecodeCudaConfig: the mma.sync decode experts (`cuda/moe_decode.py`), the
-    default and its work splits."""
+    """name -> config of the cuda decode experts (`cuda/moe_decode.py`): the mma.sync kernels'
+    default and work splits, and batch-invariant mode's wgmma kernels' default and variants."""
+    from dataclasses import replace
+
     from deepinfer_kernels.cuda import moe_decode as cmd
 
     c = cmd.MoeDecodeCudaConfig
@@ -396,11 +398,10 @@ def cuda_decode_candidates() -> dict:
         "cuda s2=4": c(split2=4, min_blocks2=3),
         # batch-invariant mode's wgmma kernels (rows bitwise those of Triton's PREFILL)
         "cuda inv": cmd.WGMMA_DEFAULT,
-        "cuda inv d2": cmd.MoeDecodeWgmmaConfig(depth1=2, depth2=2),
-        "cuda inv d6": cmd.MoeDecodeWgmmaConfig(depth1=6, depth2=6),
-        "cuda inv d8": cmd.MoeDecodeWgmmaConfig(depth1=8, depth2=8),
-        "cuda inv d4 mb2": cmd.MoeDecodeWgmmaConfig(min_blocks1=2, min_blocks2=2),
-        "cuda inv t16": cmd.MoeDecodeWgmmaConfig(tile_tokens=16),
+        "cuda inv 1wg d6": replace(cmd.WGMMA_DEFAULT, warpgroups1=1, depth1=6, min_blocks1=1),
+        "cuda inv w2 d4 mb5": replace(cmd.WGMMA_DEFAULT, depth2=4, min_blocks2=5),
+        "cuda inv w2 d3 mb5": replace(cmd.WGMMA_DEFAULT, depth2=3, min_blocks2=5),
+        "cuda inv w2 2wg d6": replace(cmd.WGMMA_DEFAULT, warpgroups2=2),
         # measured before (NOTES.md): split1=2 / 5 / 8, 16-token tiles, min_blocks 2 / 4, W2 with
         # 2 row tiles x 4 warps
     }

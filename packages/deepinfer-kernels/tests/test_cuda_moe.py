@@ -58,11 +58,16 @@ def test_config_rejects_bad_values_naming_the_field(field, value):
 
 @settings(max_examples=30, deadline=None)
 @given(
-    field=st.sampled_from(["tile_tokens", "depth1", "depth2", "min_blocks1", "min_blocks2"]),
+    field=st.sampled_from(
+        ["tile_tokens", "depth1", "depth2", "min_blocks1", "min_blocks2", "warpgroups1"]
+    ),
     value=st.integers(-3, 20),
 )
 def test_wgmma_config_rejects_bad_values_naming_the_field(field, value):
-    allowed = {"tile_tokens": {8, 16}, "min_blocks1": {1, 2, 3, 4}, "min_blocks2": {1, 2, 3, 4}}
+    allowed = {
+        "tile_tokens": {8, 16},
+        "warpgroups1": {1, 2},
+    }
     if value in allowed.get(field, set(range(1, 9))):
         assert getattr(md.MoeDecodeWgmmaConfig(**{field: value}), field) == value
     else:
@@ -242,13 +247,32 @@ def test_wgmma_rows_are_the_triton_prefill_tiles_bits(t, d, i, e, k):
     prefill = tmoe.moe_experts(x, tw, ids, *ws, 10.0, config=tmoe.PREFILL)
     assert torch.equal(got, prefill)
     assert torch.equal(got, tmoe.moe_experts(x, tw, ids, *ws, 10.0, batch_invariant=True))
-    other = md.MoeDecodeWgmmaConfig(tile_tokens=16, depth1=1, depth2=8, min_blocks1=2)
+    other = md.MoeDecodeWgmmaConfig(
+        tile_tokens=16, depth1=1, depth2=8, min_blocks1=2, warpgroups1=2, warpgroups2=2
+    )
     assert torch.equal(
         md.moe_experts(x, tw, ids, *ws, 10.0, batch_invariant=True, config=other), got
     )
     for lo, hi in ((0, 1), (t - 1, t), (3, 11)):
         alone = md.moe_experts(x[lo:hi], tw[lo:hi], ids[lo:hi], *ws, 10.0, batch_invariant=True)
         assert torch.equal(alone, got[lo:hi])
+
+
+@needs_hopper
+def test_ops_rows_do_not_change_across_the_decode_prefill_switch():
+    """Batch-invariant mode through the registry: the whole batch is prefill-sized (the Triton
+    tier), its slices decode-sized (this tier's wgmma kernels); every row is bitwise the same."""
+    from deepinfer_kernels import REGISTRY, ops
+
+    x, tw, ids, *ws = _inputs(200, 512, 256, 16, 6, seed=21)
+    with REGISTRY.batch_invariant_mode():
+        inv = dict(batch_invariant=True)
+        assert REGISTRY.resolve("moe_experts", x, tw, ids, *ws, 10.0, **inv).tier == "triton"
+        full = ops.moe_experts(x, tw, ids, *ws, 10.0)
+        for lo, hi in ((0, 1), (57, 58), (199, 200), (3, 24)):
+            part = (x[lo:hi], tw[lo:hi], ids[lo:hi], *ws, 10.0)
+            assert REGISTRY.resolve("moe_experts", *part, **inv).tier == "cuda"
+            assert torch.equal(ops.moe_experts(*part), full[lo:hi])
 
 
 @needs_hopper

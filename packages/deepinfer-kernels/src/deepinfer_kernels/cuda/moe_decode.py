@@ -81,27 +81,32 @@ class MoeDecodeWgmmaConfig:
     """The batch-invariant kernels' knobs (none changes a sum): tile_tokens, routed rows per
     routing tile (8 or 16: the wgmma's N); depth1 / depth2, K steps (128 values) whose loads are
     in flight while one computes (1..8); min_blocks1 / min_blocks2, the CTAs per SM the
-    register allocation must allow (1..4)."""
+    register allocation must allow (1..8); warpgroups1 / warpgroups2, warpgroups per CTA (1 or
+    2: 64 weight rows each, sharing the tile's activations in shared memory)."""
 
     tile_tokens: int = 8
-    depth1: int = 6
+    depth1: int = 3
     depth2: int = 6
-    min_blocks1: int = 1
+    min_blocks1: int = 2
     min_blocks2: int = 1
+    warpgroups1: int = 2
+    warpgroups2: int = 1
 
     def __post_init__(self) -> None:
         checks = (
             ("tile_tokens", self.tile_tokens in (8, 16), "8 or 16"),
             ("depth1", 1 <= self.depth1 <= 8, "1..8"),
             ("depth2", 1 <= self.depth2 <= 8, "1..8"),
-            ("min_blocks1", 1 <= self.min_blocks1 <= 4, "1..4"),
-            ("min_blocks2", 1 <= self.min_blocks2 <= 4, "1..4"),
+            ("min_blocks1", 1 <= self.min_blocks1 <= 8, "1..8"),
+            ("min_blocks2", 1 <= self.min_blocks2 <= 8, "1..8"),
+            ("warpgroups1", self.warpgroups1 in (1, 2), "1 or 2"),
+            ("warpgroups2", self.warpgroups2 in (1, 2), "1 or 2"),
         )
         _check_fields(self, checks)
 
 
 WGMMA_DEFAULT = MoeDecodeWgmmaConfig()
-WGMMA_ROWS = 64  # weight rows per CTA (one warpgroup's M)
+WGMMA_ROWS = 64  # weight rows per warpgroup (its M)
 
 
 Config = MoeDecodeCudaConfig | MoeDecodeWgmmaConfig
@@ -169,6 +174,7 @@ def defines(kind: str, d: int, i: int, cfg: Config) -> dict[str, int]:
             shape, TOKG=cfg.tile_tokens // 8,
             MIN_BLOCKS=cfg.min_blocks1 if w13 else cfg.min_blocks2,
             DEPTH=cfg.depth1 if w13 else cfg.depth2,
+            WG=cfg.warpgroups1 if w13 else cfg.warpgroups2,
         )  # fmt: skip
     return dict(
         shape, RT=cfg.rt1 if w13 else cfg.rt2, TOKG=cfg.tile_tokens // 8,
@@ -197,7 +203,8 @@ def _launch_shape(kind: str, d: int, i: int, cfg: Config) -> tuple[int, int, int
     """(CTAs per routing tile, threads per CTA, dynamic shared bytes) of kernel `kind`."""
     n, k = (i, d) if kind == "w13" else (d, i)
     if isinstance(cfg, MoeDecodeWgmmaConfig):
-        return n // WGMMA_ROWS, 128, _wgmma_shared_bytes(k, cfg)
+        wg = cfg.warpgroups1 if kind == "w13" else cfg.warpgroups2
+        return n // (WGMMA_ROWS * wg), 128 * wg, _wgmma_shared_bytes(k, cfg)
     rt, split = (cfg.rt1, cfg.split1) if kind == "w13" else (cfg.rt2, cfg.split2)
     return n // (16 * rt), 32 * split, 0
 

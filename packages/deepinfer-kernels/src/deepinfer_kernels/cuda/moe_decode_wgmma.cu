@@ -3,33 +3,41 @@
 // prefill tiles compute, so a routed row's bits do not depend on the batch, decode or prefill.
 // Compiled at run time by NVRTC; `moe_decode.py` holds the contract and picks the constants.
 //
-// How: a CTA is one warpgroup on 64 weight rows of each matrix (warp w: rows 16w..16w+15, lane
-// (g, t): rows g and g + 8, the mma A-fragment layout), over all of K. The A operand comes from
+// How: a CTA is WG warpgroups on 64 WG weight rows of each matrix (warp w: rows 16w..16w+15,
+// lane (g, t): rows g and g + 8, the mma A-fragment layout), over all of K. The A operand comes from
 // registers: each K step the 4 threads of a quad load 64 packed bytes of their row (four 32-value
-// scale groups, 16 bytes each), pass them through a per-warp shared scratch, and each thread
-// gathers bytes t, 4+t, 8+t, 12+t of every group (its natural fragment slots (2t, 2t+1) and
-// (2t+8, 2t+9) of the group's two k16 steps) and expands them exactly to bf16.
+// scale groups, 16 bytes each) and pass them byte-transposed through a per-warp shared scratch,
+// from which each thread reads bytes t, 4+t, 8+t, 12+t of every group (its natural fragment
+// slots (2t, 2t+1) and (2t+8, 2t+9) of the group's two k16 steps) as one word and expands them
+// exactly to bf16.
 // The routing tile's activations sit in shared memory in wgmma's K-major layout, loaded once.
 //
 // Constants (-D): K_DIM (reduction length), N_DIM (weight rows per expert), MATS (1: W2; 2: W1
-// and W3 fused with SwiGLU), TOKG (8-token groups per routing tile: wgmma N = 8 TOKG),
-// MIN_BLOCKS (CTAs per SM the register allocation must allow), DEPTH (K steps loaded ahead).
+// and W3 fused with SwiGLU), TOKG (8-token groups per routing tile: wgmma N = 8 TOKG), WG
+// (warpgroups per CTA, sharing the activations), MIN_BLOCKS (CTAs per SM the register allocation
+// must allow), DEPTH (K steps loaded ahead).
 
 #include "common.cuh"
 
 #define NB (8 * TOKG)  // tokens per routing tile (the wgmma's N)
 #define KB (K_DIM / 2)  // packed bytes per weight row
 #define KG (K_DIM / 32)  // scale groups per weight row
-#define ROWS_PER_CTA 64
+#define THREADS (128 * WG)
+#define ROWS_PER_CTA (64 * WG)
 #define X_BYTES (K_DIM * NB * 2)  // the tile's activations in shared memory
 
-// wgmma's matrix descriptor of the activations of k16 step j: K-major, no swizzle, core
-// matrices of 8 tokens x 8 values (128 bytes) laid out [K / 8][NB][8]: the next 8 values (the
-// leading dimension) are NB * 16 bytes on, the next 8 tokens (the stride dimension) 128.
-static __device__ __forceinline__ u64 x_desc(u32 x_smem, int j) {
-  const u32 start = x_smem + j * (2 * NB * 16);
-  return (u64)((start & 0x3FFFFu) >> 4) | ((u64)((NB * 16) >> 4) << 16) | ((u64)(128 >> 4) << 32);
+// wgmma's matrix descriptor of the activations' first k16 step (at shared address x_smem):
+// K-major, no swizzle, core matrices of 8 tokens x 8 values (128 bytes) laid out [K / 8][NB][8]:
+// the next 8 values (the leading dimension) are NB * 16 bytes on, the next 8 tokens (the stride
+// dimension) 128.
+static __device__ __forceinline__ u64 x_desc(u32 x_smem) {
+  return (u64)((x_smem & 0x3FFFFu) >> 4) | ((u64)((NB * 16) >> 4) << 16) |
+         ((u64)(128 >> 4) << 32);
 }
+
+// The descriptor of k16 step j + dj from that of step j (the start address field, in 16-byte
+// units, stays below 2**14: shared memory is under 256 KiB).
+static __device__ __forceinline__ u64 x_desc_add(u64 desc, int dj) { return desc + dj * 2 * NB; }
 
 // acc += A (64 x 16, this thread's fragment a) * X^T (16 x NB, descriptor b).
 static __device__ __forceinline__ void wgmma_step(float (&acc)[TOKG][4], const u32 (&a)[4],
@@ -62,13 +70,36 @@ struct Step {
   u32 s[MATS][2];
 };
 
-// Each warp's shared scratch for one step's packed bytes: [matrix][row half][g][4 groups][16 B],
-// the 16-byte slot of group c in row g at c ^ ((g >> 1) & 3), so that the 8 rows' reads of one
-// group (a quad each) fall in distinct banks.
+// Each warp's shared scratch for one step's packed bytes: [matrix][row half][g][4 groups][4
+// words], group c's 16 bytes stored byte-transposed (word j holds byte j of each of its 4
+// words: bytes j, 4+j, 8+j, 12+j, the fragment slots of thread t = j) in 16-byte slot
+// c ^ ((g >> 1) & 3), so that a warp's reads of one group (word t of row g) hit 32 banks.
 #define SCRATCH_BYTES (MATS * 2 * 8 * 64)
 
 static __device__ __forceinline__ u32 scratch_at(u32 base, int m, int h, int g, int c) {
   return base + ((m * 2 + h) * 8 + g) * 64 + ((c ^ ((g >> 1) & 3)) << 4);
+}
+
+// The 4 x 4 byte transpose of w: word j of the result holds byte j of w[0..3], in order.
+static __device__ __forceinline__ void transpose_bytes(const u32 (&w)[4], u32 (&o)[4]) {
+  u32 a0, a1, a2, a3;
+  asm("prmt.b32 %0, %1, %2, 0x5140;" : "=r"(a0) : "r"(w[0]), "r"(w[1]));  // w0.b0 w1.b0 w0.b1 w1.b1
+  asm("prmt.b32 %0, %1, %2, 0x7362;" : "=r"(a1) : "r"(w[0]), "r"(w[1]));  // w0.b2 w1.b2 w0.b3 w1.b3
+  asm("prmt.b32 %0, %1, %2, 0x5140;" : "=r"(a2) : "r"(w[2]), "r"(w[3]));
+  asm("prmt.b32 %0, %1, %2, 0x7362;" : "=r"(a3) : "r"(w[2]), "r"(w[3]));
+  asm("prmt.b32 %0, %1, %2, 0x5410;" : "=r"(o[0]) : "r"(a0), "r"(a2));
+  asm("prmt.b32 %0, %1, %2, 0x7632;" : "=r"(o[1]) : "r"(a0), "r"(a2));
+  asm("prmt.b32 %0, %1, %2, 0x5410;" : "=r"(o[2]) : "r"(a1), "r"(a3));
+  asm("prmt.b32 %0, %1, %2, 0x7632;" : "=r"(o[3]) : "r"(a1), "r"(a3));
+}
+
+// `scale_pair` of byte c of a word of 4 UE8M0 scale bytes that each had 126 added (no carry
+// for bytes up to 129, the range scale_pair is exact for): the byte into bits 8..15 and 24..31
+// by one prmt, then one shift to bits 7..14 and 23..30.
+static __device__ __forceinline__ u32 scale_pair_of(u32 sw126, int c) {
+  u32 b;
+  asm("prmt.b32 %0, %1, 0, %2;" : "=r"(b) : "r"(sw126), "r"(0x0404 | (0x1010 * c)));
+  return b >> 1;
 }
 
 // The thread's K stream (see `ring_loop`): w[m], s[m] at the current step of row g of matrix
@@ -79,8 +110,7 @@ struct Stream {
   typedef ::Step Step;
   const u8* w[MATS];
   const u8* s[MATS];
-  u32 keep;     // prmt selector: bytes t, 4 + t of two words
-  u32 x_smem;   // the activations (shared address)
+  u64 desc;     // the activations' descriptor at the current step's first k16 step
   u32 scratch;  // this warp's scratch (shared address)
   int g, t;
   int step = 0;
@@ -123,12 +153,19 @@ struct Stream {
 #pragma unroll
     for (int m = 0; m < MATS; ++m)
 #pragma unroll
-      for (int h = 0; h < 2; ++h)
+      for (int h = 0; h < 2; ++h) {
+        u32 tw[4];
+        transpose_bytes(st.w[m][h], tw);
         asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" ::"r"(scratch_at(scratch, m, h, g, t)),
-                     "r"(st.w[m][h][0]), "r"(st.w[m][h][1]), "r"(st.w[m][h][2]),
-                     "r"(st.w[m][h][3])
+                     "r"(tw[0]), "r"(tw[1]), "r"(tw[2]), "r"(tw[3])
                      : "memory");
+      }
     __syncwarp();
+    u32 sw[MATS][2];  // the step's 4 scale bytes per row, each + 126
+#pragma unroll
+    for (int m = 0; m < MATS; ++m)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) sw[m][h] = st.s[m][h] + 0x7E7E7E7Eu;
 #pragma unroll
     for (int c = 0; c < 4; ++c) {  // group c: k16 steps 2c and 2c + 1
       u32 a[MATS][2][4];           // [matrix][k16 step][fragment]
@@ -137,15 +174,11 @@ struct Stream {
         u32 lo[4], hi[4];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          u32 w4[4];
-          asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
-                       : "=r"(w4[0]), "=r"(w4[1]), "=r"(w4[2]), "=r"(w4[3])
-                       : "r"(scratch_at(scratch, m, h, g, c)));
-          u32 b01, b23, mine;
-          asm("prmt.b32 %0, %1, %2, %3;" : "=r"(b01) : "r"(w4[0]), "r"(w4[1]), "r"(keep));
-          asm("prmt.b32 %0, %1, %2, %3;" : "=r"(b23) : "r"(w4[2]), "r"(w4[3]), "r"(keep));
-          asm("prmt.b32 %0, %1, %2, 0x5410;" : "=r"(mine) : "r"(b01), "r"(b23));
-          expand8(mine, scale_pair((st.s[m][h] >> (8 * c)) & 0xFFu), h == 0 ? lo : hi);
+          u32 mine;  // bytes t, 4+t, 8+t, 12+t of the group
+          asm volatile("ld.shared.u32 %0, [%1];"
+                       : "=r"(mine)
+                       : "r"(scratch_at(scratch, m, h, g, c) + 4 * t));
+          expand8(mine, scale_pair_of(sw[m][h], c), h == 0 ? lo : hi);
         }
         // bytes t, 4+t of the group's first 8: k16 step 2c (slots 2t.. and 2t+8..); then 2c+1
         a[m][0][0] = lo[0], a[m][0][1] = hi[0], a[m][0][2] = lo[1], a[m][0][3] = hi[1];
@@ -156,11 +189,12 @@ struct Stream {
       for (int k = 0; k < 2; ++k)
 #pragma unroll
         for (int m = 0; m < MATS; ++m)
-          wgmma_step(acc[m], a[m][k], x_desc(x_smem, 8 * step + 2 * c + k));
+          wgmma_step(acc[m], a[m][k], x_desc_add(desc, 2 * c + k));
       asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
       asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
     }
     ++step;
+    desc = x_desc_add(desc, 8);
   }
 };
 
@@ -181,16 +215,16 @@ static __device__ __forceinline__ Place place(const int* tiles) {
 template <typename RowOf>
 static __device__ __forceinline__ void start(Stream& st, const Place& p, u8* x_smem,
                                              const u8* x, RowOf row_of) {
-  st.x_smem = (u32)__cvta_generic_to_shared(x_smem);
-  for (int i = threadIdx.x; i < (K_DIM / 8) * NB; i += 128) {
+  const u32 x_base = (u32)__cvta_generic_to_shared(x_smem);
+  st.desc = x_desc(x_base);
+  for (int i = threadIdx.x; i < (K_DIM / 8) * NB; i += THREADS) {
     const int n = i % NB, kb = i / NB;
     const bool has = n < p.count;
     const u8* src = x + ((has ? (u64)row_of(n) : 0ull) * K_DIM + kb * 8) * 2;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(st.x_smem + i * 16),
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(x_base + i * 16),
                  "l"(src), "r"(has ? 16 : 0)
                  : "memory");
   }
-  st.keep = p.t | ((4 + p.t) << 4);
   st.g = p.g;
   st.t = p.t;
 }
@@ -211,8 +245,8 @@ static __device__ __forceinline__ void run(Stream& st) {
 #if MATS == 2
 
 // h = quant_dequant_fp8(swiglu(x W1^T, x W3^T) * weight) per 32 columns, as bf16: the W2 input.
-// Grid: (N_DIM / 64, routing tiles); block 128 threads; X_BYTES of dynamic shared memory.
-extern "C" __global__ void __launch_bounds__(128, MIN_BLOCKS)
+// Grid: (N_DIM / ROWS_PER_CTA, routing tiles); block THREADS; X_BYTES of dynamic shared memory.
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 moe_w13(const u8* __restrict__ xa,  // [T, K_DIM] bf16: FP8 activations expanded exactly
         const u8* __restrict__ w1, const u8* __restrict__ s1,  // [E, N, K/2], [E, N, K/32]
         const u8* __restrict__ w3, const u8* __restrict__ s3,
@@ -222,8 +256,8 @@ moe_w13(const u8* __restrict__ xa,  // [T, K_DIM] bf16: FP8 activations expanded
         u16* __restrict__ h,                      // [P, N_DIM] bf16
         float limit, float amax_floor) {
   extern __shared__ __align__(128) u8 x_tile[];
-  __shared__ __align__(16) u8 scratch[4][SCRATCH_BYTES];
-  __shared__ float half_amax[4][NB];  // each warp's amax per token over its 16 rows
+  __shared__ __align__(16) u8 scratch[4 * WG][SCRATCH_BYTES];
+  __shared__ float half_amax[4 * WG][NB];  // each warp's amax per token over its 16 rows
   const Place p = place(tiles);
   if (p.expert < 0) return;
   float acc[MATS][TOKG][4] = {};
@@ -272,15 +306,15 @@ moe_w13(const u8* __restrict__ xa,  // [T, K_DIM] bf16: FP8 activations expanded
 
 #else
 
-// y = h W2^T per routed row, rounded to bf16. Grid: (N_DIM / 64, routing tiles); block 128
-// threads; X_BYTES of dynamic shared memory.
-extern "C" __global__ void __launch_bounds__(128, MIN_BLOCKS)
+// y = h W2^T per routed row, rounded to bf16. Grid: (N_DIM / ROWS_PER_CTA, routing tiles); block
+// THREADS; X_BYTES of dynamic shared memory.
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 moe_w2(const u8* __restrict__ h,                              // [P, K_DIM] bf16
        const u8* __restrict__ w2, const u8* __restrict__ s2,  // [E, N, K/2], [E, N, K/32]
        const int* __restrict__ tiles,                         // [tiles, 3]
        u16* __restrict__ y) {                                 // [P, N_DIM] bf16
   extern __shared__ __align__(128) u8 x_tile[];
-  __shared__ __align__(16) u8 scratch[4][SCRATCH_BYTES];
+  __shared__ __align__(16) u8 scratch[4 * WG][SCRATCH_BYTES];
   const Place p = place(tiles);
   if (p.expert < 0) return;
   float acc[MATS][TOKG][4] = {};
