@@ -39,13 +39,30 @@ def moe_routed_inputs(t: int, n_sets: int, g: torch.Generator):
     return sets
 
 
+def registry_moe_experts(batch_invariant: bool):
+    """ops.moe_experts as the engine calls it (the registry's choice per size: the cuda tier at
+    decode sizes, Triton at prefill sizes), in batch-invariant mode or not."""
+    from deepinfer_kernels import REGISTRY, ops
+
+    def fn(*args):
+        if not batch_invariant:
+            return ops.moe_experts(*args)
+        with REGISTRY.batch_invariant_mode():
+            return ops.moe_experts(*args)
+
+    return fn
+
+
 def moe_rows(tokens_list, quick):
+    """moe_routing, moe_experts through the registry (graph replay at decode sizes; eager, in
+    auto and batch-invariant mode) against a torch loop, and the gate."""
     from deepinfer_kernels import quant
     from deepinfer_kernels.triton import moe as tmoe
 
     d, i, e, k, limit = MOE_D, MOE_I, MOE_E, MOE_K, MOE_LIMIT
     g = torch.Generator(device="cuda").manual_seed(0)
     (w1, s1, w3, s3, w2, s2), per_expert_bytes = moe_layer_weights(g)
+    calls = {inv: registry_moe_experts(inv) for inv in (False, True)}
     rows = []
     for t in tokens_list:
         sets = moe_routed_inputs(t, 8 if t <= 256 else 1, g)
@@ -88,8 +105,7 @@ def moe_rows(tokens_list, quick):
         )
         if t <= 256:
             ms_graph = bench_graphs(
-                lambda x, tw, ids: tmoe.moe_experts(x, tw, ids, w1, s1, w3, s3, w2, s2, limit),
-                sets,
+                lambda x, tw, ids: calls[False](x, tw, ids, w1, s1, w3, s3, w2, s2, limit), sets
             )
             rows.append(
                 dict(
@@ -104,9 +120,7 @@ def moe_rows(tokens_list, quick):
             )
         for name, inv in (("auto", False), ("inv", True)):
             fn = Rotating(
-                lambda x, tw, ids, inv=inv: tmoe.moe_experts(
-                    x, tw, ids, w1, s1, w3, s3, w2, s2, limit, batch_invariant=inv
-                ),
+                lambda x, tw, ids, inv=inv: calls[inv](x, tw, ids, w1, s1, w3, s3, w2, s2, limit),
                 sets,
             )
             rows.append(
