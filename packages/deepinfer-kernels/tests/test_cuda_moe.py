@@ -155,6 +155,26 @@ def test_wgmma_kernels_compile_without_local_memory(kind, tmp_path):
 
 
 @needs_nvrtc
+@pytest.mark.parametrize(
+    "cfg",
+    [md.WGMMA_DEFAULT, md.MoeDecodeWgmmaConfig(tile_tokens=16, warpgroups1=1, warpgroups2=2)],
+)
+def test_wgmma_shared_memory_model_matches_the_cubins(cfg, tmp_path):
+    """shape_reason's shared-memory check counts what the compiled kernels declare."""
+    tools = cuda_tools()
+    if tools is None:
+        pytest.skip("no cuobjdump here (it ships with triton)")
+    for kind in ("w13", "w2"):
+        path = tmp_path / f"{kind}.cubin"
+        path.write_bytes(md.cubin(kind, *V41, cfg))
+        usage = subprocess.run(
+            [tools[1], "-res-usage", str(path)], capture_output=True, text=True, check=True
+        ).stdout
+        declared = int(re.search(r"SHARED:(\d+)", usage).group(1))
+        assert declared == md._wgmma_static_bytes(kind, cfg)
+
+
+@needs_nvrtc
 @pytest.mark.parametrize("dims", [V41, (256, 128)])
 @pytest.mark.parametrize("kind", ["w13", "w2"])
 def test_kernels_compile_without_local_memory(kind, dims, tmp_path):

@@ -110,13 +110,23 @@ WGMMA_ROWS = 64  # weight rows per warpgroup (its M)
 
 
 Config = MoeDecodeCudaConfig | MoeDecodeWgmmaConfig
-# dynamic shared memory a wgmma CTA may take for its activations (the H200's 227 KiB, less the
-# static epilogue buffer)
-WGMMA_MAX_SHARED = 227 * 1024 - 1024
+WGMMA_MAX_SHARED = 227 * 1024  # shared memory one CTA may take on sm_90 (static + dynamic)
 
 
 def _wgmma_shared_bytes(k: int, cfg: MoeDecodeWgmmaConfig) -> int:
-    return k * cfg.tile_tokens * 2  # the routing tile's bf16 activations
+    """The dynamic shared memory of a wgmma kernel with reduction length k: the routing tile's
+    bf16 activations."""
+    return k * cfg.tile_tokens * 2
+
+
+def _wgmma_static_bytes(kind: str, cfg: MoeDecodeWgmmaConfig) -> int:
+    """The static shared memory of wgmma kernel `kind` (moe_decode_wgmma.cu), as the cubin
+    declares it: each warp's scratch for one K step of packed bytes, W1/W3's per-warp amax
+    exchange, and the 1 KiB that sm_90 reserves per CTA."""
+    warps = 4 * (cfg.warpgroups1 if kind == "w13" else cfg.warpgroups2)
+    mats = 2 if kind == "w13" else 1
+    amax = warps * cfg.tile_tokens * 4 if kind == "w13" else 0
+    return warps * mats * 2 * 8 * 64 + amax + 1024
 
 
 def shape_reason(d: int, i: int, cfg: Config = DEFAULT) -> str | None:
@@ -129,11 +139,13 @@ def shape_reason(d: int, i: int, cfg: Config = DEFAULT) -> str | None:
                 f"D={d} and I={i} must be multiples of 128 (the wgmma tile's {WGMMA_ROWS} rows "
                 "and K steps of 128)"
             )
-        if _wgmma_shared_bytes(max(d, i), cfg) > WGMMA_MAX_SHARED:
-            return (
-                f"a {cfg.tile_tokens}-token tile of K={max(d, i)} activations exceeds "
-                f"{WGMMA_MAX_SHARED} bytes of shared memory"
-            )
+        for kind, k in (("w13", d), ("w2", i)):
+            need = _wgmma_shared_bytes(k, cfg) + _wgmma_static_bytes(kind, cfg)
+            if need > WGMMA_MAX_SHARED:
+                return (
+                    f"the {kind} kernel needs {need} bytes of shared memory (a "
+                    f"{cfg.tile_tokens}-token tile of K={k} activations), over {WGMMA_MAX_SHARED}"
+                )
         return None
     if i % (16 * cfg.rt1):
         return f"I={i} must be a multiple of {16 * cfg.rt1} (rt1={cfg.rt1})"
