@@ -134,20 +134,24 @@ def test_missing_nvrtc_is_a_reason_not_a_crash(monkeypatch):
 # -- compiled kernels (CPU) --------------------------------------------------------------------
 
 
+def _cuobjdump(flag: str, cubin: bytes, tmp_path) -> str:
+    """cuobjdump's `flag` report (-sass, -res-usage) of a cubin; skips without cuobjdump."""
+    tools = cuda_tools()
+    if tools is None:
+        pytest.skip("no cuobjdump here (it ships with triton)")
+    path = tmp_path / "k.cubin"
+    path.write_bytes(cubin)
+    return subprocess.run(
+        [tools[1], flag, str(path)], capture_output=True, text=True, check=True
+    ).stdout
+
+
 @needs_nvrtc
 @pytest.mark.parametrize("kind", ["w13", "w2"])
 def test_wgmma_kernels_compile_without_local_memory(kind, tmp_path):
     """The batch-invariant kernels compile for sm_90a (NVRTC on CPU) at V4.1's dims; with
     cuobjdump: no spills, and the mma is wgmma (HGMMA) with A from registers."""
-    cub = md.cubin(kind, *V41, md.WGMMA_DEFAULT)
-    tools = cuda_tools()
-    if tools is None:
-        pytest.skip("no cuobjdump here (it ships with triton)")
-    path = tmp_path / "k.cubin"
-    path.write_bytes(cub)
-    sass = subprocess.run(
-        [tools[1], "-sass", str(path)], capture_output=True, text=True, check=True
-    ).stdout
+    sass = _cuobjdump("-sass", md.cubin(kind, *V41, md.WGMMA_DEFAULT), tmp_path)
     assert not re.search(r"\b(LDL|STL)\b", sass), "the kernel spills to local memory"
     gmma = re.findall(r"HGMMA\.64x8x16\.F32\.BF16 R\d+, R\d+, gdesc", sass)
     assert gmma, "no register-A wgmma in the kernel"
@@ -161,15 +165,8 @@ def test_wgmma_kernels_compile_without_local_memory(kind, tmp_path):
 )
 def test_wgmma_shared_memory_model_matches_the_cubins(cfg, tmp_path):
     """shape_reason's shared-memory check counts what the compiled kernels declare."""
-    tools = cuda_tools()
-    if tools is None:
-        pytest.skip("no cuobjdump here (it ships with triton)")
     for kind in ("w13", "w2"):
-        path = tmp_path / f"{kind}.cubin"
-        path.write_bytes(md.cubin(kind, *V41, cfg))
-        usage = subprocess.run(
-            [tools[1], "-res-usage", str(path)], capture_output=True, text=True, check=True
-        ).stdout
+        usage = _cuobjdump("-res-usage", md.cubin(kind, *V41, cfg), tmp_path)
         declared = int(re.search(r"SHARED:(\d+)", usage).group(1))
         assert declared == md._wgmma_static_bytes(kind, cfg)
 
@@ -183,14 +180,7 @@ def test_kernels_compile_without_local_memory(kind, dims, tmp_path):
     is 19: 3 to split a word, then per bf16 pair PRMT, IMAD, LOP3, HMUL2)."""
     cub = md.cubin(kind, *dims, md.DEFAULT)
     assert len(cub) > 1000
-    tools = cuda_tools()
-    if tools is None:
-        pytest.skip("no cuobjdump here (it ships with triton)")
-    path = tmp_path / "k.cubin"
-    path.write_bytes(cub)
-    sass = subprocess.run(
-        [tools[1], "-sass", str(path)], capture_output=True, text=True, check=True
-    ).stdout
+    sass = _cuobjdump("-sass", cub, tmp_path)
     assert not re.search(r"\b(LDL|STL)\b", sass), "the kernel spills to local memory"
     lines = re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)
     loops = [

@@ -205,9 +205,7 @@ def cubin(kind: str, d: int, i: int, cfg: Config) -> bytes:
 @functools.cache
 def _kernel(kind: str, d: int, i: int, cfg: Config, device: int) -> module.Kernel:
     name = "moe_w13" if kind == "w13" else "moe_w2"
-    shared = 0
-    if isinstance(cfg, MoeDecodeWgmmaConfig):
-        shared = _wgmma_shared_bytes(d if kind == "w13" else i, cfg)
+    shared = _launch_shape(kind, d, i, cfg)[2]
     return module.load_kernel(cubin(kind, d, i, cfg), name, torch.device("cuda", device), shared)
 
 
