@@ -410,14 +410,25 @@ def cuda_decode_candidates() -> dict:
         "cuda d2": c(depth=2, min_blocks1=2, min_blocks2=4),  # two K steps of loads in flight
         "cuda d2 s2=4": c(depth=2, min_blocks1=2, split2=4, min_blocks2=2),
         "cuda s2=4": c(split2=4, min_blocks2=3),
+        # one W1/W3 wave at T=1 (432 CTAs; 396 slots at split1=4, min_blocks1=3): T=1 -2..+2%,
+        # T>=16 +6..21% (eighth session)
+        "cuda s1=3": c(split1=3, min_blocks1=4),
+        "cuda s1=3 s2=3": c(split1=3, min_blocks1=4, split2=3, min_blocks2=4),
+        "cuda s1=2": c(split1=2, min_blocks1=6),
         # batch-invariant mode's wgmma kernels (rows bitwise those of Triton's PREFILL)
         "cuda inv": cmd.WGMMA_DEFAULT,
         "cuda inv 1wg d6": replace(cmd.WGMMA_DEFAULT, warpgroups1=1, depth1=6, min_blocks1=1),
         "cuda inv w2 d4 mb5": replace(cmd.WGMMA_DEFAULT, depth2=4, min_blocks2=5),
         "cuda inv w2 d3 mb5": replace(cmd.WGMMA_DEFAULT, depth2=3, min_blocks2=5),
         "cuda inv w2 2wg d6": replace(cmd.WGMMA_DEFAULT, warpgroups2=2),
+        # the weights in fragment order (cmd.fragment_layout): no byte exchange per K step
+        "cuda inv frag": replace(cmd.WGMMA_DEFAULT, fragment_weights=True),
+        "cuda inv frag mb1 d4": replace(
+            cmd.WGMMA_DEFAULT, fragment_weights=True, min_blocks1=1, depth1=4
+        ),
         # measured before (NOTES.md): split1=2 / 5 / 8, 16-token tiles, min_blocks 2 / 4, W2 with
-        # 2 row tiles x 4 warps
+        # 2 row tiles x 4 warps; L2 prefetches, the L2 fetch size and a dependent W2 launch
+        # (eighth session, not kept)
     }
 
 
@@ -474,6 +485,9 @@ def decode_candidate_rows(ts, names, split_ts=(1, 64), split_names=("m3",)) -> l
     cuda_cands = cuda_decode_candidates()
     g = torch.Generator(device="cuda").manual_seed(0)
     experts, per_expert = moe_layer_weights(g)
+    w1, s1, w3, s3, w2, s2 = experts
+    frag = cmd.fragment_layout
+    experts_frag = (frag(w1), s1, frag(w3), s3, frag(w2), s2)  # the same weights, fragment order
     rows = []
     for t in ts:
         sets = moe_routed_inputs(t, 8, g)
@@ -490,8 +504,10 @@ def decode_candidate_rows(ts, names, split_ts=(1, 64), split_names=("m3",)) -> l
         )
         for name in names:
             if name in cuda_cands:
-                fns[name] = lambda x, tw, ids, cfg=cuda_cands[name]: cmd.moe_experts(
-                    x, tw, ids, *experts, MOE_LIMIT, config=cfg
+                cfg = cuda_cands[name]
+                ws = experts_frag if getattr(cfg, "fragment_weights", False) else experts
+                fns[name] = lambda x, tw, ids, cfg=cfg, ws=ws: cmd.moe_experts(
+                    x, tw, ids, *ws, MOE_LIMIT, config=cfg
                 )
             else:
                 fns[name] = lambda x, tw, ids, cfg=cands[name]: tmoe.moe_experts(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+from dataclasses import replace
 
 import pytest
 import torch
@@ -73,6 +74,34 @@ def test_wgmma_config_rejects_bad_values_naming_the_field(field, value):
     else:
         with pytest.raises(ValueError, match=f"MoeDecodeWgmmaConfig.{field} must be"):
             md.MoeDecodeWgmmaConfig(**{field: value})
+
+
+def test_fragment_weights_must_be_a_bool():
+    assert md.MoeDecodeWgmmaConfig(fragment_weights=True).fragment_weights is True
+    with pytest.raises(ValueError, match=r"MoeDecodeWgmmaConfig\.fragment_weights must be a bool"):
+        md.MoeDecodeWgmmaConfig(fragment_weights=1)
+
+
+@settings(max_examples=20, deadline=None)
+@given(steps=st.integers(1, 4), rows=st.integers(1, 5), seed=st.integers(0, 2**16))
+def test_fragment_layout_puts_each_lanes_fragment_bytes_in_its_chunk(steps, rows, seed):
+    """Chunk t (16 bytes) of each 64-byte step holds bytes t, 4+t, 8+t, 12+t of group 0, then of
+    groups 1..3; nothing leaves its step, and every byte is kept."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randint(-128, 128, (2, rows, 64 * steps), generator=g, dtype=torch.int8)
+    f = md.fragment_layout(w)
+    assert f.shape == w.shape and f.dtype == w.dtype
+    for s in range(steps):
+        for t in range(4):
+            for c in range(4):
+                for b in range(4):
+                    got = f[..., 64 * s + 16 * t + 4 * c + b]
+                    assert torch.equal(got, w[..., 64 * s + 16 * c + 4 * b + t])
+    with pytest.raises(ValueError, match="multiple of 64"):
+        md.fragment_layout(w[..., :32])
+
+
+FRAGMENT = md.MoeDecodeWgmmaConfig(fragment_weights=True, min_blocks1=1, depth1=4)
 
 
 def test_shape_reasons():
@@ -147,21 +176,33 @@ def _cuobjdump(flag: str, cubin: bytes, tmp_path) -> str:
 
 
 @needs_nvrtc
+@pytest.mark.parametrize("cfg", [md.WGMMA_DEFAULT, FRAGMENT])
 @pytest.mark.parametrize("kind", ["w13", "w2"])
-def test_wgmma_kernels_compile_without_local_memory(kind, tmp_path):
+def test_wgmma_kernels_compile_without_local_memory(kind, cfg, tmp_path):
     """The batch-invariant kernels compile for sm_90a (NVRTC on CPU) at V4.1's dims; with
-    cuobjdump: no spills, and the mma is wgmma (HGMMA) with A from registers."""
-    sass = _cuobjdump("-sass", md.cubin(kind, *V41, md.WGMMA_DEFAULT), tmp_path)
+    cuobjdump: no spills, and the mma is wgmma (HGMMA) with A from registers. On fragment-order
+    weights no shared-memory store is left in the kernel but the activation copies' (the byte
+    exchange is gone)."""
+    sass = _cuobjdump("-sass", md.cubin(kind, *V41, cfg), tmp_path)
     assert not re.search(r"\b(LDL|STL)\b", sass), "the kernel spills to local memory"
     gmma = re.findall(r"HGMMA\.64x8x16\.F32\.BF16 R\d+, R\d+, gdesc", sass)
     assert gmma, "no register-A wgmma in the kernel"
     assert "HMMA" not in sass.replace("HGMMA", "")
+    stores = re.findall(r"\bSTS(\.\w+)*", sass)
+    if cfg.fragment_weights and kind == "w2":
+        assert not stores
+    elif not cfg.fragment_weights:
+        assert any(".128" in s for s in stores)  # the scratch's 16-byte stores
 
 
 @needs_nvrtc
 @pytest.mark.parametrize(
     "cfg",
-    [md.WGMMA_DEFAULT, md.MoeDecodeWgmmaConfig(tile_tokens=16, warpgroups1=1, warpgroups2=2)],
+    [
+        md.WGMMA_DEFAULT,
+        md.MoeDecodeWgmmaConfig(tile_tokens=16, warpgroups1=1, warpgroups2=2),
+        FRAGMENT,
+    ],
 )
 def test_wgmma_shared_memory_model_matches_the_cubins(cfg, tmp_path):
     """shape_reason's shared-memory check counts what the compiled kernels declare."""
@@ -266,6 +307,20 @@ def test_wgmma_rows_are_the_triton_prefill_tiles_bits(t, d, i, e, k):
     for lo, hi in ((0, 1), (t - 1, t), (3, 11)):
         alone = md.moe_experts(x[lo:hi], tw[lo:hi], ids[lo:hi], *ws, 10.0, batch_invariant=True)
         assert torch.equal(alone, got[lo:hi])
+
+
+@needs_hopper
+@pytest.mark.parametrize(("t", "d", "i", "e", "k"), [(37, 512, 256, 32, 6), (16, *V41, 384, 6)])
+def test_fragment_order_weights_give_the_same_bits(t, d, i, e, k):
+    """The wgmma kernels on `fragment_layout` weights sum the same products in the same order as
+    on the checkpoint's layout: bitwise the same rows, for several schedules."""
+    x, tw, ids, w1, s1, w3, s3, w2, s2 = _inputs(t, d, i, e, k, seed=5 + t)
+    want = md.moe_experts(x, tw, ids, w1, s1, w3, s3, w2, s2, 10.0, batch_invariant=True)
+    f = md.fragment_layout
+    frag = (f(w1), s1, f(w3), s3, f(w2), s2)
+    for cfg in (FRAGMENT, replace(md.WGMMA_DEFAULT, fragment_weights=True, tile_tokens=16)):
+        got = md.moe_experts(x, tw, ids, *frag, 10.0, batch_invariant=True, config=cfg)
+        assert torch.equal(got, want)
 
 
 @needs_hopper

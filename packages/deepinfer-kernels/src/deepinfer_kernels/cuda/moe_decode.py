@@ -82,7 +82,12 @@ class MoeDecodeWgmmaConfig:
     routing tile (8 or 16: the wgmma's N); depth1 / depth2, K steps (128 values) whose loads are
     in flight while one computes (1..8); min_blocks1 / min_blocks2, the CTAs per SM the
     register allocation must allow (1..8); warpgroups1 / warpgroups2, warpgroups per CTA (1 or
-    2: 64 weight rows each, sharing the tile's activations in shared memory)."""
+    2: 64 weight rows each, sharing the tile's activations in shared memory).
+
+    fragment_weights: w1, w3 and w2 are in `fragment_layout` order, which saves each K step the
+    byte exchange through shared memory (the same sums: the same bits). No other tier reads that
+    layout yet, so the registry never passes it; for such weights, min_blocks1=1 with depth1=4
+    is the measured choice (the default W1/W3 schedule spills)."""
 
     tile_tokens: int = 8
     depth1: int = 3
@@ -91,6 +96,7 @@ class MoeDecodeWgmmaConfig:
     min_blocks2: int = 1
     warpgroups1: int = 2
     warpgroups2: int = 1
+    fragment_weights: bool = False
 
     def __post_init__(self) -> None:
         checks = (
@@ -101,11 +107,27 @@ class MoeDecodeWgmmaConfig:
             ("min_blocks2", 1 <= self.min_blocks2 <= 8, "1..8"),
             ("warpgroups1", self.warpgroups1 in (1, 2), "1 or 2"),
             ("warpgroups2", self.warpgroups2 in (1, 2), "1 or 2"),
+            ("fragment_weights", isinstance(self.fragment_weights, bool), "a bool"),
         )
         _check_fields(self, checks)
 
 
 WGMMA_DEFAULT = MoeDecodeWgmmaConfig()
+
+
+def fragment_layout(w: torch.Tensor) -> torch.Tensor:
+    """FP4 weights [E, N, K/2] (K a multiple of 128) with the bytes of each 64-byte K step (4
+    scale groups of 16 bytes) reordered so that 16-byte chunk t holds bytes t, 4+t, 8+t, 12+t of
+    group 0, then of groups 1, 2, 3: the A-fragment bytes of lane t of a quad (rows g, g+8; K
+    slots 2t, 2t+1, 2t+8, 2t+9 of each k16 step), for `MoeDecodeWgmmaConfig(fragment_weights=
+    True)`. A permutation of bytes within each step: the scales do not move."""
+    e, n, kb = w.shape
+    if kb % 64:
+        raise ValueError(f"fragment_layout: K/2 = {kb} bytes per row must be a multiple of 64")
+    steps = w.reshape(e, n, kb // 64, 4, 4, 4)  # [.., group c, word i, byte j]; byte = 4 i + j
+    return steps.permute(0, 1, 2, 5, 3, 4).reshape(e, n, kb)
+
+
 WGMMA_ROWS = 64  # weight rows per warpgroup (its M)
 
 
@@ -121,12 +143,13 @@ def _wgmma_shared_bytes(k: int, cfg: MoeDecodeWgmmaConfig) -> int:
 
 def _wgmma_static_bytes(kind: str, cfg: MoeDecodeWgmmaConfig) -> int:
     """The static shared memory of wgmma kernel `kind` (moe_decode_wgmma.cu), as the cubin
-    declares it: each warp's scratch for one K step of packed bytes, W1/W3's per-warp amax
-    exchange, and the 1 KiB that sm_90 reserves per CTA."""
+    declares it: each warp's scratch for one K step of packed bytes (none with fragment-order
+    weights), W1/W3's per-warp amax exchange, and the 1 KiB that sm_90 reserves per CTA."""
     warps = 4 * (cfg.warpgroups1 if kind == "w13" else cfg.warpgroups2)
     mats = 2 if kind == "w13" else 1
     amax = warps * cfg.tile_tokens * 4 if kind == "w13" else 0
-    return warps * mats * 2 * 8 * 64 + amax + 1024
+    scratch = 0 if cfg.fragment_weights else warps * mats * 2 * 8 * 64
+    return scratch + amax + 1024
 
 
 def shape_reason(d: int, i: int, cfg: Config = DEFAULT) -> str | None:
@@ -187,6 +210,7 @@ def defines(kind: str, d: int, i: int, cfg: Config) -> dict[str, int]:
             MIN_BLOCKS=cfg.min_blocks1 if w13 else cfg.min_blocks2,
             DEPTH=cfg.depth1 if w13 else cfg.depth2,
             WG=cfg.warpgroups1 if w13 else cfg.warpgroups2,
+            FRAGMENT_WEIGHTS=int(cfg.fragment_weights),
         )  # fmt: skip
     return dict(
         shape, RT=cfg.rt1 if w13 else cfg.rt2, TOKG=cfg.tile_tokens // 8,
@@ -236,7 +260,8 @@ def moe_experts(
 ) -> torch.Tensor:
     """Routed FP4 experts (see the module docstring). x [T, D] bf16; topk_weights [T, k] fp32;
     topk_ids [T, k] (< 0: skipped); w1/w3 [E, I, D/2] int8 + s1/s3 [E, I, D/32] e8m0; w2
-    [E, D, I/2] + s2 [E, D, I/32] -> [T, D] bf16. batch_invariant: the wgmma kernels (config: a
+    [E, D, I/2] + s2 [E, D, I/32] -> [T, D] bf16 (w1, w3, w2 in `fragment_layout` order when
+    config.fragment_weights). batch_invariant: the wgmma kernels (config: a
     MoeDecodeWgmmaConfig, default WGMMA_DEFAULT); otherwise the mma.sync ones (DEFAULT), or
     whichever kernels `config` names."""
     from ..triton.moe import build_routing, combine

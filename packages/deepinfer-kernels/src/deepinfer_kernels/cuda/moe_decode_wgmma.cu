@@ -9,13 +9,16 @@
 // scale groups, 16 bytes each) and pass them byte-transposed through a per-warp shared scratch,
 // from which each thread reads bytes t, 4+t, 8+t, 12+t of every group (its natural fragment
 // slots (2t, 2t+1) and (2t+8, 2t+9) of the group's two k16 steps) as one word and expands them
-// exactly to bf16.
+// exactly to bf16. With FRAGMENT_WEIGHTS the weights were stored in that order beforehand
+// (`moe_decode.fragment_layout`: chunk t of each 64-byte step holds bytes t, 4+t, 8+t, 12+t of
+// the step's 4 groups), so each thread's 16-byte load is its fragment bytes: no exchange.
 // The routing tile's activations sit in shared memory in wgmma's K-major layout, loaded once.
 //
 // Constants (-D): K_DIM (reduction length), N_DIM (weight rows per expert), MATS (1: W2; 2: W1
 // and W3 fused with SwiGLU), TOKG (8-token groups per routing tile: wgmma N = 8 TOKG), WG
 // (warpgroups per CTA, sharing the activations), MIN_BLOCKS (CTAs per SM the register allocation
-// must allow), DEPTH (K steps loaded ahead).
+// must allow), DEPTH (K steps loaded ahead), FRAGMENT_WEIGHTS (1: the weights' bytes are in
+// fragment order, above).
 
 #include "common.cuh"
 
@@ -111,7 +114,7 @@ struct Stream {
   const u8* w[MATS];
   const u8* s[MATS];
   u64 desc;     // the activations' descriptor at the current step's first k16 step
-  u32 scratch;  // this warp's scratch (shared address)
+  u32 scratch;  // this warp's scratch (shared address; unused with FRAGMENT_WEIGHTS)
   int g, t;
   int step = 0;
   float (&acc)[MATS][TOKG][4];
@@ -149,6 +152,7 @@ struct Stream {
       asm volatile("cp.async.wait_all;\n fence.proxy.async.shared::cta;" ::: "memory");
       __syncthreads();
     }
+#if !FRAGMENT_WEIGHTS
     __syncwarp();  // the last step's scratch reads are done
 #pragma unroll
     for (int m = 0; m < MATS; ++m)
@@ -161,6 +165,7 @@ struct Stream {
                      : "memory");
       }
     __syncwarp();
+#endif
     u32 sw[MATS][2];  // the step's 4 scale bytes per row, each + 126
 #pragma unroll
     for (int m = 0; m < MATS; ++m)
@@ -174,10 +179,14 @@ struct Stream {
         u32 lo[4], hi[4];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
+#if FRAGMENT_WEIGHTS
+          const u32 mine = st.w[m][h][c];  // bytes t, 4+t, 8+t, 12+t of group c
+#else
           u32 mine;  // bytes t, 4+t, 8+t, 12+t of the group
           asm volatile("ld.shared.u32 %0, [%1];"
                        : "=r"(mine)
                        : "r"(scratch_at(scratch, m, h, g, c) + 4 * t));
+#endif
           expand8(mine, scale_pair_of(sw[m][h], c), h == 0 ? lo : hi);
         }
         // bytes t, 4+t of the group's first 8: k16 step 2c (slots 2t.. and 2t+8..); then 2c+1
@@ -256,13 +265,17 @@ moe_w13(const u8* __restrict__ xa,  // [T, K_DIM] bf16: FP8 activations expanded
         u16* __restrict__ h,                      // [P, N_DIM] bf16
         float limit, float amax_floor) {
   extern __shared__ __align__(128) u8 x_tile[];
+#if !FRAGMENT_WEIGHTS
   __shared__ __align__(16) u8 scratch[4 * WG][SCRATCH_BYTES];
+#endif
   __shared__ float half_amax[4 * WG][NB];  // each warp's amax per token over its 16 rows
   const Place p = place(tiles);
   if (p.expert < 0) return;
   float acc[MATS][TOKG][4] = {};
   Stream st(acc);
+#if !FRAGMENT_WEIGHTS
   st.scratch = (u32)__cvta_generic_to_shared(scratch[p.warp]);
+#endif
   start(st, p, x_tile, xa, [&](int n) { return sorted_token[p.first + n]; });
   aim(st, 0, p, w1, s1);
   aim(st, 1, p, w3, s3);
@@ -314,12 +327,16 @@ moe_w2(const u8* __restrict__ h,                              // [P, K_DIM] bf16
        const int* __restrict__ tiles,                         // [tiles, 3]
        u16* __restrict__ y) {                                 // [P, N_DIM] bf16
   extern __shared__ __align__(128) u8 x_tile[];
+#if !FRAGMENT_WEIGHTS
   __shared__ __align__(16) u8 scratch[4 * WG][SCRATCH_BYTES];
+#endif
   const Place p = place(tiles);
   if (p.expert < 0) return;
   float acc[MATS][TOKG][4] = {};
   Stream st(acc);
+#if !FRAGMENT_WEIGHTS
   st.scratch = (u32)__cvta_generic_to_shared(scratch[p.warp]);
+#endif
   start(st, p, x_tile, h, [&](int n) { return p.first + n; });
   aim(st, 0, p, w2, s2);
   run(st);
