@@ -113,6 +113,7 @@ class MoeDecodeWgmmaConfig:
 
 
 WGMMA_DEFAULT = MoeDecodeWgmmaConfig()
+WGMMA_ROWS = 64  # weight rows per warpgroup (its M)
 
 
 def fragment_layout(w: torch.Tensor) -> torch.Tensor:
@@ -126,9 +127,6 @@ def fragment_layout(w: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"fragment_layout: K/2 = {kb} bytes per row must be a multiple of 64")
     steps = w.reshape(e, n, kb // 64, 4, 4, 4)  # [.., group c, word i, byte j]; byte = 4 i + j
     return steps.permute(0, 1, 2, 5, 3, 4).reshape(e, n, kb)
-
-
-WGMMA_ROWS = 64  # weight rows per warpgroup (its M)
 
 
 Config = MoeDecodeCudaConfig | MoeDecodeWgmmaConfig
