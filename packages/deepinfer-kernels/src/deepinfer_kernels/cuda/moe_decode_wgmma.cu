@@ -97,7 +97,7 @@ static __device__ __forceinline__ void transpose_bytes(const u32 (&w)[4], u32 (&
 }
 
 // `scale_pair` of byte c of a word of 4 UE8M0 scale bytes that each had 126 added (no carry
-// for bytes up to 129, the range scale_pair is exact for): the byte into bits 8..15 and 24..31
+// for bytes up to 128, the range scale_pair is finite for): the byte into bits 8..15 and 24..31
 // by one prmt, then one shift to bits 7..14 and 23..30.
 static __device__ __forceinline__ u32 scale_pair_of(u32 sw126, int c) {
   u32 b;
