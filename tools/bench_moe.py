@@ -415,6 +415,8 @@ def cuda_decode_candidates() -> dict:
         "cuda s1=3": c(split1=3, min_blocks1=4),
         "cuda s1=3 s2=3": c(split1=3, min_blocks1=4, split2=3, min_blocks2=4),
         "cuda s1=2": c(split1=2, min_blocks1=6),
+        # W2 at 3 warps (10.9 warps per SM at T=1): within 2% of the default at every T
+        "cuda s2=3": c(split2=3, min_blocks2=4),
         # batch-invariant mode's wgmma kernels (rows bitwise those of Triton's PREFILL)
         "cuda inv": cmd.WGMMA_DEFAULT,
         "cuda inv 1wg d6": replace(cmd.WGMMA_DEFAULT, warpgroups1=1, depth1=6, min_blocks1=1),
