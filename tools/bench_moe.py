@@ -423,7 +423,7 @@ def cuda_decode_candidates() -> dict:
         "cuda inv w2 d4 mb5": replace(cmd.WGMMA_DEFAULT, depth2=4, min_blocks2=5),
         "cuda inv w2 d3 mb5": replace(cmd.WGMMA_DEFAULT, depth2=3, min_blocks2=5),
         "cuda inv w2 2wg d6": replace(cmd.WGMMA_DEFAULT, warpgroups2=2),
-        # the weights in fragment order (cmd.fragment_layout): no byte exchange per K step
+        # the weights in fragment order (quant.fp4_fragment_order): no byte exchange per K step
         "cuda inv frag": replace(cmd.WGMMA_DEFAULT, fragment_weights=True),
         "cuda inv frag mb1 d4": replace(
             cmd.WGMMA_DEFAULT, fragment_weights=True, min_blocks1=1, depth1=4
@@ -487,9 +487,7 @@ def decode_candidate_rows(ts, names, split_ts=(1, 64), split_names=("m3",)) -> l
     cuda_cands = cuda_decode_candidates()
     g = torch.Generator(device="cuda").manual_seed(0)
     experts, per_expert = moe_layer_weights(g)
-    w1, s1, w3, s3, w2, s2 = experts
-    frag = cmd.fragment_layout
-    experts_frag = (frag(w1), s1, frag(w3), s3, frag(w2), s2)  # the same weights, fragment order
+    experts_frag = fragment_experts(experts)
     rows = []
     for t in ts:
         sets = moe_routed_inputs(t, 8, g)
@@ -658,31 +656,47 @@ def profile_once() -> None:
         torch.cuda.synchronize()
 
 
+def fragment_experts(experts):
+    """The same experts with w1, w3, w2 in `quant.fp4_fragment_order`."""
+    from deepinfer_kernels.quant import fp4_fragment_order as f
+
+    w1, s1, w3, s3, w2, s2 = experts
+    return f(w1), s1, f(w3), s3, f(w2), s2
+
+
 def prefill_head_rows() -> list[dict]:
     """PREFILL at T=8192 (eager, one routed batch): the committed module before this session
-    (HEAD_MOE, if present) and now, same run; the outputs compared bitwise."""
+    (HEAD_MOE, if present), now, and now on fragment-order weights, same run; the outputs
+    compared bitwise with now's."""
+    from dataclasses import replace
+
     from deepinfer_kernels.triton import moe as tmoe
 
     g = torch.Generator(device="cuda").manual_seed(0)
     experts, _ = moe_layer_weights(g)
     x, tw, ids = moe_routed_inputs(8192, 1, g)[0]
     flops = 6.0 * 8192 * MOE_K * MOE_D * MOE_I
-    mods = {"now": tmoe}
+    runs = {"now": (tmoe, experts, tmoe.PREFILL)}
     head = _load_head_moe()
     if head is not None:
-        mods = {"head": head, "now": tmoe}
+        runs["head"] = (head, experts, head.PREFILL)
+    # on fragment-order weights: PREFILL itself (its 64-wide K steps gather half of each 64-byte
+    # step: +17% in the eighth session), and 128-wide steps at 2 stages (+3%)
+    frag = fragment_experts(experts)
+    runs["now fragment"] = (tmoe, frag, replace(tmoe.PREFILL, fragment_weights=True))
+    frag_k128 = replace(tmoe.PREFILL, block_k=128, stages=2, fragment_weights=True)
+    runs["now fragment k128"] = (tmoe, frag, frag_k128)
     outs, rows = {}, []
-    for name, mod in mods.items():
+    for name, (mod, ws, cfg) in runs.items():
 
-        def fn(mod=mod):
-            return mod.moe_experts(x, tw, ids, *experts, MOE_LIMIT, config=mod.PREFILL)
+        def fn(mod=mod, ws=ws, cfg=cfg):
+            return mod.moe_experts(x, tw, ids, *ws, MOE_LIMIT, config=cfg)
 
         outs[name] = fn()
         ms = bench_ms(fn)
         rows.append(dict(name=name, ms=ms, tflops=flops / ms / 1e9))
-        print(f"prefill {name} T=8192: {ms:.3f} ms", flush=True)
-    if len(outs) == 2:
-        print(f"prefill head vs now bitwise equal: {torch.equal(outs['head'], outs['now'])}")
+        same = torch.equal(outs[name], outs["now"])
+        print(f"prefill {name} T=8192: {ms:.3f} ms (bitwise now's: {same})", flush=True)
     return rows
 
 

@@ -7,6 +7,7 @@ CPU the kernels run their F32_MATH paths (the same exact values through fp32; se
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 
 import torch
 from deepinfer_kernels import quant
@@ -55,6 +56,12 @@ CONFIGS = {
     "decode m3": M(16, 64, 64, 4, 4, 4, block_k=128, fp4_mode=3),
     "decode m3 prefetch": M(16, 64, 32, 4, 4, 4, block_k=128, fp4_mode=3, prefetch_scales=True),
 }
+# run on the same weights in `quant.fp4_fragment_order`: bitwise the rows of their counterpart
+FRAGMENT = {
+    "PREFILL fragment": (tmoe.PREFILL, "PREFILL"),
+    "fp4 words k2=64 fragment": ("fp4 words k2=64 stages2", "fp4 words k2=64 stages2"),
+    "decode n32 fragment": ("decode n32", "decode n32"),
+}
 
 
 def experts(e, d, i, gen, scale=0.1):
@@ -85,6 +92,16 @@ def main() -> None:
         ok = got.dtype == torch.bfloat16 and err < 1e-2
         print(f"{name:28s} rel err {err:.2e} {'ok' if ok else 'FAILED'}")
         if not ok:
+            failed.append(name)
+    f = quant.fp4_fragment_order
+    w1, s1, w3, s3, w2, s2 = ws
+    frag = (f(w1), s1, f(w3), s3, f(w2), s2)
+    for name, (cfg, twin) in FRAGMENT.items():
+        cfg = CONFIGS[cfg] if isinstance(cfg, str) else cfg
+        got = tmoe.moe_experts(x, tw, ids, *frag, 0.5, config=replace(cfg, fragment_weights=True))
+        same = torch.equal(got, tmoe.moe_experts(x, tw, ids, *ws, 0.5, config=CONFIGS[twin]))
+        print(f"{name:28s} {'bitwise its twin' if same else 'FAILED: not its twin'}")
+        if not same:
             failed.append(name)
     if failed:
         print("failed:", failed)

@@ -82,25 +82,6 @@ def test_fragment_weights_must_be_a_bool():
         md.MoeDecodeWgmmaConfig(fragment_weights=1)
 
 
-@settings(max_examples=20, deadline=None)
-@given(steps=st.integers(1, 4), rows=st.integers(1, 5), seed=st.integers(0, 2**16))
-def test_fragment_layout_puts_each_lanes_fragment_bytes_in_its_chunk(steps, rows, seed):
-    """Chunk t (16 bytes) of each 64-byte step holds bytes t, 4+t, 8+t, 12+t of group 0, then of
-    groups 1..3; nothing leaves its step, and every byte is kept."""
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randint(-128, 128, (2, rows, 64 * steps), generator=g, dtype=torch.int8)
-    f = md.fragment_layout(w)
-    assert f.shape == w.shape and f.dtype == w.dtype
-    for s in range(steps):
-        for t in range(4):
-            for c in range(4):
-                for b in range(4):
-                    got = f[..., 64 * s + 16 * t + 4 * c + b]
-                    assert torch.equal(got, w[..., 64 * s + 16 * c + 4 * b + t])
-    with pytest.raises(ValueError, match="multiple of 64"):
-        md.fragment_layout(w[..., :32])
-
-
 FRAGMENT = md.MoeDecodeWgmmaConfig(fragment_weights=True, min_blocks1=1, depth1=4)
 
 
@@ -312,15 +293,26 @@ def test_wgmma_rows_are_the_triton_prefill_tiles_bits(t, d, i, e, k):
 @needs_hopper
 @pytest.mark.parametrize(("t", "d", "i", "e", "k"), [(37, 512, 256, 32, 6), (16, *V41, 384, 6)])
 def test_fragment_order_weights_give_the_same_bits(t, d, i, e, k):
-    """The wgmma kernels on `fragment_layout` weights sum the same products in the same order as
-    on the checkpoint's layout: bitwise the same rows, for several schedules."""
+    """Every kernel that reads `fp4_fragment_order` weights sums the same products in the same
+    order as on the checkpoint's order: bitwise the same rows (the wgmma kernels for two
+    schedules, Triton's prefill and decode tiles)."""
+    from deepinfer_kernels.quant import fp4_fragment_order as f
+    from deepinfer_kernels.triton import moe as tmoe
+
     x, tw, ids, w1, s1, w3, s3, w2, s2 = _inputs(t, d, i, e, k, seed=5 + t)
-    want = md.moe_experts(x, tw, ids, w1, s1, w3, s3, w2, s2, 10.0, batch_invariant=True)
-    f = md.fragment_layout
+    ws = (w1, s1, w3, s3, w2, s2)
     frag = (f(w1), s1, f(w3), s3, f(w2), s2)
+    want = md.moe_experts(x, tw, ids, *ws, 10.0, batch_invariant=True)
     for cfg in (FRAGMENT, replace(md.WGMMA_DEFAULT, fragment_weights=True, tile_tokens=16)):
         got = md.moe_experts(x, tw, ids, *frag, 10.0, batch_invariant=True, config=cfg)
         assert torch.equal(got, want)
+    for cfg in (tmoe.PREFILL, tmoe.DECODE_WGMMA, tmoe.DECODE):
+        on_frag = replace(cfg, fragment_weights=True)
+        got = tmoe.moe_experts(x, tw, ids, *frag, 10.0, config=on_frag)
+        assert torch.equal(got, tmoe.moe_experts(x, tw, ids, *ws, 10.0, config=cfg))
+    # the invariant chain across tiers: Triton's prefill tiles on fragment order, the wgmma rows
+    prefill = replace(tmoe.PREFILL, fragment_weights=True)
+    assert torch.equal(tmoe.moe_experts(x, tw, ids, *frag, 10.0, config=prefill), want)
 
 
 @needs_hopper

@@ -289,3 +289,28 @@ def test_moe_config_rejects_unknown_fp4_mode():
     with pytest.raises(ValueError, match="fp4_mode"):
         tmoe.MoeConfig(16, 64, 64, 4, 4, 4, fp4_mode=4)
     assert tmoe.MoeConfig(16, 64, 64, 4, 4, 4, fp4_mode=3).fp4_mode == 3
+
+
+def test_moe_fragment_weights_need_words_and_128_wide_dims():
+    """Fragment-order weights (`quant.fp4_fragment_order`) are read as FP4 words in K steps of 64
+    or 128; D and I must be multiples of 128. Anything else is a ValueError naming it, raised
+    before any kernel runs."""
+    pytest.importorskip("triton")
+    from dataclasses import replace
+
+    from deepinfer_kernels.triton import moe as tmoe
+
+    with pytest.raises(ValueError, match="fragment_weights needs fp4_mode=2"):
+        tmoe.MoeConfig(16, 64, 64, 4, 4, 4, block_k=128, fp4_mode=3, fragment_weights=True)
+    with pytest.raises(ValueError, match="block_k=32"):
+        tmoe.MoeConfig(16, 64, 64, 4, 4, 4, block_k=32, fp4_mode=2, fragment_weights=True)
+    cfg = replace(tmoe.PREFILL, fragment_weights=True)
+    e, d, i = 4, 192, 128  # D = 192: not a multiple of 128
+    w = torch.zeros(e, i, d // 2, dtype=torch.int8)
+    s = torch.zeros(e, i, d // 32, dtype=torch.float8_e8m0fnu)
+    w2 = torch.zeros(e, d, i // 2, dtype=torch.int8)
+    s2 = torch.zeros(e, d, i // 32, dtype=torch.float8_e8m0fnu)
+    ids = torch.zeros(2, 1, dtype=torch.int64)
+    x = torch.zeros(2, d, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="multiples of 128, got D=192"):
+        tmoe.moe_experts(x, ids.float(), ids, w, s, w, s, w2, s2, 10.0, config=cfg)

@@ -210,3 +210,22 @@ def test_fake_quant_fp4_e4m3_scale():
             assert y[r, g * 16 : (g + 1) * 16].double().tolist() == pytest.approx(
                 want, rel=0, abs=0
             )
+
+
+@settings(max_examples=20, deadline=None)
+@given(steps=st.integers(1, 4), rows=st.integers(1, 5), seed=st.integers(0, 2**16))
+def test_fp4_fragment_order_puts_each_lanes_fragment_bytes_in_its_chunk(steps, rows, seed):
+    """Chunk t (16 bytes) of each 64-byte step holds bytes t, 4+t, 8+t, 12+t of group 0, then of
+    groups 1..3; nothing leaves its step, and every byte is kept."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randint(-128, 128, (2, rows, 64 * steps), generator=g, dtype=torch.int8)
+    f = quant.fp4_fragment_order(w)
+    assert f.shape == w.shape and f.dtype == w.dtype
+    for s in range(steps):
+        for t in range(4):
+            for c in range(4):
+                for b in range(4):
+                    got = f[..., 64 * s + 16 * t + 4 * c + b]
+                    assert torch.equal(got, w[..., 64 * s + 16 * c + 4 * b + t])
+    with pytest.raises(ValueError, match="multiple of 64"):
+        quant.fp4_fragment_order(w[..., :32])

@@ -204,6 +204,20 @@ def dequantize_fp4(
     return (values * scale.float().unsqueeze(-1)).flatten(-2).to(dtype)
 
 
+def fp4_fragment_order(packed: torch.Tensor) -> torch.Tensor:
+    """FP4 weights [..., N, K/2] (K a multiple of 128) with the bytes of each 64-byte K step (4
+    scale groups of 16 bytes) reordered so that 16-byte chunk t holds bytes t, 4+t, 8+t, 12+t of
+    group 0, then of groups 1, 2, 3. Those are the A-fragment bytes of lane t of an MMA quad
+    (rows g, g+8; K slots 2t, 2t+1, 2t+8, 2t+9 of each k16 step), so a kernel can feed each
+    16-byte load to the tensor cores without exchanging bytes between lanes. The scales do not
+    move. Read by the cuda tier's wgmma kernels and the Triton tier (`fragment_weights`)."""
+    kb = packed.shape[-1]
+    if kb % 64:
+        raise ValueError(f"fp4_fragment_order: K/2 = {kb} bytes per row must be a multiple of 64")
+    steps = packed.reshape(*packed.shape[:-1], kb // 64, 4, 4, 4)  # [.., group, word, byte]
+    return steps.transpose(-1, -3).transpose(-1, -2).reshape(packed.shape)
+
+
 # ---------------------------------------------------------------------------------------------
 # Activations
 # ---------------------------------------------------------------------------------------------

@@ -84,7 +84,7 @@ class MoeDecodeWgmmaConfig:
     register allocation must allow (1..8); warpgroups1 / warpgroups2, warpgroups per CTA (1 or
     2: 64 weight rows each, sharing the tile's activations in shared memory).
 
-    fragment_weights: w1, w3 and w2 are in `fragment_layout` order, which saves each K step the
+    fragment_weights: w1, w3 and w2 are in `quant.fp4_fragment_order`, which saves each K step the
     byte exchange through shared memory (the same sums: the same bits). No other tier reads that
     layout yet, so the registry never passes it; for such weights, min_blocks1=1 with depth1=4
     is the measured choice (the default W1/W3 schedule spills)."""
@@ -114,19 +114,6 @@ class MoeDecodeWgmmaConfig:
 
 WGMMA_DEFAULT = MoeDecodeWgmmaConfig()
 WGMMA_ROWS = 64  # weight rows per warpgroup (its M)
-
-
-def fragment_layout(w: torch.Tensor) -> torch.Tensor:
-    """FP4 weights [E, N, K/2] (K a multiple of 128) with the bytes of each 64-byte K step (4
-    scale groups of 16 bytes) reordered so that 16-byte chunk t holds bytes t, 4+t, 8+t, 12+t of
-    group 0, then of groups 1, 2, 3: the A-fragment bytes of lane t of a quad (rows g, g+8; K
-    slots 2t, 2t+1, 2t+8, 2t+9 of each k16 step), for `MoeDecodeWgmmaConfig(fragment_weights=
-    True)`. A permutation of bytes within each step: the scales do not move."""
-    e, n, kb = w.shape
-    if kb % 64:
-        raise ValueError(f"fragment_layout: K/2 = {kb} bytes per row must be a multiple of 64")
-    steps = w.reshape(e, n, kb // 64, 4, 4, 4)  # [.., group c, word i, byte j]; byte = 4 i + j
-    return steps.permute(0, 1, 2, 5, 3, 4).reshape(e, n, kb)
 
 
 Config = MoeDecodeCudaConfig | MoeDecodeWgmmaConfig
@@ -258,8 +245,8 @@ def moe_experts(
 ) -> torch.Tensor:
     """Routed FP4 experts (see the module docstring). x [T, D] bf16; topk_weights [T, k] fp32;
     topk_ids [T, k] (< 0: skipped); w1/w3 [E, I, D/2] int8 + s1/s3 [E, I, D/32] e8m0; w2
-    [E, D, I/2] + s2 [E, D, I/32] -> [T, D] bf16 (w1, w3, w2 in `fragment_layout` order when
-    config.fragment_weights). batch_invariant: the wgmma kernels (config: a
+    [E, D, I/2] + s2 [E, D, I/32] -> [T, D] bf16 (w1, w3, w2 in `quant.fp4_fragment_order`
+    when config.fragment_weights). batch_invariant: the wgmma kernels (config: a
     MoeDecodeWgmmaConfig, default WGMMA_DEFAULT); otherwise the mma.sync ones (DEFAULT), or
     whichever kernels `config` names."""
     from ..triton.moe import build_routing, combine

@@ -10,7 +10,7 @@
 // from which each thread reads bytes t, 4+t, 8+t, 12+t of every group (its natural fragment
 // slots (2t, 2t+1) and (2t+8, 2t+9) of the group's two k16 steps) as one word and expands them
 // exactly to bf16. With FRAGMENT_WEIGHTS the weights were stored in that order beforehand
-// (`moe_decode.fragment_layout`: chunk t of each 64-byte step holds bytes t, 4+t, 8+t, 12+t of
+// (`quant.fp4_fragment_order`: chunk t of each 64-byte step holds bytes t, 4+t, 8+t, 12+t of
 // the step's 4 groups), so each thread's 16-byte load is its fragment bytes: no exchange.
 // The routing tile's activations sit in shared memory in wgmma's K-major layout, loaded once.
 //

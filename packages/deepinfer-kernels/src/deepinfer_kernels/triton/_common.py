@@ -160,12 +160,10 @@ mov.b32 {$6, $7}, w;
 
 
 @triton.jit
-def fp4_words_to_bf16_scaled(words, scale_u8, ROWS: tl.constexpr, KW: tl.constexpr):
-    """words [ROWS, KW] int32 (8 e2m1 values each, the packed bytes read 4 at a time) with UE8M0
-    scales [ROWS, KW // 4] (one per 32 values) -> [ROWS, 8*KW] bf16 ``e2m1 * 2**(u - 127)``:
-    the values of `fp4_to_bf16_scaled(DIRECT=True)`, bit for bit, with packed integer ops (inline
-    PTX, so the GPU only; the same bf16-subnormal and u <= 128 conditions)."""
-    o = tl.inline_asm_elementwise(
+def _fp4x8_values(words):
+    """The 8 values of every int32 word (value k: nibble k), placed as bf16 e2m1 x 2**-126 by
+    `_FP4X8_TO_BF16_ASM`: a tuple of 8 tensors shaped like words."""
+    return tl.inline_asm_elementwise(
         _FP4X8_TO_BF16_ASM,
         "=h,=h,=h,=h,=h,=h,=h,=h,r",
         [words],
@@ -173,14 +171,56 @@ def fp4_words_to_bf16_scaled(words, scale_u8, ROWS: tl.constexpr, KW: tl.constex
         is_pure=True,
         pack=1,
     )
+
+
+@triton.jit
+def fp4_words_to_bf16_scaled(words, scale_u8, ROWS: tl.constexpr, KW: tl.constexpr):
+    """words [ROWS, KW] int32 (8 e2m1 values each, the packed bytes read 4 at a time) with UE8M0
+    scales [ROWS, KW // 4] (one per 32 values) -> [ROWS, 8*KW] bf16 ``e2m1 * 2**(u - 127)``:
+    the values of `fp4_to_bf16_scaled(DIRECT=True)`, bit for bit, with packed integer ops (inline
+    PTX, so the GPU only; the same bf16-subnormal and u <= 128 conditions)."""
+    o = _fp4x8_values(words)
     # value k = 4i + 2j + l of a word sits in output 4i + 2j + l: join so that the last joined
     # axis is the lowest bit of k
     lo = tl.join(tl.join(o[0], o[4]), tl.join(o[2], o[6]))
     hi = tl.join(tl.join(o[1], o[5]), tl.join(o[3], o[7]))
     v = tl.reshape(tl.join(lo, hi), (ROWS, 8 * KW))
+    return scale_groups(v, scale_u8, ROWS, 8 * KW)
+
+
+@triton.jit
+def fp4_fragment_words_to_bf16_scaled(words, scale_u8, ROWS: tl.constexpr, KW: tl.constexpr):
+    """`fp4_words_to_bf16_scaled` for words in `quant.fp4_fragment_order`: words [ROWS, KW]
+    ordered (lane t, group c) (KW = 4 x the groups, at most 4: one 64-byte step or its half),
+    where byte m of word (t, c) holds values 32c + 8m + 2t and +1 -> [ROWS, 8*KW] in natural K
+    order (GPU only)."""
+    CG: tl.constexpr = KW // 4
+    o = _fp4x8_values(words)
+    # output 2m + b of every word, [ROWS, 4 (t), CG] -> per m [ROWS, CG, 8 (t, b)]
+    m0 = _lane_pairs(o[0], o[1], ROWS, CG)
+    m1 = _lane_pairs(o[2], o[3], ROWS, CG)
+    m2 = _lane_pairs(o[4], o[5], ROWS, CG)
+    m3 = _lane_pairs(o[6], o[7], ROWS, CG)
+    j = tl.join(tl.join(m0, m2), tl.join(m1, m3))  # [ROWS, CG, 8 (t, b), m >> 1, m & 1]
+    v = tl.reshape(tl.permute(j, (0, 1, 3, 4, 2)), (ROWS, 8 * KW))  # K = 32c + 8m + 2t + b
+    return scale_groups(v, scale_u8, ROWS, 8 * KW)
+
+
+@triton.jit
+def _lane_pairs(even, odd, ROWS: tl.constexpr, CG: tl.constexpr):
+    """Values 2m and 2m + 1 of the words (t, c) [ROWS, 4 * CG] -> [ROWS, CG, 8], ordered (t, b)."""
+    e = tl.permute(tl.reshape(even, (ROWS, 4, CG)), (0, 2, 1))
+    o = tl.permute(tl.reshape(odd, (ROWS, 4, CG)), (0, 2, 1))
+    return tl.reshape(tl.join(e, o), (ROWS, CG, 8))
+
+
+@triton.jit
+def scale_groups(v, scale_u8, ROWS: tl.constexpr, K: tl.constexpr):
+    """v [ROWS, K] bf16 e2m1 values x 2**-126 (as the expansions place them) times 2**(u - 1)
+    per 32 values (UE8M0 bytes u [ROWS, K / 32], u <= 128) -> e2m1 x 2**(u - 127)."""
     s = ((scale_u8.to(tl.int32) + 126) << 23).to(tl.float32, bitcast=True).to(tl.bfloat16)
-    v3 = tl.reshape(v, (ROWS, KW // 4, 32)) * s[:, :, None]
-    return tl.reshape(v3, (ROWS, 8 * KW))
+    v3 = tl.reshape(v, (ROWS, K // 32, 32)) * s[:, :, None]
+    return tl.reshape(v3, (ROWS, K))
 
 
 @triton.jit

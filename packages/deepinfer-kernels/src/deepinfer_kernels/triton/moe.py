@@ -34,7 +34,12 @@ import triton.language as tl
 
 from .. import quant
 from ..quant import ACT_AMAX_FLOOR
-from ._common import fp4_expand, pow2_ceil_scale, quant_groups_fp8
+from ._common import (
+    fp4_expand,
+    fp4_fragment_words_to_bf16_scaled,
+    pow2_ceil_scale,
+    quant_groups_fp8,
+)
 from .quant import act_fake_quant_bf16, swiglu_quant_tile
 
 # ---------------------------------------------------------------------------------------------
@@ -186,10 +191,20 @@ class MoeConfig:
     stages2: int = 0  # pipeline stages of the W2 kernel (0: stages)
     prefetch_scales: bool = False  # load the next K step's scale bytes one step ahead
     cols_fast2: bool | None = None  # grid order of the W2 kernel (None: cols_fast)
+    # the weights are in `quant.fp4_fragment_order` (FP4 mode 2, K steps of 64 or 128; same
+    # sums). H200, T=8192: PREFILL on them 15.35 ms against 13.11 on the checkpoint's order (a
+    # 64-wide step gathers half of each 64-byte step), block_k=128 with 2 stages 13.54 ms
+    fragment_weights: bool = False
 
     def __post_init__(self) -> None:
         if self.fp4_mode not in (0, 1, 2, 3):
             raise ValueError(f"MoeConfig.fp4_mode must be 0, 1, 2 or 3, got {self.fp4_mode!r}")
+        steps = (self.block_k, self.block_k2 or self.block_k)
+        if self.fragment_weights and (self.fp4_mode != 2 or not set(steps) <= {64, 128}):
+            raise ValueError(
+                "MoeConfig.fragment_weights needs fp4_mode=2 and K steps of 64 or 128, got "
+                f"fp4_mode={self.fp4_mode}, block_k={self.block_k}, block_k2={self.block_k2}"
+            )
 
 
 DECODE = MoeConfig(16, 64, 64, 4, 4, 4, swap_ab=False, block_k=128, fp4_mode=2)
@@ -455,16 +470,21 @@ def _expand(
     BLOCK_K: tl.constexpr,
     MODE: tl.constexpr,
     F32_MATH: tl.constexpr,
+    FRAGMENT: tl.constexpr = False,
 ):
-    """`fp4_expand` on the GPU (MODE 3: `_fp4_words_scaled`). F32_MATH (the Triton interpreter on
-    CPU, whose bf16 arithmetic is wrong and which has no inline PTX): the same exact values
-    through fp32 (the fp16 placement of mode 0, then the power-of-two scale in fp32), from int8
-    bytes or int32 words (modes 2 and 3)."""
+    """`fp4_expand` on the GPU (MODE 3: `_fp4_words_scaled`; FRAGMENT: words in
+    `quant.fp4_fragment_order`, `fp4_fragment_words_to_bf16_scaled`). F32_MATH (the Triton
+    interpreter on CPU, whose bf16 arithmetic is wrong and which has no inline PTX): the same
+    exact values through fp32 (the fp16 placement of mode 0, then the power-of-two scale in fp32),
+    from int8 bytes or int32 words (modes 2 and 3)."""
     if F32_MATH:
         if MODE >= 2:  # int32 words: 8 nibbles each, lowest first
             w = packed.to(tl.uint32, bitcast=True)
             sh = tl.arange(0, 8) * 4
             nib = (w[:, :, None] >> sh[None, None, :]) & 0xF
+            if FRAGMENT:  # words (t, c), nibble 2m + b: value 32c + 8m + 2t + b
+                CG: tl.constexpr = BLOCK_K // 32
+                nib = tl.permute(tl.reshape(nib, (ROWS, 4, CG, 4, 2)), (0, 2, 3, 1, 4))
             nib = tl.reshape(nib, (ROWS, BLOCK_K)).to(tl.int32)
         else:
             p = packed.to(tl.uint8, bitcast=True).to(tl.int32)
@@ -474,6 +494,8 @@ def _expand(
         s = ((scale_u8.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
         v3 = tl.reshape(v, (ROWS, BLOCK_K // 32, 32)) * s[:, :, None]
         return tl.reshape(v3, (ROWS, BLOCK_K)).to(tl.bfloat16)
+    elif FRAGMENT:
+        return fp4_fragment_words_to_bf16_scaled(packed, scale_u8, ROWS, BLOCK_K // 8)
     elif MODE == 3:
         return _fp4_words_scaled(packed, scale_u8, ROWS, BLOCK_K // 8)
     else:
@@ -548,14 +570,15 @@ def _weight_step(
     [ROWS, BLOCK_K]. The order (weights, then scales, then expansion) is the one the decode SASS
     was measured in. Returns (expanded tile, the scales to pass as `s_ahead` next step; without
     PREFETCH `s_ahead` unchanged). SPEC: the kernel's constants (ROWS, BLOCK_K, FP4_MODE, S_WORDS,
-    PREFETCH, F32_MATH) as one tuple, built once per kernel (Triton 3.6 compiles indexing into a
-    constexpr tuple, not `*SPEC` unpacking)."""
+    PREFETCH, F32_MATH, FRAGMENT) as one tuple, built once per kernel (Triton 3.6 compiles
+    indexing into a constexpr tuple, not `*SPEC` unpacking)."""
     ROWS: tl.constexpr = SPEC[0]
     BLOCK_K: tl.constexpr = SPEC[1]
     FP4_MODE: tl.constexpr = SPEC[2]
     S_WORDS: tl.constexpr = SPEC[3]
     PREFETCH: tl.constexpr = SPEC[4]
     F32_MATH: tl.constexpr = SPEC[5]
+    FRAGMENT: tl.constexpr = SPEC[6]
     wq = tl.load(w_ptrs)
     if PREFETCH:
         cur = s_ahead
@@ -564,7 +587,7 @@ def _weight_step(
     else:
         cur = _scale_bytes(s_ptrs, offs_g, S_WORDS)
         nxt = s_ahead
-    return _expand(wq, cur, ROWS, BLOCK_K, FP4_MODE, F32_MATH), nxt
+    return _expand(wq, cur, ROWS, BLOCK_K, FP4_MODE, F32_MATH, FRAGMENT), nxt
 
 
 @triton.jit
@@ -605,6 +628,7 @@ def _tile_operands(
     BLOCK_K: tl.constexpr = SPEC[1]
     FP4_MODE: tl.constexpr = SPEC[2]
     S_WORDS: tl.constexpr = SPEC[3]
+    FRAGMENT: tl.constexpr = SPEC[6]
     offs_n = col * BLOCK_N + tl.arange(0, BLOCK_N)
     ncl = tl.where(offs_n < n, offs_n, 0).to(tl.int64)
     ex = expert.to(tl.int64)
@@ -612,6 +636,8 @@ def _tile_operands(
     PACK: tl.constexpr = 8 if FP4_MODE >= 2 else 2  # values per weight element (int32 / int8)
     offs_k = tl.arange(0, BLOCK_K)
     offs_p = tl.arange(0, BLOCK_K // PACK)
+    if FRAGMENT and BLOCK_K == 64:  # groups 0, 1 of a 64-byte step: words (t, c) at 4t + c
+        offs_p = 4 * (offs_p // 2) + offs_p % 2
     offs_g = tl.arange(0, KG)
     a_ptrs = a_ptr + a_rows[:, None] * a_stride + offs_k[None, :]
     w_off = ex * stride_we + ncl[:, None] * stride_wn + offs_p[None, :]
@@ -620,6 +646,19 @@ def _tile_operands(
     else:
         s_off = ex * stride_se + ncl[:, None] * stride_sn + offs_g[None, :]
     return a_ptrs, offs_n, w_off, s_off, offs_g, BLOCK_K // PACK, 1 if S_WORDS else KG
+
+
+@triton.jit
+def _w_advance(k0, W_STEP: tl.constexpr, SPEC: tl.constexpr):
+    """How far the weight pointers move after the K step at k0: W_STEP elements, except for
+    fragment-order weights read 64 values at a time (FP4 words), whose second half-step sits 2
+    words into the same 64-byte step and whose next step 14 words after that."""
+    BLOCK_K: tl.constexpr = SPEC[1]
+    FRAGMENT: tl.constexpr = SPEC[6]
+    if FRAGMENT and BLOCK_K == 64:
+        return tl.where((k0 // 64) % 2 == 0, 2, 14)
+    else:
+        return W_STEP
 
 
 @triton.jit
@@ -751,6 +790,7 @@ def _w13_kernel(
     COLS_FAST: tl.constexpr = False,
     PREFETCH: tl.constexpr = False,
     F32_MATH: tl.constexpr = False,
+    FRAGMENT: tl.constexpr = False,
 ):
     """Rows of one expert's tile: gate/up = x_hat W1^T, x_hat W3^T (x_hat: bf16-expanded FP8 x,
     gathered by token), then h = swiglu(gate, up) * weight, quantised per 32 to FP8 and written
@@ -761,7 +801,7 @@ def _w13_kernel(
         return
     _, rows, rmask = _tile_rows(tiles_ptr, tile, BLOCK_M)
     tok = tl.load(tok_ptr + rows, mask=rmask, other=0).to(tl.int64)
-    SPEC: tl.constexpr = (BLOCK_N, BLOCK_K, FP4_MODE, S_WORDS, PREFETCH, F32_MATH)
+    SPEC: tl.constexpr = (BLOCK_N, BLOCK_K, FP4_MODE, S_WORDS, PREFETCH, F32_MATH, FRAGMENT)
     a_ptrs, offs_n, w_off, s_off, offs_g, W_STEP, S_STEP = _tile_operands(
         xa_ptr, tok, D, expert, col, I, stride_we, stride_wn, stride_se, stride_sn, SPEC
     )
@@ -784,8 +824,9 @@ def _w13_kernel(
         acc_g = _tile_dot(a16, b1, acc_g, SWAP_AB, F32_MATH)
         acc_u = _tile_dot(a16, b3, acc_u, SWAP_AB, F32_MATH)
         a_ptrs += BLOCK_K
-        w1_ptrs += W_STEP
-        w3_ptrs += W_STEP
+        w_step = _w_advance(k0, W_STEP, SPEC)
+        w1_ptrs += w_step
+        w3_ptrs += w_step
         s1_ptrs += S_STEP
         s3_ptrs += S_STEP
     if SWAP_AB:
@@ -823,6 +864,7 @@ def _w2_kernel(
     COLS_FAST: tl.constexpr = False,
     PREFETCH: tl.constexpr = False,
     F32_MATH: tl.constexpr = False,
+    FRAGMENT: tl.constexpr = False,
 ):
     """y = h_hat W2^T for one expert's tile of sorted rows, rounded to y's dtype."""
     tile, col = _program_tile(tl.cdiv(D, BLOCK_N), COLS_FAST)
@@ -831,7 +873,7 @@ def _w2_kernel(
         return
     row0, rows, rmask = _tile_rows(tiles_ptr, tile, BLOCK_M)
     r64 = tl.where(rmask, rows, row0).to(tl.int64)
-    SPEC: tl.constexpr = (BLOCK_N, BLOCK_K, FP4_MODE, S_WORDS, PREFETCH, F32_MATH)
+    SPEC: tl.constexpr = (BLOCK_N, BLOCK_K, FP4_MODE, S_WORDS, PREFETCH, F32_MATH, FRAGMENT)
     a_ptrs, offs_n, w_off, s_off, offs_g, W_STEP, S_STEP = _tile_operands(
         h_ptr, r64, I, expert, col, D, stride_we, stride_wn, stride_se, stride_sn, SPEC
     )
@@ -844,7 +886,7 @@ def _w2_kernel(
         b16, sc = _weight_step(w_ptrs, s_ptrs, sc, offs_g, k0 + BLOCK_K < I, SPEC)
         acc = _tile_dot(a16, b16, acc, SWAP_AB, F32_MATH)
         a_ptrs += BLOCK_K
-        w_ptrs += W_STEP
+        w_ptrs += _w_advance(k0, W_STEP, SPEC)
         s_ptrs += S_STEP
     if SWAP_AB:
         acc = tl.trans(acc)
@@ -905,7 +947,8 @@ def moe_experts(
     batch_invariant: bool = False,
     config: MoeConfig | None = None,
 ) -> torch.Tensor:
-    """Routed FP4 experts on the GPU; same contract and numerics as `ref.moe.moe_experts`."""
+    """Routed FP4 experts on the GPU; same contract and numerics as `ref.moe.moe_experts`
+    (w1, w3, w2 in `quant.fp4_fragment_order` when config.fragment_weights: the same sums)."""
     t, d = x.shape
     k = topk_ids.shape[1]
     e, i = w1.shape[0], w1.shape[1]
@@ -916,6 +959,11 @@ def moe_experts(
     for name, s in (("s1", s1), ("s3", s3), ("s2", s2)):
         if s.dtype != torch.float8_e8m0fnu:  # ops.moe routes other scale dtypes to ref
             raise NotImplementedError(f"triton moe_experts: {name} must be float8_e8m0fnu")
+    if cfg.fragment_weights and (d % 128 or i % 128):
+        raise ValueError(
+            f"triton moe_experts: fragment-order weights need D and I multiples of 128, got "
+            f"D={d}, I={i}"
+        )
     route = build_routing(topk_weights, topk_ids, e, cfg.block_m)
     if x.is_cuda:
         xa = act_fake_quant_bf16(x)
@@ -973,6 +1021,7 @@ def moe_experts(
         COLS_FAST=cfg.cols_fast,
         PREFETCH=cfg.prefetch_scales,
         F32_MATH=f32_math,
+        FRAGMENT=cfg.fragment_weights,
         num_warps=cfg.warps1,
         num_stages=cfg.stages,
     )
@@ -997,6 +1046,7 @@ def moe_experts(
         COLS_FAST=cols_fast2,
         PREFETCH=cfg.prefetch_scales,
         F32_MATH=f32_math,
+        FRAGMENT=cfg.fragment_weights,
         num_warps=cfg.warps2,
         num_stages=cfg.stages2 or cfg.stages,
     )
