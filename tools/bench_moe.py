@@ -505,9 +505,10 @@ def decode_candidate_rows(ts, names, split_ts=(1, 64), split_names=("m3",)) -> l
         for name in names:
             if name in cuda_cands:
                 cfg = cuda_cands[name]
-                ws = experts_frag if getattr(cfg, "fragment_weights", False) else experts
-                fns[name] = lambda x, tw, ids, cfg=cfg, ws=ws: cmd.moe_experts(
-                    x, tw, ids, *ws, MOE_LIMIT, config=cfg
+                frag = getattr(cfg, "fragment_weights", False)
+                ws = experts_frag if frag else experts
+                fns[name] = lambda x, tw, ids, cfg=cfg, ws=ws, frag=frag: cmd.moe_experts(
+                    x, tw, ids, *ws, MOE_LIMIT, config=cfg, fragment_order=frag
                 )
             else:
                 fns[name] = lambda x, tw, ids, cfg=cands[name]: tmoe.moe_experts(
@@ -680,17 +681,17 @@ def prefill_head_rows() -> list[dict]:
     head = _load_head_moe()
     if head is not None:
         runs["head"] = (head, experts, head.PREFILL)
-    # on fragment-order weights: PREFILL itself (its 64-wide K steps gather half of each 64-byte
-    # step: +17% in the eighth session), and 128-wide steps at 2 stages (+3%)
+    # on fragment-order weights: PREFILL's own tiles (its 64-wide K steps gather half of each
+    # 64-byte step: +17% in the eighth session), and PREFILL_FRAGMENT (+3%)
     frag = fragment_experts(experts)
     runs["now fragment"] = (tmoe, frag, replace(tmoe.PREFILL, fragment_weights=True))
-    frag_k128 = replace(tmoe.PREFILL, block_k=128, stages=2, fragment_weights=True)
-    runs["now fragment k128"] = (tmoe, frag, frag_k128)
+    runs["now PREFILL_FRAGMENT"] = (tmoe, frag, tmoe.PREFILL_FRAGMENT)
     outs, rows = {}, []
     for name, (mod, ws, cfg) in runs.items():
+        order = dict(fragment_order=True) if cfg.fragment_weights else {}
 
-        def fn(mod=mod, ws=ws, cfg=cfg):
-            return mod.moe_experts(x, tw, ids, *ws, MOE_LIMIT, config=cfg)
+        def fn(mod=mod, ws=ws, cfg=cfg, order=order):
+            return mod.moe_experts(x, tw, ids, *ws, MOE_LIMIT, config=cfg, **order)
 
         outs[name] = fn()
         ms = bench_ms(fn)

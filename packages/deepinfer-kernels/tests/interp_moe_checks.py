@@ -98,7 +98,8 @@ def main() -> None:
     frag = (f(w1), s1, f(w3), s3, f(w2), s2)
     for name, (cfg, twin) in FRAGMENT.items():
         cfg = CONFIGS[cfg] if isinstance(cfg, str) else cfg
-        got = tmoe.moe_experts(x, tw, ids, *frag, 0.5, config=replace(cfg, fragment_weights=True))
+        on_frag = replace(cfg, fragment_weights=True)
+        got = tmoe.moe_experts(x, tw, ids, *frag, 0.5, config=on_frag, fragment_order=True)
         same = torch.equal(got, tmoe.moe_experts(x, tw, ids, *ws, 0.5, config=CONFIGS[twin]))
         print(f"{name:28s} {'bitwise its twin' if same else 'FAILED: not its twin'}")
         if not same:

@@ -125,6 +125,23 @@ def test_direct_call_with_bad_arguments_is_a_value_error():
         md.moe_experts(*_cpu_call())
     with pytest.raises(ValueError, match=r"x is torch\.float32"):
         md.moe_experts(*_cpu_call(dtype=torch.float32))
+    with pytest.raises(ValueError, match=r"the mma\.sync kernels .* read the checkpoint's order"):
+        md.moe_experts(*_cpu_call(), fragment_order=True)
+    with pytest.raises(ValueError, match=r"config\.fragment_weights=False but fragment_order=True"):
+        md.moe_experts(
+            *_cpu_call(), batch_invariant=True, config=md.WGMMA_DEFAULT, fragment_order=True
+        )
+    with pytest.raises(ValueError, match="config must be a MoeDecodeWgmmaConfig"):
+        md.moe_experts(*_cpu_call(), batch_invariant=True, config=md.DEFAULT)
+
+
+def test_fragment_order_reasons():
+    """Fragment-order weights: only batch-invariant mode's wgmma kernels read them here (the
+    registry then falls through to the Triton tier)."""
+    args = _cpu_call(d=128, i=128)
+    assert "mma.sync" in moe_experts_cuda_supports(*args, fragment_order=True)
+    inv = dict(batch_invariant=True, fragment_order=True)
+    assert moe_experts_cuda_supports(*args, **inv) == "input on cpu"
 
 
 def test_missing_nvrtc_is_a_reason_not_a_crash(monkeypatch):
@@ -303,33 +320,40 @@ def test_fragment_order_weights_give_the_same_bits(t, d, i, e, k):
     ws = (w1, s1, w3, s3, w2, s2)
     frag = (f(w1), s1, f(w3), s3, f(w2), s2)
     want = md.moe_experts(x, tw, ids, *ws, 10.0, batch_invariant=True)
+    inv = dict(batch_invariant=True, fragment_order=True)
     for cfg in (FRAGMENT, replace(md.WGMMA_DEFAULT, fragment_weights=True, tile_tokens=16)):
-        got = md.moe_experts(x, tw, ids, *frag, 10.0, batch_invariant=True, config=cfg)
-        assert torch.equal(got, want)
+        assert torch.equal(md.moe_experts(x, tw, ids, *frag, 10.0, config=cfg, **inv), want)
     for cfg in (tmoe.PREFILL, tmoe.DECODE_WGMMA, tmoe.DECODE):
         on_frag = replace(cfg, fragment_weights=True)
-        got = tmoe.moe_experts(x, tw, ids, *frag, 10.0, config=on_frag)
+        got = tmoe.moe_experts(x, tw, ids, *frag, 10.0, config=on_frag, fragment_order=True)
         assert torch.equal(got, tmoe.moe_experts(x, tw, ids, *ws, 10.0, config=cfg))
     # the invariant chain across tiers: Triton's prefill tiles on fragment order, the wgmma rows
-    prefill = replace(tmoe.PREFILL, fragment_weights=True)
-    assert torch.equal(tmoe.moe_experts(x, tw, ids, *frag, 10.0, config=prefill), want)
+    prefill = tmoe.moe_experts(x, tw, ids, *frag, 10.0, config=tmoe.PREFILL_FRAGMENT, **inv)
+    assert torch.equal(prefill, want)
 
 
 @needs_hopper
-def test_ops_rows_do_not_change_across_the_decode_prefill_switch():
+@pytest.mark.parametrize("fragment_order", [False, True])
+def test_ops_rows_do_not_change_across_the_decode_prefill_switch(fragment_order):
     """Batch-invariant mode through the registry: the whole batch is prefill-sized (the Triton
-    tier), its slices decode-sized (this tier's wgmma kernels); every row is bitwise the same."""
+    tier), its slices decode-sized (this tier's wgmma kernels); every row is bitwise the same,
+    and the same on fragment-order weights as on the checkpoint's order."""
     from deepinfer_kernels import REGISTRY, ops
+    from deepinfer_kernels.quant import fp4_fragment_order as f
 
-    x, tw, ids, *ws = _inputs(200, 512, 256, 16, 6, seed=21)
+    x, tw, ids, w1, s1, w3, s3, w2, s2 = _inputs(200, 512, 256, 16, 6, seed=21)
+    ws = (f(w1), s1, f(w3), s3, f(w2), s2) if fragment_order else (w1, s1, w3, s3, w2, s2)
+    order = dict(fragment_order=fragment_order)
     with REGISTRY.batch_invariant_mode():
-        inv = dict(batch_invariant=True)
+        inv = dict(batch_invariant=True, **order)
         assert REGISTRY.resolve("moe_experts", x, tw, ids, *ws, 10.0, **inv).tier == "triton"
-        full = ops.moe_experts(x, tw, ids, *ws, 10.0)
+        full = ops.moe_experts(x, tw, ids, *ws, 10.0, **order)
+        checkpoint = ops.moe_experts(x, tw, ids, w1, s1, w3, s3, w2, s2, 10.0)
+        assert torch.equal(full, checkpoint)
         for lo, hi in ((0, 1), (57, 58), (199, 200), (3, 24)):
             part = (x[lo:hi], tw[lo:hi], ids[lo:hi], *ws, 10.0)
             assert REGISTRY.resolve("moe_experts", *part, **inv).tier == "cuda"
-            assert torch.equal(ops.moe_experts(*part), full[lo:hi])
+            assert torch.equal(ops.moe_experts(*part, **order), full[lo:hi])
 
 
 @needs_hopper

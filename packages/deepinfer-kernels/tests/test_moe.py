@@ -312,5 +312,26 @@ def test_moe_fragment_weights_need_words_and_128_wide_dims():
     s2 = torch.zeros(e, d, i // 32, dtype=torch.float8_e8m0fnu)
     ids = torch.zeros(2, 1, dtype=torch.int64)
     x = torch.zeros(2, d, dtype=torch.bfloat16)
+    args = (x, ids.float(), ids, w, s, w, s, w2, s2, 10.0)
     with pytest.raises(ValueError, match="multiples of 128, got D=192"):
-        tmoe.moe_experts(x, ids.float(), ids, w, s, w, s, w2, s2, 10.0, config=cfg)
+        tmoe.moe_experts(*args, config=cfg, fragment_order=True)
+    with pytest.raises(ValueError, match="fragment_weights=True but fragment_order=False"):
+        tmoe.moe_experts(*args, config=cfg)
+
+
+def test_moe_experts_on_fragment_order_weights():
+    """`fragment_order=True` with the weights in `quant.fp4_fragment_order`: the same results
+    (bitwise) as the checkpoint's order; D and I must be multiples of 128 (a ValueError)."""
+    gen = torch.Generator().manual_seed(13)
+    t, d, i, e, k = 5, 128, 256, 4, 2
+    x = torch.randn(t, d, generator=gen).bfloat16()
+    w1, s1, w3, s3, w2, s2 = _experts(e, d, i, gen)
+    f = quant.fp4_fragment_order
+    ids = torch.tensor([[0, 3], [3, 0], [1, -1], [0, 1], [3, 1]])
+    tw = torch.rand(t, k, generator=gen)
+    want = ops.moe_experts(x, tw, ids, w1, s1, w3, s3, w2, s2, 0.5)
+    got = ops.moe_experts(x, tw, ids, f(w1), s1, f(w3), s3, f(w2), s2, 0.5, fragment_order=True)
+    assert torch.equal(got, want)
+    ws = _experts(e, 64, i, gen)
+    with pytest.raises(ValueError, match="multiples of 128, got D=64, I=256"):
+        ops.moe_experts(x[:, :64], tw, ids, *ws, 0.5, fragment_order=True)

@@ -229,3 +229,14 @@ def test_fp4_fragment_order_puts_each_lanes_fragment_bytes_in_its_chunk(steps, r
                     assert torch.equal(got, w[..., 64 * s + 16 * c + 4 * b + t])
     with pytest.raises(ValueError, match="multiple of 64"):
         quant.fp4_fragment_order(w[..., :32])
+
+
+@settings(max_examples=20, deadline=None)
+@given(steps=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_fp4_checkpoint_order_inverts_the_fragment_order(steps, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randint(-128, 128, (3, 2, 64 * steps), generator=g, dtype=torch.int8)
+    assert torch.equal(quant.fp4_checkpoint_order(quant.fp4_fragment_order(w)), w)
+    assert torch.equal(quant.fp4_fragment_order(quant.fp4_checkpoint_order(w)), w)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        quant.fp4_checkpoint_order(w[..., :32])

@@ -218,6 +218,15 @@ def fp4_fragment_order(packed: torch.Tensor) -> torch.Tensor:
     return steps.transpose(-1, -3).transpose(-1, -2).reshape(packed.shape)
 
 
+def fp4_checkpoint_order(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of `fp4_fragment_order`: [..., N, K/2] bytes back in the checkpoint's order."""
+    kb = packed.shape[-1]
+    if kb % 64:
+        raise ValueError(f"fp4_checkpoint_order: K/2 = {kb} bytes per row must be a multiple of 64")
+    steps = packed.reshape(*packed.shape[:-1], kb // 64, 4, 4, 4)  # [.., lane, group, word]
+    return steps.transpose(-1, -2).transpose(-1, -3).reshape(packed.shape)
+
+
 # ---------------------------------------------------------------------------------------------
 # Activations
 # ---------------------------------------------------------------------------------------------

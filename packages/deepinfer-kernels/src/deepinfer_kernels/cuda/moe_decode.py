@@ -85,9 +85,8 @@ class MoeDecodeWgmmaConfig:
     2: 64 weight rows each, sharing the tile's activations in shared memory).
 
     fragment_weights: w1, w3 and w2 are in `quant.fp4_fragment_order`, which saves each K step the
-    byte exchange through shared memory (the same sums: the same bits). No other tier reads that
-    layout yet, so the registry never passes it; for such weights, min_blocks1=1 with depth1=4
-    is the measured choice (the default W1/W3 schedule spills)."""
+    byte exchange through shared memory (the same sums: the same bits); WGMMA_FRAGMENT is the
+    default for such weights."""
 
     tile_tokens: int = 8
     depth1: int = 3
@@ -113,6 +112,10 @@ class MoeDecodeWgmmaConfig:
 
 
 WGMMA_DEFAULT = MoeDecodeWgmmaConfig()
+WGMMA_FRAGMENT = MoeDecodeWgmmaConfig(fragment_weights=True, min_blocks1=1, depth1=4)
+"""On fragment-order weights (the default W1/W3 schedule spills there: the loaded words now live
+until their group's wgmma). H200, two runs: 1.06-1.10x the mma.sync kernels at T=1, 1.11-1.23x at
+T=16..256, against 1.23-1.36x for the checkpoint's order (NOTES.md, eighth session)."""
 WGMMA_ROWS = 64  # weight rows per warpgroup (its M)
 
 
@@ -159,6 +162,24 @@ def shape_reason(d: int, i: int, cfg: Config = DEFAULT) -> str | None:
         return f"I={i} must be a multiple of {16 * cfg.rt1} (rt1={cfg.rt1})"
     if d % (16 * cfg.rt2):
         return f"D={d} must be a multiple of {16 * cfg.rt2} (rt2={cfg.rt2})"
+    return None
+
+
+def order_reason(batch_invariant: bool, config: Config | None, fragment_order: bool) -> str | None:
+    """Why these kernels cannot take this mode, config and weight order together, or None."""
+    if batch_invariant and config is not None and not isinstance(config, MoeDecodeWgmmaConfig):
+        return (
+            "batch-invariant mode runs the wgmma kernels, so config must be a "
+            f"MoeDecodeWgmmaConfig, got {config!r}"
+        )
+    if fragment_order and not batch_invariant and config is None:
+        return (
+            "fragment-order weights: the mma.sync kernels (outside batch-invariant mode) read the "
+            "checkpoint's order"
+        )
+    weights = getattr(config, "fragment_weights", False)
+    if config is not None and weights != fragment_order:
+        return f"config.fragment_weights={weights} but fragment_order={fragment_order}"
     return None
 
 
@@ -242,22 +263,24 @@ def moe_experts(
     *,
     batch_invariant: bool = False,
     config: Config | None = None,
+    fragment_order: bool = False,
 ) -> torch.Tensor:
     """Routed FP4 experts (see the module docstring). x [T, D] bf16; topk_weights [T, k] fp32;
     topk_ids [T, k] (< 0: skipped); w1/w3 [E, I, D/2] int8 + s1/s3 [E, I, D/32] e8m0; w2
-    [E, D, I/2] + s2 [E, D, I/32] -> [T, D] bf16 (w1, w3, w2 in `quant.fp4_fragment_order`
-    when config.fragment_weights). batch_invariant: the wgmma kernels (config: a
+    [E, D, I/2] + s2 [E, D, I/32] -> [T, D] bf16. batch_invariant: the wgmma kernels (config: a
     MoeDecodeWgmmaConfig, default WGMMA_DEFAULT); otherwise the mma.sync ones (DEFAULT), or
-    whichever kernels `config` names."""
+    whichever kernels `config` names. fragment_order: w1, w3, w2 are in
+    `quant.fp4_fragment_order`, which only the wgmma kernels read (default WGMMA_FRAGMENT; a
+    config must then have fragment_weights)."""
     from ..triton.moe import build_routing, combine
     from ..triton.quant import act_fake_quant_bf16
 
-    cfg = config or (WGMMA_DEFAULT if batch_invariant else DEFAULT)
-    if batch_invariant and not isinstance(cfg, MoeDecodeWgmmaConfig):
-        raise ValueError(
-            "cuda moe_experts: batch-invariant mode runs the wgmma kernels, so config must be a "
-            f"MoeDecodeWgmmaConfig, got {cfg!r}"
-        )
+    why = order_reason(batch_invariant, config, fragment_order)
+    if why is not None:
+        raise ValueError(f"cuda moe_experts: {why}")
+    cfg = config or (
+        WGMMA_FRAGMENT if fragment_order else WGMMA_DEFAULT if batch_invariant else DEFAULT
+    )
     t, d = x.shape
     e, i = w1.shape[0], w1.shape[1]
     why = call_reason(x, w1, {"s1": s1, "s3": s3, "s2": s2}, cfg)

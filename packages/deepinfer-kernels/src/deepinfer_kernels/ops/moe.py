@@ -68,27 +68,38 @@ def moe_gate_gpu_supports(x: torch.Tensor, weight: torch.Tensor, *args: object, 
     return cuda_input_reason(x)
 
 
-def moe_experts_gpu_supports(x: torch.Tensor, *args: object, **kw: object) -> str | None:
-    """Why the Triton experts cannot run these arguments, or None (scales must be UE8M0)."""
+def moe_experts_gpu_supports(
+    x: torch.Tensor, *args: object, fragment_order: bool = False, **kw: object
+) -> str | None:
+    """Why the Triton experts cannot run these arguments, or None (scales must be UE8M0;
+    fragment-order weights need D and I multiples of 128)."""
     for name, s in zip(("s1", "s3", "s2"), (args[3], args[5], args[7]), strict=True):
         if isinstance(s, torch.Tensor) and s.dtype != torch.float8_e8m0fnu:
             return f"{name} is {s.dtype}, the Triton experts read float8_e8m0fnu scales"
+    w1 = args[2]
+    if fragment_order and isinstance(w1, torch.Tensor) and (x.shape[1] % 128 or w1.shape[1] % 128):
+        return (
+            f"fragment-order weights need D and I multiples of 128, got {x.shape[1]}, {w1.shape[1]}"
+        )
     return cuda_input_reason(x)
 
 
 def moe_experts_cuda_supports(
     x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w1: torch.Tensor,
     s1: torch.Tensor, w3: torch.Tensor, s3: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
-    *args: object, batch_invariant: bool = False, **kw: object,
+    *args: object, batch_invariant: bool = False, fragment_order: bool = False, **kw: object,
 ) -> str | None:  # fmt: skip
     """Why the cuda decode experts (`cuda/moe_decode.py`) cannot run these arguments, or None:
     they take decode-sized routing in bf16 with UE8M0 scales (batch-invariant mode: the wgmma
-    kernels, whose dims must be multiples of 128)."""
-    from ..cuda.moe_decode import DEFAULT, WGMMA_DEFAULT, call_reason
+    kernels, whose dims must be multiples of 128; fragment-order weights: those kernels only)."""
+    from ..cuda.moe_decode import DEFAULT, WGMMA_DEFAULT, WGMMA_FRAGMENT, call_reason, order_reason
 
     if topk_ids.numel() > 8 * w1.shape[0]:
         return "prefill-sized routing (pairs > 8 x experts)"
-    cfg = WGMMA_DEFAULT if batch_invariant else DEFAULT
+    why = order_reason(batch_invariant, None, fragment_order)
+    if why is not None:
+        return why
+    cfg = WGMMA_FRAGMENT if fragment_order else WGMMA_DEFAULT if batch_invariant else DEFAULT
     return call_reason(x, w1, {"s1": s1, "s3": s3, "s2": s2}, cfg)
 
 
@@ -143,6 +154,8 @@ def moe_experts(
     w2: torch.Tensor,
     s2: torch.Tensor,
     swiglu_limit: float,
+    *,
+    fragment_order: bool = False,
 ) -> torch.Tensor:
     """Routed FP4 experts, summed with their routing weights.
 
@@ -150,7 +163,9 @@ def moe_experts(
     clamp); every linear quantises its input per 32 to FP8 (UE8M0) and expands FP4 e2m1 weights.
     x [T, D]; topk_weights [T, k] fp32; topk_ids [T, k] int64 (negative: not on this rank, skipped);
     w1, w3 [E, I, D/2] int8 with s1, s3 [E, I, D/32] e8m0; w2 [E, D, I/2] int8 with s2
-    [E, D, I/32] e8m0 -> [T, D] x.dtype (expert outputs summed in fp32).
+    [E, D, I/32] e8m0 -> [T, D] x.dtype (expert outputs summed in fp32). fragment_order: w1, w3,
+    w2 are in `quant.fp4_fragment_order` (K a multiple of 128: D and I), which lets
+    batch-invariant mode's decode kernels skip a byte exchange per K step (the same results).
     """
     need_dtype(x, "x", *FLOAT_DTYPES)
     need(x.dim() == 2, f"x must be [T, D], got {list(x.shape)}")
@@ -185,6 +200,10 @@ def moe_experts(
         need(list(s.shape) == want, f"{name} must be {want}, got {list(s.shape)}")
         need_dtype(s, name, torch.float8_e8m0fnu, torch.float32)
     need(
+        not fragment_order or (d % 128 == 0 and i % 128 == 0),
+        f"fragment-order weights need D and I multiples of 128, got D={d}, I={i}",
+    )
+    need(
         bool((topk_ids < e).all()) if topk_ids.numel() and not topk_ids.is_cuda else True,
         f"topk_ids must be < E={e}",
     )
@@ -201,4 +220,5 @@ def moe_experts(
         s2,
         float(swiglu_limit),
         batch_invariant=REGISTRY.batch_invariant,
+        fragment_order=fragment_order,
     )

@@ -69,10 +69,13 @@ def moe_experts(
     swiglu_limit: float,
     *,
     batch_invariant: bool = False,
+    fragment_order: bool = False,
 ) -> torch.Tensor:
     """x [T, D]; topk_weights [T, k] fp32; topk_ids [T, k] int64 (< 0: skip);
     w1/w3 [E, I, D/2] int8 with s1/s3 [E, I, D/32] e8m0; w2 [E, D, I/2] with s2 [E, D, I/32]
-    -> [T, D] x.dtype."""
+    -> [T, D] x.dtype. fragment_order: w1, w3, w2 are in `quant.fp4_fragment_order`."""
+    if fragment_order:
+        w1, w3, w2 = (quant.fp4_checkpoint_order(w) for w in (w1, w3, w2))
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in torch.unique(topk_ids[topk_ids >= 0]).tolist():
         rows, slots = torch.nonzero(topk_ids == e, as_tuple=True)

@@ -26,7 +26,7 @@ dots and its fp32 -> bf16 / fp8 conversions are wrong (Triton 3.8).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -233,15 +233,25 @@ against 20.7 ms = 168 for the former MoeConfig(128, 64, 64, 8, 8, 3, block_k=64)
 NOTES.md, "MoE prefill, fourth session"."""
 
 
-def pick_config(pairs: int, experts: int, batch_invariant: bool) -> MoeConfig:
+PREFILL_FRAGMENT = replace(PREFILL, block_k=128, stages=2, fragment_weights=True)
+"""PREFILL on weights in `quant.fp4_fragment_order`: 128-wide K steps (a 64-wide step gathers half
+of each 64-byte step), 2 stages. H200, T=8192: 13.54 ms against PREFILL's 13.11 on the
+checkpoint's order and 15.35 with PREFILL's own steps; the same bits (NOTES.md, eighth session)."""
+
+
+def pick_config(
+    pairs: int, experts: int, batch_invariant: bool, fragment_order: bool = False
+) -> MoeConfig:
     """Decode-sized routing (few rows per expert) takes 16-row tiles; prefill 64-row tiles.
 
     In batch-invariant mode only wgmma configurations are used: their row results do not depend
     on the tile shape (measured, see triton/linear.py), and no configuration splits K.
+    fragment_order: the same tiles on weights in `quant.fp4_fragment_order` (PREFILL_FRAGMENT).
     """
-    if pairs <= 8 * experts:
-        return DECODE_WGMMA if batch_invariant else DECODE
-    return PREFILL
+    if pairs > 8 * experts:
+        return PREFILL_FRAGMENT if fragment_order else PREFILL
+    cfg = DECODE_WGMMA if batch_invariant else DECODE
+    return replace(cfg, fragment_weights=True) if fragment_order else cfg
 
 
 @dataclass
@@ -946,16 +956,23 @@ def moe_experts(
     *,
     batch_invariant: bool = False,
     config: MoeConfig | None = None,
+    fragment_order: bool = False,
 ) -> torch.Tensor:
     """Routed FP4 experts on the GPU; same contract and numerics as `ref.moe.moe_experts`
-    (w1, w3, w2 in `quant.fp4_fragment_order` when config.fragment_weights: the same sums)."""
+    (fragment_order: w1, w3, w2 in `quant.fp4_fragment_order`, the same sums; a config must
+    then have fragment_weights)."""
     t, d = x.shape
     k = topk_ids.shape[1]
     e, i = w1.shape[0], w1.shape[1]
+    if config is not None and config.fragment_weights != fragment_order:
+        raise ValueError(
+            f"triton moe_experts: config.fragment_weights={config.fragment_weights} but "
+            f"fragment_order={fragment_order}"
+        )
     out = torch.empty_like(x)
     if t == 0 or k == 0:
         return out.zero_()
-    cfg = config or pick_config(t * k, e, batch_invariant)
+    cfg = config or pick_config(t * k, e, batch_invariant, fragment_order)
     for name, s in (("s1", s1), ("s3", s3), ("s2", s2)):
         if s.dtype != torch.float8_e8m0fnu:  # ops.moe routes other scale dtypes to ref
             raise NotImplementedError(f"triton moe_experts: {name} must be float8_e8m0fnu")
