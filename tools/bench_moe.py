@@ -39,30 +39,38 @@ def moe_routed_inputs(t: int, n_sets: int, g: torch.Generator):
     return sets
 
 
-def registry_moe_experts(batch_invariant: bool):
+def registry_moe_experts(batch_invariant: bool, fragment_order: bool = False):
     """ops.moe_experts as the engine calls it (the registry's choice per size: the cuda tier at
-    decode sizes, Triton at prefill sizes), in batch-invariant mode or not."""
+    decode sizes, Triton at prefill sizes), in batch-invariant mode or not, on weights in the
+    checkpoint's order or in `quant.fp4_fragment_order`."""
     from deepinfer_kernels import REGISTRY, ops
 
     def fn(*args):
         if not batch_invariant:
-            return ops.moe_experts(*args)
+            return ops.moe_experts(*args, fragment_order=fragment_order)
         with REGISTRY.batch_invariant_mode():
-            return ops.moe_experts(*args)
+            return ops.moe_experts(*args, fragment_order=fragment_order)
 
     return fn
 
 
 def moe_rows(tokens_list, quick):
-    """moe_routing, moe_experts through the registry (graph replay at decode sizes; eager, in
-    auto and batch-invariant mode) against a torch loop, and the gate."""
+    """moe_routing, moe_experts through the registry (graph replay at decode sizes, and eager) in
+    auto mode, batch-invariant mode, and batch-invariant mode on fragment-order weights
+    (`inv frag`), against a torch loop; and the gate."""
     from deepinfer_kernels import quant
     from deepinfer_kernels.triton import moe as tmoe
 
     d, i, e, k, limit = MOE_D, MOE_I, MOE_E, MOE_K, MOE_LIMIT
     g = torch.Generator(device="cuda").manual_seed(0)
     (w1, s1, w3, s3, w2, s2), per_expert_bytes = moe_layer_weights(g)
-    calls = {inv: registry_moe_experts(inv) for inv in (False, True)}
+    weights = {"auto": (w1, s1, w3, s3, w2, s2), "inv": (w1, s1, w3, s3, w2, s2)}
+    weights["inv frag"] = fragment_experts(weights["auto"])
+    calls = {
+        "auto": registry_moe_experts(False),
+        "inv": registry_moe_experts(True),
+        "inv frag": registry_moe_experts(True, fragment_order=True),
+    }
     rows = []
     for t in tokens_list:
         sets = moe_routed_inputs(t, 8 if t <= 256 else 1, g)
@@ -103,31 +111,23 @@ def moe_rows(tokens_list, quick):
                 mm_only_ms=float("nan"),
             )
         )
-        if t <= 256:
-            ms_graph = bench_graphs(
-                lambda x, tw, ids: calls[False](x, tw, ids, w1, s1, w3, s3, w2, s2, limit), sets
-            )
-            rows.append(
-                dict(
-                    op="moe_experts[graph]",
-                    shape=f"T={t} E=384 k=6 D=5120 I=2304",
-                    ms=ms_graph,
-                    flops=flops,
-                    bytes=nbytes,
-                    torch_ms=t_torch,
-                    mm_only_ms=float("nan"),
+        timings = []  # (row name, ms)
+        for name, call in calls.items():
+
+            def fn(x, tw, ids, call=call, ws=weights[name]):
+                return call(x, tw, ids, *ws, limit)
+
+            if t <= 256:
+                timings.append(
+                    (f"graph {name}" if name != "auto" else "graph", bench_graphs(fn, sets))
                 )
-            )
-        for name, inv in (("auto", False), ("inv", True)):
-            fn = Rotating(
-                lambda x, tw, ids, inv=inv: calls[inv](x, tw, ids, w1, s1, w3, s3, w2, s2, limit),
-                sets,
-            )
+            timings.append((name, bench_ms(Rotating(fn, sets))))
+        for name, ms in timings:
             rows.append(
                 dict(
                     op=f"moe_experts[{name}]",
                     shape=f"T={t} E=384 k=6 D=5120 I=2304",
-                    ms=bench_ms(fn),
+                    ms=ms,
                     flops=flops,
                     bytes=nbytes,
                     torch_ms=t_torch,
