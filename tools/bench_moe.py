@@ -428,6 +428,18 @@ def cuda_decode_candidates() -> dict:
         "cuda inv frag mb1 d4": replace(
             cmd.WGMMA_DEFAULT, fragment_weights=True, min_blocks1=1, depth1=4
         ),
+        # spill-free W1/W3 schedules with 1 warpgroup per CTA, for large T: 1.23-1.35x cuda at
+        # T=64/256, against 1.16/1.19 for "cuda inv frag" (which spills) and 1.20/1.24 for
+        # WGMMA_FRAGMENT in the same run (eighth session)
+        "cuda inv frag 1wg mb2 d3": replace(
+            cmd.WGMMA_FRAGMENT, warpgroups1=1, min_blocks1=2, depth1=3
+        ),
+        "cuda inv frag 1wg mb2 d4": replace(
+            cmd.WGMMA_FRAGMENT, warpgroups1=1, min_blocks1=2, depth1=4
+        ),
+        "cuda inv frag 1wg mb3 d2": replace(
+            cmd.WGMMA_FRAGMENT, warpgroups1=1, min_blocks1=3, depth1=2
+        ),
         # measured before (NOTES.md): split1=2 / 5 / 8, 16-token tiles, min_blocks 2 / 4, W2 with
         # 2 row tiles x 4 warps; L2 prefetches, the L2 fetch size and a dependent W2 launch
         # (eighth session, not kept)
