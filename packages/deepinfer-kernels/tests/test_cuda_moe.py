@@ -82,7 +82,7 @@ def test_fragment_weights_must_be_a_bool():
         md.MoeDecodeWgmmaConfig(fragment_weights=1)
 
 
-FRAGMENT = md.MoeDecodeWgmmaConfig(fragment_weights=True, min_blocks1=1, depth1=4)
+FRAGMENT = md.WGMMA_FRAGMENT
 
 
 def test_shape_reasons():

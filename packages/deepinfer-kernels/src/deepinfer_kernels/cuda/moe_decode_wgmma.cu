@@ -207,6 +207,14 @@ struct Stream {
   }
 };
 
+// The stream's per-warp byte-exchange scratch (none with FRAGMENT_WEIGHTS: nothing to exchange).
+static __device__ __forceinline__ void give_scratch(Stream& st, int warp) {
+#if !FRAGMENT_WEIGHTS
+  __shared__ __align__(16) u8 scratch[4 * WG][SCRATCH_BYTES];
+  st.scratch = (u32)__cvta_generic_to_shared(scratch[warp]);
+#endif
+}
+
 // Where a CTA stands: its routing tile, the thread's lane roles and the CTA's first weight row.
 struct Place : TilePlace {
   int row0;
@@ -265,17 +273,12 @@ moe_w13(const u8* __restrict__ xa,  // [T, K_DIM] bf16: FP8 activations expanded
         u16* __restrict__ h,                      // [P, N_DIM] bf16
         float limit, float amax_floor) {
   extern __shared__ __align__(128) u8 x_tile[];
-#if !FRAGMENT_WEIGHTS
-  __shared__ __align__(16) u8 scratch[4 * WG][SCRATCH_BYTES];
-#endif
   __shared__ float half_amax[4 * WG][NB];  // each warp's amax per token over its 16 rows
   const Place p = place(tiles);
   if (p.expert < 0) return;
   float acc[MATS][TOKG][4] = {};
   Stream st(acc);
-#if !FRAGMENT_WEIGHTS
-  st.scratch = (u32)__cvta_generic_to_shared(scratch[p.warp]);
-#endif
+  give_scratch(st, p.warp);
   start(st, p, x_tile, xa, [&](int n) { return sorted_token[p.first + n]; });
   aim(st, 0, p, w1, s1);
   aim(st, 1, p, w3, s3);
@@ -327,16 +330,11 @@ moe_w2(const u8* __restrict__ h,                              // [P, K_DIM] bf16
        const int* __restrict__ tiles,                         // [tiles, 3]
        u16* __restrict__ y) {                                 // [P, N_DIM] bf16
   extern __shared__ __align__(128) u8 x_tile[];
-#if !FRAGMENT_WEIGHTS
-  __shared__ __align__(16) u8 scratch[4 * WG][SCRATCH_BYTES];
-#endif
   const Place p = place(tiles);
   if (p.expert < 0) return;
   float acc[MATS][TOKG][4] = {};
   Stream st(acc);
-#if !FRAGMENT_WEIGHTS
-  st.scratch = (u32)__cvta_generic_to_shared(scratch[p.warp]);
-#endif
+  give_scratch(st, p.warp);
   start(st, p, x_tile, h, [&](int n) { return p.first + n; });
   aim(st, 0, p, w2, s2);
   run(st);
