@@ -20,6 +20,7 @@ else
   files=("$k"/test_gpu*.py "$k"/test_decode_gemm_gpu.py
          "$k"/test_cuda_moe.py
          packages/deepinfer-model/tests/test_cuda_graph.py
+         packages/deepinfer-model/tests/test_moe_weight_order.py
          packages/deepinfer-sampling/tests/test_topk_triton.py
          packages/deepinfer-sampling/tests/test_sampler.py)
 fi

@@ -357,6 +357,17 @@ def test_ops_rows_do_not_change_across_the_decode_prefill_switch(fragment_order)
 
 
 @needs_hopper
+def test_fragment_order_pays_in_invariant_mode_here():
+    from deepinfer_kernels import REGISTRY, ops
+
+    with REGISTRY.batch_invariant_mode():
+        assert ops.moe_fragment_order_pays(*V41, "cuda")
+        assert not ops.moe_fragment_order_pays(5120, 2304 + 32, "cuda")  # I not a multiple of 128
+    with REGISTRY.batch_invariant_mode(False):
+        assert not ops.moe_fragment_order_pays(*V41, "cuda")
+
+
+@needs_hopper
 def test_cuda_graph_replay_on_new_routing():
     from gpu_checks import assert_graph_replays_new_routing
 

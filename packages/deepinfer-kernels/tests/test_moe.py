@@ -335,3 +335,14 @@ def test_moe_experts_on_fragment_order_weights():
     ws = _experts(e, 64, i, gen)
     with pytest.raises(ValueError, match="multiples of 128, got D=64, I=256"):
         ops.moe_experts(x[:, :64], tw, ids, *ws, 0.5, fragment_order=True)
+
+
+def test_fragment_order_pays_only_in_invariant_mode_on_the_cuda_tier():
+    """`ops.moe_fragment_order_pays` on CPU: never (the ref tier un-permutes), whatever the mode
+    and dims. The GPU side (True in batch-invariant mode on Hopper) is in test_cuda_moe.py."""
+    from deepinfer_kernels import REGISTRY
+
+    for on in (False, True):
+        with REGISTRY.batch_invariant_mode(on):
+            assert not ops.moe_fragment_order_pays(5120, 2304, "cpu")
+            assert not ops.moe_fragment_order_pays(5120, 2304, torch.device("cpu"))

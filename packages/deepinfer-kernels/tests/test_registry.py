@@ -90,6 +90,13 @@ def test_no_tier_left_lists_the_reasons():
         reg.call("op", torch.zeros(1))
 
 
+def test_tiers_lists_the_statically_capable_tiers_best_first():
+    reg = _registry(_impl("ref"), _impl("triton", devices=("cuda",)), _impl("tilelang"))
+    assert reg.tiers("op", "cpu") == ["tilelang", "ref"]
+    reg.configure(KernelSettings(overrides={"op": "ref"}))
+    assert reg.tiers("op", torch.device("cpu")) == ["ref"]
+
+
 def test_override_selects_a_lower_tier():
     reg = _registry(_impl("ref"), _impl("triton"), overrides={"op": "ref"})
     assert reg.call("op", torch.zeros(1)) == "ref"

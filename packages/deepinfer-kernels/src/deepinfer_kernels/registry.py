@@ -173,6 +173,11 @@ class OpRegistry:
             self._static[key] = found
         return found
 
+    def tiers(self, op: str, device: torch.device | str) -> list[str]:
+        """The tiers that can run `op` on `device` before any argument check (device type,
+        capability, installed modules, overrides), best first: a call tries them in this order."""
+        return [i.tier for i in self._candidates(op, torch.device(device))]
+
     def _target(self, target: str) -> Callable[..., Any]:
         fn = self._loaded.get(target)
         if fn is None:

@@ -348,6 +348,9 @@ def load_checkpoint_into(
                 f"the model expects {target.dtype}"
             )
 
+    from deepinfer_model.layers.linear import use_checkpoint_order_
+
+    use_checkpoint_order_(model)  # the copies below write the checkpoint's bytes in place
     report = LoadReport(skipped_vision=vision)
     bar = tqdm(reader.shards, desc="loading shards", unit="shard", disable=not progress)
     with torch.no_grad():

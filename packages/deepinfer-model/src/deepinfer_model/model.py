@@ -239,8 +239,9 @@ def init_random_(model: Model, seed: int = 0, *, expert_codes: bool = False) -> 
     real expert count). Same bytes for a seed on the same device type."""
     from deepinfer_kernels import quant
 
-    from .layers.linear import FP4Weight, FP8Linear
+    from .layers.linear import FP4Weight, FP8Linear, use_checkpoint_order_
 
+    use_checkpoint_order_(model)  # the expert bytes below are written in the checkpoint's order
     g = torch.Generator().manual_seed(seed)
 
     def randn(*shape: int, std: float) -> torch.Tensor:

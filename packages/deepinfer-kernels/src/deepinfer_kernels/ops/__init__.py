@@ -8,7 +8,7 @@ from .engram import engram_gate
 from .indexer import candidate_blocks, index_topk, indexer_scores
 from .linear import fp8_gemm, fp8_linear
 from .mhc import hc_mixes, hc_post, hc_pre, hc_split_sinkhorn
-from .moe import moe_experts, moe_gate
+from .moe import moe_experts, moe_fragment_order_pays, moe_gate
 from .norm import rms_norm
 from .quant import (
     act_quant_fp8,
@@ -36,6 +36,7 @@ __all__ = [
     "index_topk",
     "indexer_scores",
     "moe_experts",
+    "moe_fragment_order_pays",
     "moe_gate",
     "rms_norm",
     "rms_norm_act_quant_fp8",

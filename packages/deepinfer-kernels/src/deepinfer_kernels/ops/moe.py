@@ -103,6 +103,22 @@ def moe_experts_cuda_supports(
     return call_reason(x, w1, {"s1": s1, "s3": s3, "s2": s2}, cfg)
 
 
+def moe_fragment_order_pays(dim: int, inter: int, device: torch.device | str) -> bool:
+    """Whether `moe_experts` runs faster here on expert weights in `quant.fp4_fragment_order`
+    (pass `fragment_order=True`) than on the checkpoint's byte order, for experts of hidden size
+    `dim` and intermediate size `inter`. True in batch-invariant mode when the cuda tier serves
+    MoE on `device` (its wgmma kernels then skip a byte exchange per K step: on the H200 1.02-1.10x
+    the auto kernels at one token instead of 1.20-1.27x; NOTES.md). Elsewhere the checkpoint's
+    order is as fast or faster: the mma.sync kernels read only it, the ref tier un-permutes."""
+    if not REGISTRY.batch_invariant or dim % 128 or inter % 128:
+        return False
+    device = torch.device(device)
+    if device.type != "cuda":
+        return False
+    tiers = REGISTRY.tiers("moe_experts", device)
+    return bool(tiers) and tiers[0] == "cuda"
+
+
 def moe_gate(
     x: torch.Tensor,
     weight: torch.Tensor,

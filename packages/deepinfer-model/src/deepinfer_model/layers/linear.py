@@ -79,13 +79,50 @@ class Linear(nn.Module):
 
 
 class FP4Weight(nn.Module):
-    """One FP4 e2m1 expert matrix: weight [out, in/2] int8, scale [out, in/32] e8m0."""
+    """One FP4 e2m1 expert matrix: weight [out, in/2] int8, scale [out, in/32] e8m0.
+
+    `fragment_order`: whether `weight` holds its bytes in `quant.fp4_fragment_order` (the MoE
+    layer switches it with `set_fragment_order_` where the kernels run faster so). The state
+    dict stays in the checkpoint's order either way: `state_dict()` returns checkpoint-order
+    copies and `load_state_dict` takes checkpoint order, but `state_dict(keep_vars=True)` gives
+    the live parameter, so an in-place writer of checkpoint bytes calls
+    `use_checkpoint_order_` on the model first (as the loader does).
+    """
 
     def __init__(self, in_features: int, out_features: int, device=None) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.weight = _frozen((out_features, in_features // 2), torch.int8, device)
         self.scale = _frozen((out_features, in_features // 32), SCALE_DTYPE, device)
+        self.fragment_order = False
+
+    @torch.no_grad()
+    def set_fragment_order_(self, fragment_order: bool) -> None:
+        """Reorder `weight`'s bytes in place (through one temporary of its size)."""
+        if fragment_order != self.fragment_order:
+            order = quant.fp4_fragment_order if fragment_order else quant.fp4_checkpoint_order
+            self.weight.copy_(order(self.weight))
+            self.fragment_order = fragment_order
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.fragment_order and not keep_vars:
+            key = prefix + "weight"
+            destination[key] = quant.fp4_checkpoint_order(destination[key])
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        key = prefix + "weight"
+        if self.fragment_order and getattr(state_dict.get(key), "shape", None) == self.weight.shape:
+            state_dict[key] = quant.fp4_fragment_order(state_dict[key])
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+def use_checkpoint_order_(model: nn.Module) -> None:
+    """Put every FP4 expert matrix of `model` back in the checkpoint's byte order: call before
+    writing checkpoint bytes into the parameters in place."""
+    for module in model.modules():
+        if isinstance(module, FP4Weight):
+            module.set_fragment_order_(False)
 
 
 class RMSNorm(nn.Module):

@@ -91,14 +91,30 @@ class SharedExpert(nn.Module):
 
 
 class MoE(nn.Module):
-    """x [T, D] -> [T, D]. `n_experts`/`topk` differ for the DSpark stages."""
+    """x [T, D] -> [T, D]. `n_experts`/`topk` differ for the DSpark stages.
+
+    fragment_order: None keeps the expert bytes in whichever order `ops.moe_experts` runs
+    faster on for each call's device and kernel mode (`ops.moe_fragment_order_pays`; switching
+    reorders them in place, expert by expert); True / False fixes the order."""
 
     def __init__(
-        self, config: ModelConfig, n_experts: int, topk: int, dtype: torch.dtype, device=None
+        self,
+        config: ModelConfig,
+        n_experts: int,
+        topk: int,
+        dtype: torch.dtype,
+        device=None,
+        fragment_order: bool | None = None,
     ) -> None:
         super().__init__()
         d, inter = config.hidden_size, config.moe_intermediate_size
         self.limit = config.swiglu_limit
+        if fragment_order and (d % 128 or inter % 128):
+            raise ValueError(
+                f"MoE: fragment-order expert weights need hidden and intermediate sizes that are "
+                f"multiples of 128, got {d} and {inter}"
+            )
+        self.fragment_order = fragment_order
         self.gate = Gate(config, n_experts, topk, dtype, device)
         self.experts = nn.ModuleList(Expert(d, inter, device) for _ in range(n_experts))
         self.shared_experts = SharedExpert(
@@ -116,7 +132,8 @@ class MoE(nn.Module):
         """The expert weights as [E, ...] stacks (`w1.weight`, `w1.scale`, ...).
 
         Built on first use; afterwards every expert parameter is a view into its stack, so no
-        weight is held twice and in-place loads (`param.copy_`) update the stack. Moving the
+        weight is held twice and in-place loads (`param.copy_`) update the stack (write
+        checkpoint-order bytes only after `use_checkpoint_order_`, see `FP4Weight`). Moving the
         module or `load_state_dict` (also with `assign=True`) rebuilds the stacks.
         """
         if not self._stacks:
@@ -129,8 +146,22 @@ class MoE(nn.Module):
                     self._stacks[f"{name}.{part}"] = st
         return self._stacks
 
+    def _use_order(self, device: torch.device) -> bool:
+        """The byte order this call's experts get, reordering them in place when it changed (all
+        matrices of the layer are in one order, so the first one tells)."""
+        first = self.experts[0].w1
+        want = self.fragment_order
+        if want is None:
+            want = ops.moe_fragment_order_pays(first.in_features, first.out_features, device)
+        if want != first.fragment_order:
+            for e in self.experts:
+                for m in (e.w1, e.w2, e.w3):
+                    m.set_fragment_order_(want)
+        return want
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
+        fragment_order = self._use_order(x.device)
         st = self.stacked()
         routed = ops.moe_experts(
             x,
@@ -143,5 +174,6 @@ class MoE(nn.Module):
             st["w2.weight"],
             st["w2.scale"],
             self.limit,
+            fragment_order=fragment_order,
         )
         return (routed.float() + self.shared_experts(x).float()).to(x.dtype)
