@@ -92,6 +92,16 @@ def test_shape_reasons():
     assert md.shape_reason(96, 64, md.MoeDecodeCudaConfig(rt2=2)) is None
 
 
+def test_default_kernels_by_mode_and_size():
+    assert md.pick_config(False, False, 1) == md.SMALL
+    assert md.pick_config(False, False, md.SMALL_TOKENS) == md.SMALL
+    assert md.pick_config(False, False, md.SMALL_TOKENS + 1) == md.DEFAULT
+    # the same sums: the splits decide the bits
+    assert (md.SMALL.split1, md.SMALL.split2) == (md.DEFAULT.split1, md.DEFAULT.split2)
+    assert md.pick_config(True, False, 1) == md.WGMMA_DEFAULT
+    assert md.pick_config(True, True, 1) == md.WGMMA_FRAGMENT
+
+
 def _cpu_call(t=4, d=64, i=64, e=8, k=2, dtype=torch.bfloat16):
     x = torch.zeros(t, d, dtype=dtype)
     ids = torch.zeros(t, k, dtype=torch.int64)
@@ -277,10 +287,11 @@ def test_close_to_ref(t, d, i, e, k, cfg):
 @needs_hopper
 def test_rows_do_not_depend_on_the_batch():
     """A token's output is bitwise the same alone and in any batch: each mma column is one token,
-    K is split by shape only, and the combine sums a token's rows in expert order."""
+    K is split by shape only, and the combine sums a token's rows in expert order (the slices of
+    at most SMALL_TOKENS tokens run SMALL's kernels, the rest DEFAULT's)."""
     x, tw, ids, *ws = _inputs(48, 512, 256, 64, 6, seed=7)
     full = md.moe_experts(x, tw, ids, *ws, 10.0)
-    for lo, hi in ((0, 1), (47, 48), (5, 21)):
+    for lo, hi in ((0, 1), (47, 48), (5, 21), (9, 9 + md.SMALL_TOKENS)):
         assert torch.equal(md.moe_experts(x[lo:hi], tw[lo:hi], ids[lo:hi], *ws, 10.0), full[lo:hi])
 
 
@@ -372,6 +383,7 @@ def test_cuda_graph_replay_on_new_routing():
     from gpu_checks import assert_graph_replays_new_routing
 
     assert_graph_replays_new_routing(md.moe_experts, 8, 512, 256, 32, 6)
+    assert_graph_replays_new_routing(md.moe_experts, md.SMALL_TOKENS, 512, 256, 32, 6)
 
 
 @needs_hopper

@@ -74,6 +74,11 @@ class MoeDecodeCudaConfig:
 
 
 DEFAULT = MoeDecodeCudaConfig()
+SMALL = MoeDecodeCudaConfig(depth=2, min_blocks1=2, min_blocks2=4)
+"""DEFAULT's splits (the same bits) with two K steps of loads in flight, for calls of at most
+SMALL_TOKENS tokens: there a W1/W3 CTA streams its rows once and the loads in flight per warp set
+the pace; beyond, the fewer CTAs per SM cost more than the depth gives (NOTES.md, ninth session)."""
+SMALL_TOKENS = 4
 
 
 @dataclass(frozen=True)
@@ -183,6 +188,15 @@ def order_reason(batch_invariant: bool, config: Config | None, fragment_order: b
     return None
 
 
+def pick_config(batch_invariant: bool, fragment_order: bool, tokens: int) -> Config:
+    """The kernels that a call of `tokens` tokens runs when it names no config."""
+    if fragment_order:
+        return WGMMA_FRAGMENT
+    if batch_invariant:
+        return WGMMA_DEFAULT
+    return SMALL if tokens <= SMALL_TOKENS else DEFAULT
+
+
 def call_reason(
     x: torch.Tensor,
     w1: torch.Tensor,
@@ -268,20 +282,18 @@ def moe_experts(
     """Routed FP4 experts (see the module docstring). x [T, D] bf16; topk_weights [T, k] fp32;
     topk_ids [T, k] (< 0: skipped); w1/w3 [E, I, D/2] int8 + s1/s3 [E, I, D/32] e8m0; w2
     [E, D, I/2] + s2 [E, D, I/32] -> [T, D] bf16. batch_invariant: the wgmma kernels (config: a
-    MoeDecodeWgmmaConfig, default WGMMA_DEFAULT); otherwise the mma.sync ones (DEFAULT), or
-    whichever kernels `config` names. fragment_order: w1, w3, w2 are in
-    `quant.fp4_fragment_order`, which only the wgmma kernels read (default WGMMA_FRAGMENT; a
-    config must then have fragment_weights)."""
+    MoeDecodeWgmmaConfig, default WGMMA_DEFAULT); otherwise the mma.sync ones (SMALL up to
+    SMALL_TOKENS tokens, else DEFAULT: the same bits), or whichever kernels `config` names.
+    fragment_order: w1, w3, w2 are in `quant.fp4_fragment_order`, which only the wgmma kernels
+    read (default WGMMA_FRAGMENT; a config must then have fragment_weights)."""
     from ..triton.moe import build_routing, combine
     from ..triton.quant import act_fake_quant_bf16
 
     why = order_reason(batch_invariant, config, fragment_order)
     if why is not None:
         raise ValueError(f"cuda moe_experts: {why}")
-    cfg = config or (
-        WGMMA_FRAGMENT if fragment_order else WGMMA_DEFAULT if batch_invariant else DEFAULT
-    )
     t, d = x.shape
+    cfg = config or pick_config(batch_invariant, fragment_order, t)
     e, i = w1.shape[0], w1.shape[1]
     why = call_reason(x, w1, {"s1": s1, "s3": s3, "s2": s2}, cfg)
     if why is not None:
