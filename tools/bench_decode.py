@@ -15,10 +15,12 @@ CHAIN_L = 16
 """Calls per captured graph in the chained harness: L distinct weight sets (> L2 in total)."""
 
 
-PARTS = ("dense", "probes", "shapes", "prefill", "moe")
+PARTS = ("dense", "probes", "shapes", "prefill", "moe", "dense64")
 """`decode4_rows`' sections, in the order they run: dense 5120x8192 at M = 64 / 32 / 16 / 1 with
 the TileLang candidates; floor probes; 2112x7168 and 32768x1280 at M = 64 / 16 / 1 with the
-candidates; batch-invariant mode at prefill sizes (eager); the MoE layer."""
+candidates; batch-invariant mode at prefill sizes (eager); the MoE layer; (only when named)
+5120x8192 and 32768x1280 at M = 64 with the 128-row-tile candidates."""
+DEFAULT_PARTS = PARTS[:-1]
 
 
 def _tile_configs():
@@ -37,6 +39,13 @@ def _tile_configs():
         "t64g2 d2 st4 mb3 r72": T(64, 64, 0, 4, 3, depth=2, consumer_regs=72, token_groups=2),
         "t32g2 d1 st4 mb4": T(64, 32, 0, 4, 4, token_groups=2),
         "t16g2 d1 st4 mb4": T(64, 16, 0, 4, 4, token_groups=2),
+        # ninth session: 128-row weight tiles (two consumer warpgroups share each stage's
+        # activation tile: half the activation bytes per weight byte at 64 tokens)
+        # (H200, 16-call graphs: 5120x8192 29.8-30.4 us vs 24.8 for the default, 160 CTAs on
+        # 132 SMs; 32768x1280 19.8-20.3 vs 20.5; not kept)
+        "t64n128 d1 st3 mb2 r104": T(128, 64, 0, 3, 2, consumer_regs=104),
+        "t64n128 d1 st4 mb2 r104": T(128, 64, 0, 4, 2, consumer_regs=104),
+        "t64n128 d1 st3 mb2": T(128, 64, 0, 3, 2),
     }
     return fourth, fifth
 
@@ -255,6 +264,9 @@ def decode4_rows(rows: list | None = None, parts: tuple[str, ...] = PARTS):
         dense(5120, 8192, (64, 32, 16, 1))
     if "probes" in parts:
         probes()
+    if "dense64" in parts:  # the 64-token rows and the 128-row-tile candidates only
+        dense(5120, 8192, (64,), only="n128")
+        dense(32768, 1280, (64,), only="n128")
     if "shapes" in parts:
         dense(2112, 7168, (64, 16, 1), only="t64g2")
         dense(32768, 1280, (64, 16, 1), only="t64g2")
@@ -293,7 +305,8 @@ def print_decode4_table(rows, copy_gbs: float) -> None:
 
 def main() -> None:
     """`python tools/bench_decode.py [PART ...]` (on the GPU machine; parts from PARTS, default
-    all): the decode4 rows and their table, JSON under $OUT (timing helpers from bench_common)."""
+    DEFAULT_PARTS): the decode4 rows and their table, JSON under $OUT (timing helpers from
+    bench_common)."""
     import json
     import os
     import signal
@@ -305,7 +318,7 @@ def main() -> None:
         sys.exit("bench_decode: needs a CUDA GPU")
     copy_gbs = measure_copy_gbs()
     print(f"copy ceiling {copy_gbs:.0f} GB/s", flush=True)
-    parts = tuple(sys.argv[1:]) or PARTS
+    parts = tuple(sys.argv[1:]) or DEFAULT_PARTS
     bad = [p for p in parts if p not in PARTS]
     if bad:
         sys.exit(f"bench_decode: unknown part(s) {bad}; choose from {list(PARTS)}")
