@@ -78,7 +78,7 @@ SMALL = MoeDecodeCudaConfig(depth=2, min_blocks1=2, min_blocks2=4)
 """DEFAULT's splits (the same bits) with two K steps of loads in flight, for calls of at most
 SMALL_TOKENS tokens: there a W1/W3 CTA streams its rows once and the loads in flight per warp set
 the pace; beyond, the fewer CTAs per SM cost more than the depth gives (NOTES.md, ninth session)."""
-SMALL_TOKENS = 4
+SMALL_TOKENS = 2
 
 
 @dataclass(frozen=True)
