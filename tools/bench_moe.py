@@ -407,7 +407,8 @@ def cuda_decode_candidates() -> dict:
     c = cmd.MoeDecodeCudaConfig
     return {
         "cuda": cmd.DEFAULT,
-        "cuda d2": c(depth=2, min_blocks1=2, min_blocks2=4),  # two K steps of loads in flight
+        # two K steps of loads in flight (-6% at T=1, worse from T=6; ninth session)
+        "cuda d2": c(depth=2, min_blocks1=2, min_blocks2=4),
         "cuda d2 s2=4": c(depth=2, min_blocks1=2, split2=4, min_blocks2=2),
         "cuda s2=4": c(split2=4, min_blocks2=3),
         # one W1/W3 wave at T=1 (432 CTAs; 396 slots at split1=4, min_blocks1=3): T=1 -2..+2%,
@@ -417,6 +418,9 @@ def cuda_decode_candidates() -> dict:
         "cuda s1=2": c(split1=2, min_blocks1=6),
         # W2 at 3 warps (10.9 warps per SM at T=1): within 2% of the default at every T
         "cuda s2=3": c(split2=3, min_blocks2=4),
+        # the same sums fed by the TMA (SMALL: the default up to SMALL_TOKENS tokens)
+        "cuda tma d2": cmd.SMALL,
+        "cuda tma d3": replace(cmd.SMALL, depth=3),
         # batch-invariant mode's wgmma kernels (rows bitwise those of Triton's PREFILL)
         "cuda inv": cmd.WGMMA_DEFAULT,
         "cuda inv 1wg d6": replace(cmd.WGMMA_DEFAULT, warpgroups1=1, depth1=6, min_blocks1=1),

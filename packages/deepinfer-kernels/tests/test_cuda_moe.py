@@ -76,6 +76,26 @@ def test_wgmma_config_rejects_bad_values_naming_the_field(field, value):
             md.MoeDecodeWgmmaConfig(**{field: value})
 
 
+def test_tma_config_fields():
+    assert md.MoeDecodeCudaConfig(tma=True, depth=8).depth == 8
+    with pytest.raises(ValueError, match=r"MoeDecodeCudaConfig\.depth must be 1\.\.8 \(tma\)"):
+        md.MoeDecodeCudaConfig(depth=3)
+    with pytest.raises(ValueError, match=r"MoeDecodeCudaConfig\.tma must be a bool"):
+        md.MoeDecodeCudaConfig(tma=1)
+    # 16 token rows of W1/W3's K = 5120 per warp and 8 stages do not fit one CTA
+    assert "TMA w13 kernel needs" in md.shape_reason(
+        *V41, replace(md.SMALL, tile_tokens=16, depth=8)
+    )
+    assert md.shape_reason(*V41, md.SMALL) is None
+
+
+def test_tensor_map_arguments_are_checked_before_the_driver():
+    with pytest.raises(ValueError, match="must be multiples of 16"):
+        module.tensor_map_2d(0x1000, 8, 40, 64, 32)
+    with pytest.raises(ValueError, match="at most 256 x 256"):
+        module.tensor_map_2d(0x1000, 8, 64, 64, 512)
+
+
 def test_fragment_weights_must_be_a_bool():
     assert md.MoeDecodeWgmmaConfig(fragment_weights=True).fragment_weights is True
     with pytest.raises(ValueError, match=r"MoeDecodeWgmmaConfig\.fragment_weights must be a bool"):
@@ -127,6 +147,16 @@ def test_supports_reasons():
         x, tw, ids, w1, s1, w3, s3.float(), w2, s2, limit
     )
     assert "multiples of 32" in moe_experts_cuda_supports(*_cpu_call(d=48))
+
+
+def test_tma_kernels_need_aligned_weights():
+    x, tw, ids, w1, s1, w3, s3, w2, s2, limit = _cpu_call(t=2)
+    odd = torch.zeros(w3.numel() + 1, dtype=torch.int8)[1:].view(w3.shape)
+    why = moe_experts_cuda_supports(x, tw, ids, w1, s1, odd, s3, w2, s2, limit)
+    assert why == "w3 is not 16-byte aligned (the TMA kernels copy it in bulk)"
+    # the register kernels (more tokens than SMALL_TOKENS) do not need it
+    x, tw, ids, w1, s1, w3, s3, w2, s2, limit = _cpu_call(t=8)
+    assert moe_experts_cuda_supports(x, tw, ids, w1, s1, odd, s3, w2, s2, limit) == "input on cpu"
 
 
 def test_direct_call_with_bad_arguments_is_a_value_error():
@@ -376,6 +406,30 @@ def test_fragment_order_pays_in_invariant_mode_here():
         assert not ops.moe_fragment_order_pays(5120, 2304 + 32, "cuda")  # I not a multiple of 128
     with REGISTRY.batch_invariant_mode(False):
         assert not ops.moe_fragment_order_pays(*V41, "cuda")
+
+
+@needs_hopper
+@pytest.mark.parametrize(
+    ("t", "d", "i", "e", "k", "cfg"),
+    [
+        (1, *V41, 384, 6, md.SMALL),
+        (4, *V41, 384, 6, md.SMALL),
+        (2, *V41, 384, 6, replace(md.SMALL, depth=5)),
+        (1, 256, 128, 16, 4, md.SMALL),
+        (3, 512, 256, 8, 6, replace(md.SMALL, depth=1)),
+        (37, 256, 96, 32, 6, replace(md.SMALL, tile_tokens=16, split1=3, rt2=2, depth=3)),
+        (16, 512, 256, 8, 4, replace(md.SMALL, rt1=4, split1=1, split2=5, rt2=1)),
+        (9, 512, 256, 16, 6, replace(md.SMALL, split2=3, depth=8)),
+    ],
+)
+def test_tma_kernels_give_the_register_kernels_bits(t, d, i, e, k, cfg):
+    """The TMA-fed K loop sums the same products in the same order as the register loop with
+    the same splits (partial steps, uneven K shares, boxes past a row's end, 16-token tiles,
+    1 to 8 stages)."""
+    args = _inputs(t, d, i, e, k, seed=40 + t, neg=t % 2 == 1)
+    register = replace(cfg, tma=False, depth=1)
+    want = md.moe_experts(*args, 10.0, config=register)
+    assert torch.equal(md.moe_experts(*args, 10.0, config=cfg), want)
 
 
 @needs_hopper

@@ -16,9 +16,50 @@ from pathlib import Path
 
 import torch
 
-Arg = torch.Tensor | int | float | None
-"""A kernel argument: a tensor (its device pointer), an int (int32), a float (fp32), None (a
-null pointer)."""
+
+class TensorMap:
+    """A TMA descriptor (the driver's 128-byte, 64-byte aligned CUtensorMap) for a kernel's
+    `const __grid_constant__` parameter: see `tensor_map_2d`."""
+
+    def __init__(self) -> None:
+        self._raw = ctypes.create_string_buffer(128 + 64)
+        address = (ctypes.addressof(self._raw) + 63) // 64 * 64
+        self.words = (ctypes.c_uint64 * 16).from_address(address)
+
+
+Arg = torch.Tensor | int | float | TensorMap | None
+"""A kernel argument: a tensor (its device pointer), an int (int32), a float (fp32), a
+TensorMap (by value), None (a null pointer)."""
+
+_TMA_UINT8 = 0  # CUtensorMapDataType: CU_TENSOR_MAP_DATA_TYPE_UINT8
+_TMA_L2_256B = 3  # CUtensorMapL2promotion: CU_TENSOR_MAP_L2_PROMOTION_L2_256B
+
+
+def tensor_map_2d(
+    address: int, rows: int, row_bytes: int, box_bytes: int, box_rows: int
+) -> TensorMap:
+    """A tile-mode TMA descriptor of the contiguous 2-D bytes [rows, row_bytes] at device
+    `address` (row_bytes and the address multiples of 16) whose boxes are box_bytes x box_rows
+    (each at most 256; box_bytes a multiple of 16), no swizzle, out-of-bounds bytes read as zero.
+    It holds the address and shape only: valid while that memory is."""
+    if row_bytes % 16 or address % 16 or box_bytes % 16:
+        raise ValueError(
+            f"tensor_map_2d: row bytes {row_bytes}, the address and box bytes {box_bytes} must "
+            "be multiples of 16"
+        )
+    if not (0 < box_bytes <= 256 and 0 < box_rows <= 256):
+        raise ValueError(f"tensor_map_2d: box {box_bytes} x {box_rows} must be at most 256 x 256")
+    m = TensorMap()
+    _cu_check(
+        _driver().cuTensorMapEncodeTiled(
+            ctypes.byref(m.words), _TMA_UINT8, 2, ctypes.c_void_p(address),
+            (ctypes.c_uint64 * 2)(row_bytes, rows), (ctypes.c_uint64 * 1)(row_bytes),
+            (ctypes.c_uint32 * 2)(box_bytes, box_rows), (ctypes.c_uint32 * 2)(1, 1),
+            0, 0, _TMA_L2_256B, 0,
+        ),
+        "cuTensorMapEncodeTiled",
+    )  # fmt: skip
+    return m
 
 
 @functools.cache
@@ -141,7 +182,7 @@ class Kernel:
         if any(g <= 0 for g in grid):
             return  # nothing to do (an empty batch)
         gx, gy, gz = (*grid, 1, 1)[:3]
-        holders: list[ctypes._SimpleCData] = []
+        holders: list[object] = []
         for a in args:
             if isinstance(a, torch.Tensor):
                 holders.append(ctypes.c_void_p(a.data_ptr()))
@@ -151,6 +192,8 @@ class Kernel:
                 holders.append(ctypes.c_int32(int(a)))
             elif isinstance(a, float):
                 holders.append(ctypes.c_float(a))
+            elif isinstance(a, TensorMap):
+                holders.append(a.words)
             else:
                 raise TypeError(f"{self.name}: unsupported kernel argument {type(a).__name__}")
         params = (ctypes.c_void_p * len(holders))(

@@ -13,7 +13,9 @@
 // Constants (-D): K_DIM (reduction length), N_DIM (weight rows per expert), MATS (1: W2; 2: W1
 // and W3 fused with SwiGLU), RT (16-row A tiles per matrix per warp), TOKG (8-token groups per
 // routing tile), SPLIT (warps of a CTA, each a contiguous share of K; summed in warp order),
-// MIN_BLOCKS (CTAs per SM the register allocation must allow), DEPTH (K steps loaded ahead).
+// MIN_BLOCKS (CTAs per SM the register allocation must allow), DEPTH (K steps loaded ahead),
+// TMA (1: the weights come through shared memory as tensor-map boxes, `run_tma`; DEPTH is
+// then its stages per warp).
 
 #include "common.cuh"
 
@@ -38,24 +40,29 @@ struct Step {
   u32 x[TOKG][16];
 };
 
-static __device__ __forceinline__ void compute_step(const Step& st, float (&acc)[NA][TOKG][4]) {
+// One A tile's K step: w (rows g, g + 8: 16 packed bytes each), their scale bytes s, the token
+// groups' activations x -> acc[q] += the 8 mmas' products, word by word.
+static __device__ __forceinline__ void compute_tile(const u32 (&w)[2][4], const u32 (&s)[2],
+                                                    const u32 (&x)[TOKG][16],
+                                                    float (&acc)[TOKG][4]) {
+  const u32 sp0 = scale_pair(s[0]);
+  const u32 sp1 = scale_pair(s[1]);
 #pragma unroll
-  for (int a = 0; a < NA; ++a) {
-    const u32 sp0 = scale_pair(st.s[a][0]);
-    const u32 sp1 = scale_pair(st.s[a][1]);
+  for (int wd = 0; wd < 4; ++wd) {  // word wd: pairs 4wd..4wd+3, mmas 2wd and 2wd+1
+    u32 lo[4], hi[4];
+    expand8(w[0][wd], sp0, lo);
+    expand8(w[1][wd], sp1, hi);
 #pragma unroll
-    for (int wd = 0; wd < 4; ++wd) {  // word wd: pairs 4wd..4wd+3, mmas 2wd and 2wd+1
-      u32 lo[4], hi[4];
-      expand8(st.w[a][0][wd], sp0, lo);
-      expand8(st.w[a][1][wd], sp1, hi);
-#pragma unroll
-      for (int q = 0; q < TOKG; ++q) {
-        mma16816(acc[a][q], lo[0], hi[0], lo[1], hi[1], st.x[q][4 * wd], st.x[q][4 * wd + 1]);
-        mma16816(acc[a][q], lo[2], hi[2], lo[3], hi[3], st.x[q][4 * wd + 2],
-                 st.x[q][4 * wd + 3]);
-      }
+    for (int q = 0; q < TOKG; ++q) {
+      mma16816(acc[q], lo[0], hi[0], lo[1], hi[1], x[q][4 * wd], x[q][4 * wd + 1]);
+      mma16816(acc[q], lo[2], hi[2], lo[3], hi[3], x[q][4 * wd + 2], x[q][4 * wd + 3]);
     }
   }
+}
+
+static __device__ __forceinline__ void compute_step(const Step& st, float (&acc)[NA][TOKG][4]) {
+#pragma unroll
+  for (int a = 0; a < NA; ++a) compute_tile(st.w[a], st.s[a], st.x, acc[a]);
 }
 
 // A warp's K stream (see `ring_loop`): w[m] and s[m] at the thread's current K group in row g of
@@ -162,28 +169,222 @@ static __device__ __forceinline__ void run(Stream& st, const Place& p) {
   reduce_warps<NA, TOKG, SPLIT>(st.acc, p.warp, p.lane);
 }
 
+#if TMA
+// The K loop fed by the tensor-memory accelerator (small T): the same products in the same order
+// per sum as `run` (same K split, each K step's four A tiles in turn), but the weights reach
+// shared memory as 2-D boxes (each matrix's ROWS_PER_CTA rows x one 64-byte K step of the
+// warp's share) that one lane asks for DEPTH steps ahead, so the bytes in flight cost no
+// registers; the CTA's scale rows and the tile's token rows (its K share, per warp) are copied
+// once. Dynamic shared memory, in this order: scales [MATS][ROWS_PER_CTA][KG] (128-byte
+// padded); per warp DEPTH stages [MATS * ROWS_PER_CTA rows][64 B] (rows g and g + 1 fall in
+// different bank halves); per warp x_cap token rows of XSHARE bytes.
+#define STAGE_SMEM (MATS * ROWS_PER_CTA * 64)
+#define XSHARE (((KG + SPLIT - 1) / SPLIT) * 64)
+#define SCALE_SMEM ((MATS * ROWS_PER_CTA * KG + 127) / 128 * 128)
+
+// A CUtensorMap (cuTensorMapEncodeTiled), passed by value as a __grid_constant__ parameter.
+struct __align__(64) TensorMap {
+  u64 v[16];
+};
+
+static __device__ __forceinline__ u32 smem_u32(const void* p) {
+  return (u32)__cvta_generic_to_shared(p);
+}
+
+static __device__ __forceinline__ void mbar_init(u64* bar) {
+  asm volatile("mbarrier.init.shared.b64 [%0], 1;" ::"r"(smem_u32(bar)));
+}
+
+// One arrival that also expects `bytes` of copies to land before the phase completes.
+static __device__ __forceinline__ void mbar_expect(u64* bar, u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared.b64 _, [%0], %1;" ::"r"(smem_u32(bar)),
+               "r"(bytes));
+}
+
+static __device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
+  asm volatile(
+      "{\n .reg .pred done;\n WAIT_%=: mbarrier.try_wait.parity.shared.b64 done, [%0], %1;\n"
+      " @!done bra WAIT_%=;\n}\n" ::"r"(smem_u32(bar)),
+      "r"(parity));
+}
+
+// global -> shared, `bytes` (a multiple of 16, both addresses 16-byte aligned), counted on bar.
+static __device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes,
+                                                 u64* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+      ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar))
+      : "memory");
+}
+
+// The box of `map` at (x bytes, y rows) -> dst (128-byte aligned), counted on bar.
+static __device__ __forceinline__ void tma_box(void* dst, const TensorMap* map, int x, int y,
+                                               u64* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3}], [%4];" ::"r"(smem_u32(dst)),
+      "l"(reinterpret_cast<u64>(map)), "r"(x), "r"(y), "r"(smem_u32(bar))
+      : "memory");
+}
+
+static __device__ __forceinline__ void lds128(u32 (&r)[4], const u8* p) {
+  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
+}
+
+// maps[m], s[m]: matrix m's packed weights (a map of its [E * N, K/2] bytes, box 64 B x
+// ROWS_PER_CTA rows) and [E, N, K/32] scales; x: the activation rows [rows, K_DIM] bf16, token
+// column n (< p.count <= x_cap) at row row_of(n).
+template <typename RowOf>
+static __device__ __forceinline__ void run_tma(float (&acc)[NA][TOKG][4], const Place& p,
+                                               const TensorMap* const (&maps)[MATS],
+                                               const u8* const (&s)[MATS], const u8* x,
+                                               RowOf row_of, int x_cap) {
+  extern __shared__ __align__(128) u8 smem[];
+  __shared__ __align__(8) u64 stage_bar[SPLIT][DEPTH];
+  __shared__ __align__(8) u64 x_bar[SPLIT];
+  __shared__ __align__(8) u64 scale_bar;
+  const u8* scales = smem;
+  u8* ring = smem + SCALE_SMEM + p.warp * DEPTH * STAGE_SMEM;
+  u8* xs = smem + SCALE_SMEM + SPLIT * DEPTH * STAGE_SMEM + p.warp * x_cap * XSHARE;
+  u64* full = stage_bar[p.warp];
+  const int groups = p.g_end - p.g_begin;
+  const int steps = (groups + 3) / 4;
+  if (p.lane == 0) {
+    for (int d = 0; d < DEPTH; ++d) mbar_init(&full[d]);
+    mbar_init(&x_bar[p.warp]);
+    if (p.warp == 0) mbar_init(&scale_bar);
+    asm volatile("fence.mbarrier_init.release.cluster;");
+  }
+  __syncthreads();
+  // step i's boxes into stage i % DEPTH (their bytes past the share, or past the row: unused)
+  auto issue = [&](int i) {
+    u64* bar = &full[i % DEPTH];
+    __syncwarp();  // the stage's previous readers are done
+    if (p.lane == 0) {
+      mbar_expect(bar, STAGE_SMEM);
+#pragma unroll
+      for (int m = 0; m < MATS; ++m)
+        tma_box(ring + (i % DEPTH) * STAGE_SMEM + m * ROWS_PER_CTA * 64, maps[m],
+                (p.g_begin + 4 * i) * 16, p.expert * N_DIM + p.row0, bar);
+    }
+  };
+  for (int i = 0; i < DEPTH && i < steps; ++i) issue(i);
+  if (threadIdx.x == 0) {
+    mbar_expect(&scale_bar, MATS * ROWS_PER_CTA * KG);
+#pragma unroll
+    for (int m = 0; m < MATS; ++m)
+      bulk_copy(smem + m * ROWS_PER_CTA * KG, s[m] + ((u64)p.expert * N_DIM + p.row0) * KG,
+                ROWS_PER_CTA * KG, &scale_bar);
+  }
+  if (p.lane == 0) mbar_expect(&x_bar[p.warp], p.count * groups * 64);
+  __syncwarp();
+  if (p.lane < p.count)
+    bulk_copy(xs + p.lane * XSHARE, x + ((u64)row_of(p.lane) * K_DIM + p.g_begin * 32) * 2,
+              groups * 64, &x_bar[p.warp]);
+  mbar_wait(&scale_bar, 0);
+  mbar_wait(&x_bar[p.warp], 0);
+  for (int i = 0; i < steps; ++i) {
+    mbar_wait(&full[i % DEPTH], (i / DEPTH) & 1);
+    const u8* stage = ring + (i % DEPTH) * STAGE_SMEM;
+    const int grp = 4 * i + p.t;  // the thread's group in the warp's share
+    const bool ok = grp < groups;
+    u32 xv[TOKG][16];
+#pragma unroll
+    for (int q = 0; q < TOKG; ++q) {
+      const int n = 8 * q + p.g;
+#pragma unroll
+      for (int v = 0; v < 4; ++v) {
+        u32 r[4] = {0u, 0u, 0u, 0u};
+        if (ok && n < p.count) lds128(r, xs + n * XSHARE + grp * 64 + v * 16);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) xv[q][4 * v + e] = r[e];
+      }
+    }
+    u32 wv[NA][2][4], sv[NA][2];
+#pragma unroll
+    for (int a = 0; a < NA; ++a) {
+      const int row = 16 * a + p.g;  // stage row (matrix a / RT's rows follow the previous's)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        if (ok) {
+          lds128(wv[a][h], stage + (row + 8 * h) * 64 + p.t * 16);
+          sv[a][h] = scales[(row + 8 * h) * KG + p.g_begin + grp];
+        } else {
+          wv[a][h][0] = wv[a][h][1] = wv[a][h][2] = wv[a][h][3] = 0u;
+          sv[a][h] = 0u;
+        }
+      }
+    }
+#pragma unroll
+    for (int a = 0; a < NA; ++a) compute_tile(wv[a], sv[a], xv, acc[a]);
+    if (i + DEPTH < steps) issue(i + DEPTH);
+  }
+  // the warp-order sum (as reduce_warps), through each warp's own ring, idle now
+  if constexpr (SPLIT > 1) {
+    float* part = reinterpret_cast<float*>(ring);
+    if (p.warp > 0) {
+#pragma unroll
+      for (int a = 0; a < NA; ++a)
+#pragma unroll
+        for (int q = 0; q < TOKG; ++q)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) part[((a * TOKG + q) * 4 + c) * 32 + p.lane] = acc[a][q][c];
+    }
+    __syncthreads();
+    if (p.warp == 0) {
+#pragma unroll
+      for (int w = 1; w < SPLIT; ++w) {
+        const float* other =
+            reinterpret_cast<const float*>(smem + SCALE_SMEM + w * DEPTH * STAGE_SMEM);
+#pragma unroll
+        for (int a = 0; a < NA; ++a)
+#pragma unroll
+          for (int q = 0; q < TOKG; ++q)
+#pragma unroll
+            for (int c = 0; c < 4; ++c)
+              acc[a][q][c] += other[((a * TOKG + q) * 4 + c) * 32 + p.lane];
+      }
+    }
+  }
+}
+#endif
+
 #if MATS == 2
 
 // h = quant_dequant_fp8(swiglu(x W1^T, x W3^T) * weight) per 32 columns, as bf16: the W2 input.
 // Grid: (N_DIM / ROWS_PER_CTA, routing tiles); block SPLIT warps.
 extern "C" __global__ void __launch_bounds__(SPLIT * 32, MIN_BLOCKS)
-moe_w13(const u8* __restrict__ xa,  // [T, K_DIM] bf16: FP8 activations expanded exactly
+moe_w13(
+#if TMA
+        const __grid_constant__ TensorMap map1, const __grid_constant__ TensorMap map3,
+#endif
+        const u8* __restrict__ xa,  // [T, K_DIM] bf16: FP8 activations expanded exactly
         const u8* __restrict__ w1, const u8* __restrict__ s1,  // [E, N, K/2], [E, N, K/32]
         const u8* __restrict__ w3, const u8* __restrict__ s3,
         const int* __restrict__ sorted_token,     // [P]
         const float* __restrict__ sorted_weight,  // [P]
         const int* __restrict__ tiles,            // [tiles, 3]: expert or -1, first row, end
         u16* __restrict__ h,                      // [P, N_DIM] bf16
-        float limit, float amax_floor) {
+        float limit, float amax_floor
+#if TMA
+        , int x_cap  // token rows the shared memory holds (>= every tile's count)
+#endif
+) {
   const Place p = place(tiles);
   if (p.expert < 0) return;
   const int g = p.g, t = p.t;
   float acc[NA][TOKG][4] = {};
+  auto token = [&](int n) { return (u64)sorted_token[p.first + n]; };
+#if TMA
+  run_tma(acc, p, {&map1, &map3}, {s1, s3}, xa, token, x_cap);
+#else
   Stream st(acc);
   aim(st, 0, p, w1, s1);
   aim(st, 1, p, w3, s3);
-  aim_x(st, p, xa, [&](int n) { return (u64)sorted_token[p.first + n]; });
+  aim_x(st, p, xa, token);
   run(st, p);
+#endif
   if (p.warp != 0) return;
 
   // element c of acc[a][q]: weight row row0 + 16 r + g + 8 (c >> 1), token 8 q + 2 t + (c & 1)
@@ -224,18 +425,31 @@ moe_w13(const u8* __restrict__ xa,  // [T, K_DIM] bf16: FP8 activations expanded
 
 // y = h W2^T per routed row, rounded to bf16. Grid: (N_DIM / ROWS_PER_CTA, routing tiles).
 extern "C" __global__ void __launch_bounds__(SPLIT * 32, MIN_BLOCKS)
-moe_w2(const u8* __restrict__ h,                                // [P, K_DIM] bf16
+moe_w2(
+#if TMA
+       const __grid_constant__ TensorMap map2,
+#endif
+       const u8* __restrict__ h,                                // [P, K_DIM] bf16
        const u8* __restrict__ w2, const u8* __restrict__ s2,    // [E, N, K/2], [E, N, K/32]
        const int* __restrict__ tiles,                           // [tiles, 3]
-       u16* __restrict__ y) {                                   // [P, N_DIM] bf16
+       u16* __restrict__ y                                      // [P, N_DIM] bf16
+#if TMA
+       , int x_cap
+#endif
+) {
   const Place p = place(tiles);
   if (p.expert < 0) return;
   const int g = p.g, t = p.t;
   float acc[NA][TOKG][4] = {};
+  auto routed_row = [&](int n) { return (u64)(p.first + n); };
+#if TMA
+  run_tma(acc, p, {&map2}, {s2}, h, routed_row, x_cap);
+#else
   Stream st(acc);
   aim(st, 0, p, w2, s2);
-  aim_x(st, p, h, [&](int n) { return (u64)(p.first + n); });
+  aim_x(st, p, h, routed_row);
   run(st, p);
+#endif
   if (p.warp != 0) return;
 #pragma unroll
   for (int a = 0; a < NA; ++a)

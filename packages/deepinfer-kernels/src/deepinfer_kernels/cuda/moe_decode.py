@@ -48,7 +48,12 @@ class MoeDecodeCudaConfig:
     register allocation must allow (`__launch_bounds__`); tile_tokens: routed rows per routing
     tile (8 or 16: one or two n8 mma columns per expanded weight fragment); depth: K steps whose
     loads are in flight while one computes (1 or 2; each costs a register set). The fp32 sums
-    depend on K, split1 and split2 only: configs with the same splits give the same bits."""
+    depend on K, split1 and split2 only: configs with the same splits give the same bits.
+
+    tma: the weights reach shared memory as tensor-map boxes that one lane per warp asks for
+    `depth` K steps ahead (1..8 stages, no register cost), the scales and the tile's token rows
+    by bulk copies once per CTA: for small T, where the register loads leave HBM underused;
+    shared memory grows with the tile's tokens (at most min(T, tile_tokens))."""
 
     rt1: int = 2
     split1: int = 4
@@ -58,6 +63,7 @@ class MoeDecodeCudaConfig:
     min_blocks2: int = 6
     tile_tokens: int = 8
     depth: int = 1
+    tma: bool = False
 
     def __post_init__(self) -> None:
         checks = (
@@ -68,17 +74,22 @@ class MoeDecodeCudaConfig:
             ("min_blocks1", 1 <= self.min_blocks1 <= 8, "1..8"),
             ("min_blocks2", 1 <= self.min_blocks2 <= 8, "1..8"),
             ("tile_tokens", self.tile_tokens in (8, 16), "8 or 16"),
-            ("depth", self.depth in (1, 2), "1 or 2"),
+            ("tma", isinstance(self.tma, bool), "a bool"),
+            (
+                "depth",
+                1 <= self.depth <= 8 if self.tma is True else self.depth in (1, 2),
+                "1..8 (tma) or 1 or 2",
+            ),
         )
         _check_fields(self, checks)
 
 
 DEFAULT = MoeDecodeCudaConfig()
-SMALL = MoeDecodeCudaConfig(depth=2, min_blocks1=2, min_blocks2=4)
-"""DEFAULT's splits (the same bits) with two K steps of loads in flight, for calls of at most
-SMALL_TOKENS tokens: there a W1/W3 CTA streams its rows once and the loads in flight per warp set
-the pace; beyond, the fewer CTAs per SM cost more than the depth gives (NOTES.md, ninth session)."""
-SMALL_TOKENS = 2
+SMALL = MoeDecodeCudaConfig(tma=True, depth=2)
+"""DEFAULT's splits (the same bits) fed by the tensor-memory accelerator, 2 stages per warp, for
+calls of at most SMALL_TOKENS tokens (H200: 6-14% faster than DEFAULT at T=1..4, 16% slower at 8,
+where the tile's token rows fill shared memory; NOTES.md, ninth session)."""
+SMALL_TOKENS = 4
 
 
 @dataclass(frozen=True)
@@ -125,7 +136,7 @@ WGMMA_ROWS = 64  # weight rows per warpgroup (its M)
 
 
 Config = MoeDecodeCudaConfig | MoeDecodeWgmmaConfig
-WGMMA_MAX_SHARED = 227 * 1024  # shared memory one CTA may take on sm_90 (static + dynamic)
+MAX_SHARED = 227 * 1024  # shared memory one CTA may take on sm_90 (static + dynamic)
 
 
 def _wgmma_shared_bytes(k: int, cfg: MoeDecodeWgmmaConfig) -> int:
@@ -145,6 +156,15 @@ def _wgmma_static_bytes(kind: str, cfg: MoeDecodeWgmmaConfig) -> int:
     return scratch + amax + 1024
 
 
+def _tma_shared_bytes(kind: str, d: int, i: int, cfg: MoeDecodeCudaConfig, x_cap: int) -> int:
+    """The dynamic shared memory of TMA kernel `kind` with room for x_cap token rows:
+    moe_decode.cu's scale rows, per-warp stages and per-warp token-row shares."""
+    k, rt, split = (d, cfg.rt1, cfg.split1) if kind == "w13" else (i, cfg.rt2, cfg.split2)
+    mats, kg = (2 if kind == "w13" else 1), k // 32
+    scales = -(-mats * 16 * rt * kg // 128) * 128
+    return scales + split * (cfg.depth * mats * 16 * rt * 64 + x_cap * -(-kg // split) * 64)
+
+
 def shape_reason(d: int, i: int, cfg: Config = DEFAULT) -> str | None:
     """Why the kernels cannot run hidden size d, expert width i, or None."""
     if d % 32 or i % 32:
@@ -157,16 +177,23 @@ def shape_reason(d: int, i: int, cfg: Config = DEFAULT) -> str | None:
             )
         for kind, k in (("w13", d), ("w2", i)):
             need = _wgmma_shared_bytes(k, cfg) + _wgmma_static_bytes(kind, cfg)
-            if need > WGMMA_MAX_SHARED:
+            if need > MAX_SHARED:
                 return (
                     f"the {kind} kernel needs {need} bytes of shared memory (a "
-                    f"{cfg.tile_tokens}-token tile of K={k} activations), over {WGMMA_MAX_SHARED}"
+                    f"{cfg.tile_tokens}-token tile of K={k} activations), over {MAX_SHARED}"
                 )
         return None
     if i % (16 * cfg.rt1):
         return f"I={i} must be a multiple of {16 * cfg.rt1} (rt1={cfg.rt1})"
     if d % (16 * cfg.rt2):
         return f"D={d} must be a multiple of {16 * cfg.rt2} (rt2={cfg.rt2})"
+    for kind in ("w13", "w2") if cfg.tma else ():
+        need = _tma_shared_bytes(kind, d, i, cfg, cfg.tile_tokens) + 2048  # + barriers, reserve
+        if need > MAX_SHARED:
+            return (
+                f"the TMA {kind} kernel needs {need} bytes of shared memory for a "
+                f"{cfg.tile_tokens}-token tile, over {MAX_SHARED}"
+            )
     return None
 
 
@@ -199,18 +226,21 @@ def pick_config(batch_invariant: bool, fragment_order: bool, tokens: int) -> Con
 
 def call_reason(
     x: torch.Tensor,
-    w1: torch.Tensor,
+    weights: dict[str, torch.Tensor],
     scales: dict[str, torch.Tensor],
     cfg: Config = DEFAULT,
 ) -> str | None:
-    """Why `moe_experts` cannot run x [T, D] with w1 [E, I, D/2] and these named scales here
-    (device, dtypes, dims, NVRTC), or None."""
+    """Why `moe_experts` cannot run x [T, D] with these named weights (w1 [E, I, D/2] first) and
+    scales here (device, dtypes, dims, alignment, NVRTC), or None."""
     if x.dtype != torch.bfloat16:
         return f"x is {x.dtype}, the cuda experts take bfloat16"
     for name, s in scales.items():
         if s.dtype != torch.float8_e8m0fnu:
             return f"{name} is {s.dtype}, the cuda experts read float8_e8m0fnu scales"
-    why = shape_reason(x.shape[1], w1.shape[1], cfg)
+    for name, t in (*weights.items(), *scales.items()) if getattr(cfg, "tma", False) else ():
+        if t.data_ptr() % 16:
+            return f"{name} is not 16-byte aligned (the TMA kernels copy it in bulk)"
+    why = shape_reason(x.shape[1], next(iter(weights.values())).shape[1], cfg)
     if why is not None:
         return why
     if x.device.type != "cuda":
@@ -236,6 +266,7 @@ def defines(kind: str, d: int, i: int, cfg: Config) -> dict[str, int]:
         shape, RT=cfg.rt1 if w13 else cfg.rt2, TOKG=cfg.tile_tokens // 8,
         SPLIT=cfg.split1 if w13 else cfg.split2,
         MIN_BLOCKS=cfg.min_blocks1 if w13 else cfg.min_blocks2, DEPTH=cfg.depth,
+        TMA=int(cfg.tma),
     )  # fmt: skip
 
 
@@ -260,7 +291,19 @@ def _launch_shape(kind: str, d: int, i: int, cfg: Config) -> tuple[int, int, int
         wg = cfg.warpgroups1 if kind == "w13" else cfg.warpgroups2
         return n // (WGMMA_ROWS * wg), 128 * wg, _wgmma_shared_bytes(k, cfg)
     rt, split = (cfg.rt1, cfg.split1) if kind == "w13" else (cfg.rt2, cfg.split2)
-    return n // (16 * rt), 32 * split, 0
+    shared = _tma_shared_bytes(kind, d, i, cfg, cfg.tile_tokens) if cfg.tma else 0
+    return n // (16 * rt), 32 * split, shared
+
+
+@functools.lru_cache(maxsize=64)
+def _map(address: int, rows: int, row_bytes: int, box_rows: int) -> module.TensorMap:
+    return module.tensor_map_2d(address, rows, row_bytes, 64, box_rows)
+
+
+def weight_map(w: torch.Tensor, box_rows: int) -> module.TensorMap:
+    """The TMA kernels' map of a contiguous expert stack w [E, N, K/2]: its E * N rows of packed
+    bytes, boxes of one 64-byte K step x box_rows rows (cached per address and shape)."""
+    return _map(w.data_ptr(), w.shape[0] * w.shape[1], w.shape[2], box_rows)
 
 
 def moe_experts(
@@ -282,8 +325,9 @@ def moe_experts(
     """Routed FP4 experts (see the module docstring). x [T, D] bf16; topk_weights [T, k] fp32;
     topk_ids [T, k] (< 0: skipped); w1/w3 [E, I, D/2] int8 + s1/s3 [E, I, D/32] e8m0; w2
     [E, D, I/2] + s2 [E, D, I/32] -> [T, D] bf16. batch_invariant: the wgmma kernels (config: a
-    MoeDecodeWgmmaConfig, default WGMMA_DEFAULT); otherwise the mma.sync ones (SMALL up to
-    SMALL_TOKENS tokens, else DEFAULT: the same bits), or whichever kernels `config` names.
+    MoeDecodeWgmmaConfig, default WGMMA_DEFAULT); otherwise the mma.sync ones (SMALL, fed by the
+    TMA, up to SMALL_TOKENS tokens, else DEFAULT: the same bits), or whichever kernels `config`
+    names.
     fragment_order: w1, w3, w2 are in `quant.fp4_fragment_order`, which only the wgmma kernels
     read (default WGMMA_FRAGMENT; a config must then have fragment_weights)."""
     from ..triton.moe import build_routing, combine
@@ -295,7 +339,8 @@ def moe_experts(
     t, d = x.shape
     cfg = config or pick_config(batch_invariant, fragment_order, t)
     e, i = w1.shape[0], w1.shape[1]
-    why = call_reason(x, w1, {"s1": s1, "s3": s3, "s2": s2}, cfg)
+    w1, s1, w3, s3, w2, s2 = (v.contiguous() for v in (w1, s1, w3, s3, w2, s2))
+    why = call_reason(x, {"w1": w1, "w3": w3, "w2": w2}, {"s1": s1, "s3": s3, "s2": s2}, cfg)
     if why is not None:
         raise ValueError(f"cuda moe_experts: {why}")
     out = torch.empty_like(x)
@@ -308,19 +353,30 @@ def moe_experts(
     y = torch.empty(p, d, dtype=torch.bfloat16, device=x.device)
     n_tiles = route.tiles.shape[0]
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    ctas, threads, shared = _launch_shape("w13", d, i, cfg)
+    # TMA kernels: the weight maps first; shared memory for the tile's token rows (a tile holds
+    # at most t tokens) after
+    maps1, maps2, tail, shared = (), (), (), {}
+    if getattr(cfg, "tma", False):
+        x_cap = min(t, cfg.tile_tokens)
+        maps1 = (weight_map(w1, 16 * cfg.rt1), weight_map(w3, 16 * cfg.rt1))
+        maps2 = (weight_map(w2, 16 * cfg.rt2),)
+        tail = (x_cap,)
+        shared = {k: _tma_shared_bytes(k, d, i, cfg, x_cap) for k in ("w13", "w2")}
+    ctas, threads, most = _launch_shape("w13", d, i, cfg)
     _kernel("w13", d, i, cfg, dev).launch(
         (ctas, n_tiles),
         threads,
         (
-            xa, w1.contiguous(), s1.contiguous(), w3.contiguous(), s3.contiguous(),
-            route.sorted_token, route.sorted_weight, route.tiles, h,
-            float(swiglu_limit), float(ACT_AMAX_FLOOR),
+            *maps1, xa, w1, s1, w3, s3, route.sorted_token, route.sorted_weight, route.tiles, h,
+            float(swiglu_limit), float(ACT_AMAX_FLOOR), *tail,
         ),
-        shared,
+        shared.get("w13", most),
     )  # fmt: skip
-    ctas, threads, shared = _launch_shape("w2", d, i, cfg)
+    ctas, threads, most = _launch_shape("w2", d, i, cfg)
     _kernel("w2", d, i, cfg, dev).launch(
-        (ctas, n_tiles), threads, (h, w2.contiguous(), s2.contiguous(), route.tiles, y), shared
+        (ctas, n_tiles),
+        threads,
+        (*maps2, h, w2, s2, route.tiles, y, *tail),
+        shared.get("w2", most),
     )
     return combine(y, route, out)

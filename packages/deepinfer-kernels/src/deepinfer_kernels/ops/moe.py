@@ -100,7 +100,8 @@ def moe_experts_cuda_supports(
     if why is not None:
         return why
     cfg = pick_config(batch_invariant, fragment_order, x.shape[0])
-    return call_reason(x, w1, {"s1": s1, "s3": s3, "s2": s2}, cfg)
+    weights = {"w1": w1, "w3": w3, "w2": w2}
+    return call_reason(x, weights, {"s1": s1, "s3": s3, "s2": s2}, cfg)
 
 
 def moe_fragment_order_pays(dim: int, inter: int, device: torch.device | str) -> bool:
