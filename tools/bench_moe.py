@@ -421,6 +421,10 @@ def cuda_decode_candidates() -> dict:
         # the same sums fed by the TMA (SMALL: the default up to SMALL_TOKENS tokens)
         "cuda tma d2": cmd.SMALL,
         "cuda tma d3": replace(cmd.SMALL, depth=3),
+        # more, smaller W2 CTAs (H200: T=1 61.2 / 65.3 us vs 60.6, T=2 96.3 / 98.0 vs 100.6,
+        # T=4 163.8 / 170.4 vs 165.2: within a run's noise or worse; ninth session)
+        "cuda tma rt2=2": replace(cmd.SMALL, rt2=2, min_blocks2=8),
+        "cuda tma rt2=1": replace(cmd.SMALL, rt2=1, min_blocks2=8),
         # batch-invariant mode's wgmma kernels (rows bitwise those of Triton's PREFILL)
         "cuda inv": cmd.WGMMA_DEFAULT,
         "cuda inv 1wg d6": replace(cmd.WGMMA_DEFAULT, warpgroups1=1, depth1=6, min_blocks1=1),
