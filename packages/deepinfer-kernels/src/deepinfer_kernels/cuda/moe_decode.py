@@ -1,7 +1,9 @@
 """Routed FP4 experts at decode sizes: the `cuda` tier of `moe_experts`. Two kernel pairs:
 mma.sync (`moe_decode.cu`), the fastest, and for batch-invariant mode wgmma
 (`moe_decode_wgmma.cu`), whose fp32 sums are those of the Triton tier's prefill tiles, so that a
-routed row's bits do not depend on the batch or on which path (decode or prefill) ran it.
+routed row's bits do not depend on the batch or on which path (decode or prefill) ran it. The
+mma.sync pair loads its weights into registers (DEFAULT) or, for a few tokens, through shared
+memory from the tensor-memory accelerator (SMALL): the same sums either way.
 
 Same contract and numerics as `ref.moe.moe_experts` (and the Triton tier's): activations
 quantised per 32 to FP8 and expanded exactly to bf16, FP4 weights expanded exactly to bf16 in
@@ -87,8 +89,9 @@ class MoeDecodeCudaConfig:
 DEFAULT = MoeDecodeCudaConfig()
 SMALL = MoeDecodeCudaConfig(tma=True, depth=2)
 """DEFAULT's splits (the same bits) fed by the tensor-memory accelerator, 2 stages per warp, for
-calls of at most SMALL_TOKENS tokens (H200: 6-14% faster than DEFAULT at T=1..4, 16% slower at 8,
-where the tile's token rows fill shared memory; NOTES.md, ninth session)."""
+calls of at most SMALL_TOKENS tokens (H200, three runs: 6-14% faster than DEFAULT at T=1, 2-18%
+at T=2..4, 16% slower at T=8, where the tile's token rows fill shared memory; NOTES.md, ninth
+session)."""
 SMALL_TOKENS = 4
 
 
