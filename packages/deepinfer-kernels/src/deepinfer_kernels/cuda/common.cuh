@@ -126,29 +126,33 @@ static __device__ __forceinline__ TilePlace tile_place(const int* tiles, int max
   return p;
 }
 
-// Sum the W warps' partials acc[A][Q][4] (one lane's fragment each) in warp order into warp 0's.
-template <int A, int Q, int W>
-static __device__ __forceinline__ void reduce_warps(float (&acc)[A][Q][4], int warp, int lane) {
+// Sum the W warps' partials acc[A][Q][4] (one lane's fragment each) in warp order into warp 0's,
+// through shared memory: part_of(w) is warp w's buffer (w >= 1) of A * Q * 4 x 32 floats.
+template <int A, int Q, int W, typename PartOf>
+static __device__ __forceinline__ void reduce_warps(float (&acc)[A][Q][4], int warp, int lane,
+                                                    PartOf part_of) {
   if constexpr (W > 1) {
-    __shared__ float part[W - 1][A * Q * 4][32];
     if (warp > 0) {
+      float* part = part_of(warp);
 #pragma unroll
       for (int a = 0; a < A; ++a)
 #pragma unroll
         for (int q = 0; q < Q; ++q)
 #pragma unroll
-          for (int c = 0; c < 4; ++c) part[warp - 1][(a * Q + q) * 4 + c][lane] = acc[a][q][c];
+          for (int c = 0; c < 4; ++c) part[((a * Q + q) * 4 + c) * 32 + lane] = acc[a][q][c];
     }
     __syncthreads();
     if (warp == 0) {
 #pragma unroll
-      for (int w = 0; w < W - 1; ++w)
+      for (int w = 1; w < W; ++w) {
+        const float* part = part_of(w);
 #pragma unroll
         for (int a = 0; a < A; ++a)
 #pragma unroll
           for (int q = 0; q < Q; ++q)
 #pragma unroll
-            for (int c = 0; c < 4; ++c) acc[a][q][c] += part[w][(a * Q + q) * 4 + c][lane];
+            for (int c = 0; c < 4; ++c) acc[a][q][c] += part[((a * Q + q) * 4 + c) * 32 + lane];
+      }
     }
   }
 }

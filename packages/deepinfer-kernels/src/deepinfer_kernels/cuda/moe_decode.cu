@@ -166,7 +166,8 @@ static __device__ __forceinline__ void aim_x(Stream& st, const Place& p, const u
 // The warp's K loop (its groups [g_begin, g_end)) and the CTA's warp-order sum into warp 0.
 static __device__ __forceinline__ void run(Stream& st, const Place& p) {
   ring_loop<DEPTH>(st, (p.g_end - p.g_begin + 3) / 4);
-  reduce_warps<NA, TOKG, SPLIT>(st.acc, p.warp, p.lane);
+  __shared__ float part[SPLIT > 1 ? SPLIT - 1 : 1][NA * TOKG * 4 * 32];
+  reduce_warps<NA, TOKG, SPLIT>(st.acc, p.warp, p.lane, [&](int w) { return part[w - 1]; });
 }
 
 #if TMA
@@ -320,33 +321,10 @@ static __device__ __forceinline__ void run_tma(float (&acc)[NA][TOKG][4], const 
     for (int a = 0; a < NA; ++a) compute_tile(wv[a], sv[a], xv, acc[a]);
     if (i + DEPTH < steps) issue(i + DEPTH);
   }
-  // the warp-order sum (as reduce_warps), through each warp's own ring, idle now
-  if constexpr (SPLIT > 1) {
-    float* part = reinterpret_cast<float*>(ring);
-    if (p.warp > 0) {
-#pragma unroll
-      for (int a = 0; a < NA; ++a)
-#pragma unroll
-        for (int q = 0; q < TOKG; ++q)
-#pragma unroll
-          for (int c = 0; c < 4; ++c) part[((a * TOKG + q) * 4 + c) * 32 + p.lane] = acc[a][q][c];
-    }
-    __syncthreads();
-    if (p.warp == 0) {
-#pragma unroll
-      for (int w = 1; w < SPLIT; ++w) {
-        const float* other =
-            reinterpret_cast<const float*>(smem + SCALE_SMEM + w * DEPTH * STAGE_SMEM);
-#pragma unroll
-        for (int a = 0; a < NA; ++a)
-#pragma unroll
-          for (int q = 0; q < TOKG; ++q)
-#pragma unroll
-            for (int c = 0; c < 4; ++c)
-              acc[a][q][c] += other[((a * TOKG + q) * 4 + c) * 32 + p.lane];
-      }
-    }
-  }
+  // the warp-order sum through each warp's own stages, idle now (no static buffer)
+  reduce_warps<NA, TOKG, SPLIT>(acc, p.warp, p.lane, [&](int w) {
+    return reinterpret_cast<float*>(smem + SCALE_SMEM + w * DEPTH * STAGE_SMEM);
+  });
 }
 #endif
 
