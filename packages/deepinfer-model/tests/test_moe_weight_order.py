@@ -12,7 +12,7 @@ from deepinfer_kernels import REGISTRY, ops, quant
 from deepinfer_model.config import ModelConfig
 from deepinfer_model.layers.linear import FP4Weight, use_checkpoint_order_
 from deepinfer_model.layers.moe import MoE
-from deepinfer_model.loader import CheckpointReader, load_checkpoint_into
+from deepinfer_model.loader import CheckpointError, CheckpointReader, load_checkpoint_into
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
@@ -136,3 +136,18 @@ def test_following_the_kernels_on_hopper_switches_with_the_mode():
     with REGISTRY.batch_invariant_mode(False):
         assert torch.equal(_bits(follow(x)), _bits(plain(x)))
         assert not follow.experts[0].w1.fragment_order
+
+
+@pytest.mark.parametrize("byte", [128, 129, 255])
+def test_the_loader_refuses_fp4_scales_the_gpu_kernels_cannot_expand(tmp_path: Path, byte):
+    state = _checkpoint_state(8)
+    scale = state["experts.1.w2.scale"].view(torch.uint8).clone()
+    scale[3, 2] = byte
+    state["experts.1.w2.scale"] = scale.view(torch.float8_e8m0fnu)
+    save_file(state, str(tmp_path / "model.safetensors"))
+    layer = _moe(False)
+    if byte <= 128:  # 2**1: the largest scale expanded exactly
+        load_checkpoint_into(layer, CheckpointReader(tmp_path), progress=False)
+        return
+    with pytest.raises(CheckpointError, match=rf"'experts\.1\.w2\.scale'.*FP4 scale byte {byte}"):
+        load_checkpoint_into(layer, CheckpointReader(tmp_path), progress=False)

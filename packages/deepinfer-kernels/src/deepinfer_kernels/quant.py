@@ -34,6 +34,9 @@ WEIGHT_AMAX_FLOOR = FP8_MAX * 2.0**-126
 
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 """e2m1 magnitudes by code 0..7; code | 8 is the negative value."""
+FP4_MAX_SCALE_BYTE = 128
+"""Largest UE8M0 byte of an FP4 expert scale (2**(byte - 127): up to 2) that the GPU tiers expand
+exactly: they put byte + 126 in a bf16 exponent, so 129 and up come out infinite there."""
 
 # Python floats, not tensors: a tensor constant would be copied host->device on every CUDA call.
 # A Python scalar times an fp32 tensor is computed in fp32 with the scalar rounded to fp32 first,

@@ -358,7 +358,33 @@ def load_checkpoint_into(
             n, nbytes = reader.copy_shard(shard, targets)
             report.num_tensors += n
             report.num_bytes += nbytes
+    check_expert_scales(model, reader)
     return report
+
+
+def check_expert_scales(model: torch.nn.Module, reader: CheckpointReader) -> None:
+    """Raise CheckpointError naming the first FP4 expert scale tensor with a UE8M0 byte above
+    `quant.FP4_MAX_SCALE_BYTE` (a scale above 2, which the GPU kernels would expand to infinity).
+    One device-to-host copy for the whole model."""
+    from deepinfer_kernels.quant import FP4_MAX_SCALE_BYTE
+
+    from deepinfer_model.layers.linear import FP4Weight
+
+    named = [(f"{n}.scale", m.scale) for n, m in model.named_modules() if isinstance(m, FP4Weight)]
+    if not named:
+        return
+    with torch.no_grad():
+        largest = torch.stack([s.view(torch.uint8).amax() for _, s in named]).cpu()
+    bad = (largest > FP4_MAX_SCALE_BYTE).nonzero()
+    if bad.numel():
+        name = named[int(bad[0])][0]
+        byte = int(largest[int(bad[0])])
+        file = reader.entries[name].file.name if name in reader.entries else "?"
+        raise CheckpointError(
+            f"tensor {name!r} in {file!r}: FP4 scale byte {byte} (2**{byte - 127}); FP4 expert "
+            f"scales must be at most {FP4_MAX_SCALE_BYTE} (2**{FP4_MAX_SCALE_BYTE - 127}), the "
+            "largest the GPU kernels expand exactly"
+        )
 
 
 @dataclass

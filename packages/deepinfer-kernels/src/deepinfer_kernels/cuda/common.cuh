@@ -51,7 +51,8 @@ static __device__ __forceinline__ u32 expand_pair(u32 even, u32 odd, u32 sp) {
 }
 
 // 2**(u - 1) in both lanes of a bf16x2, for UE8M0 byte u: `expand8`'s scale operand. Finite for
-// u <= 128 only (scales up to 2): u = 129 gives bf16 infinity, as in the Triton tier's FP4 modes.
+// u <= 128 only (scales up to 2; quant.FP4_MAX_SCALE_BYTE, which the model loader checks): u = 129
+// gives bf16 infinity, as in the Triton tier's FP4 modes.
 static __device__ __forceinline__ u32 scale_pair(u32 u) { return ((u + 126u) << 7) * 0x10001u; }
 
 static __device__ __forceinline__ void expand8(u32 w, u32 sp, u32 (&o)[4]) {
