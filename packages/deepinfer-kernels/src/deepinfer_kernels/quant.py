@@ -214,20 +214,22 @@ def fp4_fragment_order(packed: torch.Tensor) -> torch.Tensor:
     (rows g, g+8; K slots 2t, 2t+1, 2t+8, 2t+9 of each k16 step), so a kernel can feed each
     16-byte load to the tensor cores without exchanging bytes between lanes. The scales do not
     move. Read by the cuda tier's wgmma kernels and the Triton tier (`fragment_weights`)."""
-    kb = packed.shape[-1]
-    if kb % 64:
-        raise ValueError(f"fp4_fragment_order: K/2 = {kb} bytes per row must be a multiple of 64")
-    steps = packed.reshape(*packed.shape[:-1], kb // 64, 4, 4, 4)  # [.., group, word, byte]
+    steps = _fp4_steps(packed, "fp4_fragment_order")  # [.., group, word, byte]
     return steps.transpose(-1, -3).transpose(-1, -2).reshape(packed.shape)
 
 
 def fp4_checkpoint_order(packed: torch.Tensor) -> torch.Tensor:
     """The inverse of `fp4_fragment_order`: [..., N, K/2] bytes back in the checkpoint's order."""
+    steps = _fp4_steps(packed, "fp4_checkpoint_order")  # [.., lane, group, word]
+    return steps.transpose(-1, -2).transpose(-1, -3).reshape(packed.shape)
+
+
+def _fp4_steps(packed: torch.Tensor, caller: str) -> torch.Tensor:
+    """packed [..., N, K/2] viewed as [..., N, K/128, 4, 4, 4]: each 64-byte K step's bytes."""
     kb = packed.shape[-1]
     if kb % 64:
-        raise ValueError(f"fp4_checkpoint_order: K/2 = {kb} bytes per row must be a multiple of 64")
-    steps = packed.reshape(*packed.shape[:-1], kb // 64, 4, 4, 4)  # [.., lane, group, word]
-    return steps.transpose(-1, -2).transpose(-1, -3).reshape(packed.shape)
+        raise ValueError(f"{caller}: K/2 = {kb} bytes per row must be a multiple of 64")
+    return packed.reshape(*packed.shape[:-1], kb // 64, 4, 4, 4)
 
 
 # ---------------------------------------------------------------------------------------------

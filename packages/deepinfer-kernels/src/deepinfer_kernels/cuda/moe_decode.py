@@ -287,14 +287,17 @@ def _kernel(kind: str, d: int, i: int, cfg: Config, device: int) -> module.Kerne
     return module.load_kernel(cubin(kind, d, i, cfg), name, torch.device("cuda", device), shared)
 
 
-def _launch_shape(kind: str, d: int, i: int, cfg: Config) -> tuple[int, int, int]:
-    """(CTAs per routing tile, threads per CTA, dynamic shared bytes) of kernel `kind`."""
+def _launch_shape(
+    kind: str, d: int, i: int, cfg: Config, x_cap: int | None = None
+) -> tuple[int, int, int]:
+    """(CTAs per routing tile, threads per CTA, dynamic shared bytes) of kernel `kind`; a TMA
+    kernel's shared memory holds x_cap token rows (default: a whole tile, the most it takes)."""
     n, k = (i, d) if kind == "w13" else (d, i)
     if isinstance(cfg, MoeDecodeWgmmaConfig):
         wg = cfg.warpgroups1 if kind == "w13" else cfg.warpgroups2
         return n // (WGMMA_ROWS * wg), 128 * wg, _wgmma_shared_bytes(k, cfg)
     rt, split = (cfg.rt1, cfg.split1) if kind == "w13" else (cfg.rt2, cfg.split2)
-    shared = _tma_shared_bytes(kind, d, i, cfg, cfg.tile_tokens) if cfg.tma else 0
+    shared = _tma_shared_bytes(kind, d, i, cfg, x_cap or cfg.tile_tokens) if cfg.tma else 0
     return n // (16 * rt), 32 * split, shared
 
 
@@ -356,16 +359,15 @@ def moe_experts(
     y = torch.empty(p, d, dtype=torch.bfloat16, device=x.device)
     n_tiles = route.tiles.shape[0]
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    # TMA kernels: the weight maps first; shared memory for the tile's token rows (a tile holds
-    # at most t tokens) after
-    maps1, maps2, tail, shared = (), (), (), {}
+    # TMA kernels: the weight maps first, and room for the tile's token rows (a tile holds at
+    # most t tokens) last
+    maps1, maps2, tail, x_cap = (), (), (), None
     if getattr(cfg, "tma", False):
         x_cap = min(t, cfg.tile_tokens)
         maps1 = (weight_map(w1, 16 * cfg.rt1), weight_map(w3, 16 * cfg.rt1))
         maps2 = (weight_map(w2, 16 * cfg.rt2),)
         tail = (x_cap,)
-        shared = {k: _tma_shared_bytes(k, d, i, cfg, x_cap) for k in ("w13", "w2")}
-    ctas, threads, most = _launch_shape("w13", d, i, cfg)
+    ctas, threads, shared = _launch_shape("w13", d, i, cfg, x_cap)
     _kernel("w13", d, i, cfg, dev).launch(
         (ctas, n_tiles),
         threads,
@@ -373,13 +375,10 @@ def moe_experts(
             *maps1, xa, w1, s1, w3, s3, route.sorted_token, route.sorted_weight, route.tiles, h,
             float(swiglu_limit), float(ACT_AMAX_FLOOR), *tail,
         ),
-        shared.get("w13", most),
+        shared,
     )  # fmt: skip
-    ctas, threads, most = _launch_shape("w2", d, i, cfg)
+    ctas, threads, shared = _launch_shape("w2", d, i, cfg, x_cap)
     _kernel("w2", d, i, cfg, dev).launch(
-        (ctas, n_tiles),
-        threads,
-        (*maps2, h, w2, s2, route.tiles, y, *tail),
-        shared.get("w2", most),
+        (ctas, n_tiles), threads, (*maps2, h, w2, s2, route.tiles, y, *tail), shared
     )
     return combine(y, route, out)
