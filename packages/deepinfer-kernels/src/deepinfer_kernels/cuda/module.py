@@ -149,6 +149,24 @@ def compile_cubin(
 
 
 _MAX_DYNAMIC_SHARED_SIZE_BYTES = 8  # CUfunction_attribute
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
+
+
+class _LaunchAttribute(ctypes.Structure):
+    # CUlaunchAttribute: an id, padding to 8 bytes, a 64-byte value union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    # CUlaunchConfig
+    _fields_ = [
+        ("grid", ctypes.c_uint * 3),
+        ("block", ctypes.c_uint * 3),
+        ("shared_bytes", ctypes.c_uint),
+        ("stream", ctypes.c_void_p),
+        ("attrs", ctypes.POINTER(_LaunchAttribute)),
+        ("num_attrs", ctypes.c_uint),
+    ]
 
 
 @functools.cache
@@ -177,8 +195,16 @@ class Kernel:
         block: int,
         args: Sequence[Arg],
         shared_bytes: int = 0,
+        *,
+        programmatic: bool = False,
     ) -> None:
-        """Launch on torch's current stream of the current device. grid: 1 to 3 sizes."""
+        """Launch on torch's current stream of the current device. grid: 1 to 3 sizes.
+
+        programmatic: a programmatic dependent launch (the driver's programmatic stream
+        serialization): the kernel may start once every CTA of the kernel before it on the
+        stream has run `griddepcontrol.launch_dependents` (or ended), so it must run
+        `griddepcontrol.wait` before it reads what that kernel writes; CUDA graphs keep it as
+        a programmatic edge."""
         if any(g <= 0 for g in grid):
             return  # nothing to do (an empty batch)
         gx, gy, gz = (*grid, 1, 1)[:3]
@@ -200,11 +226,23 @@ class Kernel:
             *(ctypes.cast(ctypes.byref(h), ctypes.c_void_p) for h in holders)
         )
         stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+        if not programmatic:
+            _cu_check(
+                _driver().cuLaunchKernel(
+                    self.function, gx, gy, gz, block, 1, 1, shared_bytes, stream, params, None
+                ),
+                f"launch of {self.name}",
+            )
+            return
+        attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+        attr.value[0] = 1
+        config = _LaunchConfig(
+            (ctypes.c_uint * 3)(gx, gy, gz), (ctypes.c_uint * 3)(block, 1, 1), shared_bytes,
+            stream, ctypes.pointer(attr), 1,
+        )  # fmt: skip
         _cu_check(
-            _driver().cuLaunchKernel(
-                self.function, gx, gy, gz, block, 1, 1, shared_bytes, stream, params, None
-            ),
-            f"launch of {self.name}",
+            _driver().cuLaunchKernelEx(ctypes.byref(config), self.function, params, None),
+            f"programmatic launch of {self.name}",
         )
 
 

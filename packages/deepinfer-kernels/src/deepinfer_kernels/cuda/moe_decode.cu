@@ -278,6 +278,10 @@ static __device__ __forceinline__ void run_tma(float (&acc)[NA][TOKG][4], const 
       bulk_copy(smem + m * ROWS_PER_CTA * KG, s[m] + ((u64)p.expert * N_DIM + p.row0) * KG,
                 ROWS_PER_CTA * KG, &scale_bar);
   }
+  // W2 runs as a programmatic dependent of W1/W3 (moe_decode.py): everything above (barriers,
+  // the first stages, the scales) overlaps W1/W3's last CTAs; the activations (h) are W1/W3's
+  // output. For W1/W3 (a plain launch) the wait returns at once.
+  asm volatile("griddepcontrol.wait;" ::: "memory");
   if (p.lane == 0) mbar_expect(&x_bar[p.warp], p.count * groups * 64);
   __syncwarp();
   if (p.lane < p.count)
@@ -350,6 +354,11 @@ moe_w13(
 #endif
 ) {
   const Place p = place(tiles);
+#if TMA
+  // W2 (a programmatic dependent launch) may start its prologue now; it waits for this grid's
+  // end before it reads h
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
   if (p.expert < 0) return;
   const int g = p.g, t = p.t;
   float acc[NA][TOKG][4] = {};

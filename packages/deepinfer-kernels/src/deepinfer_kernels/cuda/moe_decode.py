@@ -3,7 +3,8 @@ mma.sync (`moe_decode.cu`), the fastest, and for batch-invariant mode wgmma
 (`moe_decode_wgmma.cu`), whose fp32 sums are those of the Triton tier's prefill tiles, so that a
 routed row's bits do not depend on the batch or on which path (decode or prefill) ran it. The
 mma.sync pair loads its weights into registers (DEFAULT) or, for a few tokens, through shared
-memory from the tensor-memory accelerator (SMALL): the same sums either way.
+memory from the tensor-memory accelerator (SMALL): the same sums either way. From 2 tokens
+SMALL's W2 is a programmatic dependent launch of W1/W3: its prologue runs under W1/W3's last CTAs.
 
 Same contract and numerics as `ref.moe.moe_experts` (and the Triton tier's): activations
 quantised per 32 to FP8 and expanded exactly to bf16, FP4 weights expanded exactly to bf16 in
@@ -378,7 +379,11 @@ def moe_experts(
         shared,
     )  # fmt: skip
     ctas, threads, shared = _launch_shape("w2", d, i, cfg, x_cap)
+    # from 2 tokens the TMA W2 starts its prologue (barriers, first weight stages, scales) under
+    # W1/W3's last CTAs and waits for W1/W3's end before it reads h (H200: T=2..4 3-5% faster,
+    # T=1 1-2% slower; NOTES.md, tenth session)
     _kernel("w2", d, i, cfg, dev).launch(
-        (ctas, n_tiles), threads, (*maps2, h, w2, s2, route.tiles, y, *tail), shared
-    )
+        (ctas, n_tiles), threads, (*maps2, h, w2, s2, route.tiles, y, *tail), shared,
+        programmatic=bool(tail) and t >= 2,
+    )  # fmt: skip
     return combine(y, route, out)
