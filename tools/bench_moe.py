@@ -406,7 +406,7 @@ def cuda_decode_candidates() -> dict:
 
     c = cmd.MoeDecodeCudaConfig
     return {
-        "cuda": cmd.DEFAULT,
+        "cuda": cmd.REGISTER,
         # two K steps of loads in flight (-6% at T=1, worse from T=6; ninth session)
         "cuda d2": c(depth=2, min_blocks1=2, min_blocks2=4),
         "cuda d2 s2=4": c(depth=2, min_blocks1=2, split2=4, min_blocks2=2),
@@ -418,13 +418,15 @@ def cuda_decode_candidates() -> dict:
         "cuda s1=2": c(split1=2, min_blocks1=6),
         # W2 at 3 warps (10.9 warps per SM at T=1): within 2% of the default at every T
         "cuda s2=3": c(split2=3, min_blocks2=4),
-        # the same sums fed by the TMA (SMALL: the default up to SMALL_TOKENS tokens)
-        "cuda tma d2": cmd.SMALL,
-        "cuda tma d3": replace(cmd.SMALL, depth=3),
+        # the same sums fed by the TMA (the default: TMA up to TMA_TILE8_TOKENS tokens, then
+        # TMA_TILE16)
+        "cuda tma d2": cmd.TMA,
+        "cuda tma t16": cmd.TMA_TILE16,
+        "cuda tma d3": replace(cmd.TMA, depth=3),
         # more, smaller W2 CTAs (H200: T=1 61.2 / 65.3 us vs 60.6, T=2 96.3 / 98.0 vs 100.6,
         # T=4 163.8 / 170.4 vs 165.2: within a run's noise or worse; ninth session)
-        "cuda tma rt2=2": replace(cmd.SMALL, rt2=2, min_blocks2=8),
-        "cuda tma rt2=1": replace(cmd.SMALL, rt2=1, min_blocks2=8),
+        "cuda tma rt2=2": replace(cmd.TMA, rt2=2, min_blocks2=8),
+        "cuda tma rt2=1": replace(cmd.TMA, rt2=1, min_blocks2=8),
         # batch-invariant mode's wgmma kernels (rows bitwise those of Triton's PREFILL)
         "cuda inv": cmd.WGMMA_DEFAULT,
         "cuda inv 1wg d6": replace(cmd.WGMMA_DEFAULT, warpgroups1=1, depth1=6, min_blocks1=1),

@@ -83,10 +83,8 @@ def test_tma_config_fields():
     with pytest.raises(ValueError, match=r"MoeDecodeCudaConfig\.tma must be a bool"):
         md.MoeDecodeCudaConfig(tma=1)
     # 16 token rows of W1/W3's K = 5120 per warp and 8 stages do not fit one CTA
-    assert "TMA w13 kernel needs" in md.shape_reason(
-        *V41, replace(md.SMALL, tile_tokens=16, depth=8)
-    )
-    assert md.shape_reason(*V41, md.SMALL) is None
+    assert "TMA w13 kernel needs" in md.shape_reason(*V41, replace(md.TMA, tile_tokens=16, depth=8))
+    assert md.shape_reason(*V41, md.TMA) is None
 
 
 def test_tensor_map_arguments_are_checked_before_the_driver():
@@ -113,11 +111,13 @@ def test_shape_reasons():
 
 
 def test_default_kernels_by_mode_and_size():
-    assert md.pick_config(False, False, 1) == md.SMALL
-    assert md.pick_config(False, False, md.SMALL_TOKENS) == md.SMALL
-    assert md.pick_config(False, False, md.SMALL_TOKENS + 1) == md.DEFAULT
+    assert md.pick_config(False, False, 1) == md.TMA
+    assert md.pick_config(False, False, md.TMA_TILE8_TOKENS) == md.TMA
+    assert md.pick_config(False, False, md.TMA_TILE8_TOKENS + 1) == md.TMA_TILE16
+    assert md.pick_config(False, False, 1, aligned=False) == md.REGISTER
     # the same sums: the splits decide the bits
-    assert (md.SMALL.split1, md.SMALL.split2) == (md.DEFAULT.split1, md.DEFAULT.split2)
+    for cfg in (md.TMA, md.TMA_TILE16):
+        assert (cfg.split1, cfg.split2) == (md.REGISTER.split1, md.REGISTER.split2)
     assert md.pick_config(True, False, 1) == md.WGMMA_DEFAULT
     assert md.pick_config(True, True, 1) == md.WGMMA_FRAGMENT
 
@@ -149,13 +149,13 @@ def test_supports_reasons():
     assert "multiples of 32" in moe_experts_cuda_supports(*_cpu_call(d=48))
 
 
-def test_tma_kernels_need_aligned_weights():
+def test_unaligned_weights_take_the_register_kernels():
     x, tw, ids, w1, s1, w3, s3, w2, s2, limit = _cpu_call(t=2)
     odd = torch.zeros(w3.numel() + 1, dtype=torch.int8)[1:].view(w3.shape)
-    why = moe_experts_cuda_supports(x, tw, ids, w1, s1, odd, s3, w2, s2, limit)
+    assert not md.aligned(w1, odd) and md.aligned(w1, s1)
+    why = md.call_reason(x, {"w1": w1, "w3": odd}, {"s1": s1}, md.TMA)
     assert why == "w3 is not 16-byte aligned (the TMA kernels copy it in bulk)"
-    # the register kernels (more tokens than SMALL_TOKENS) do not need it
-    x, tw, ids, w1, s1, w3, s3, w2, s2, limit = _cpu_call(t=8)
+    # by default the register kernels, which do not need it, take such weights
     assert moe_experts_cuda_supports(x, tw, ids, w1, s1, odd, s3, w2, s2, limit) == "input on cpu"
 
 
@@ -172,7 +172,7 @@ def test_direct_call_with_bad_arguments_is_a_value_error():
             *_cpu_call(), batch_invariant=True, config=md.WGMMA_DEFAULT, fragment_order=True
         )
     with pytest.raises(ValueError, match="config must be a MoeDecodeWgmmaConfig"):
-        md.moe_experts(*_cpu_call(), batch_invariant=True, config=md.DEFAULT)
+        md.moe_experts(*_cpu_call(), batch_invariant=True, config=md.REGISTER)
 
 
 def test_fragment_order_reasons():
@@ -257,7 +257,7 @@ def test_kernels_compile_without_local_memory(kind, dims, tmp_path):
     """Both kernels compile for sm_90a (NVRTC on CPU); with cuobjdump: no spills (no local loads
     or stores) and the K loop within 24 instructions per weight word and mma (the FP4 expansion
     is 19: 3 to split a word, then per bf16 pair PRMT, IMAD, LOP3, HMUL2)."""
-    cub = md.cubin(kind, *dims, md.DEFAULT)
+    cub = md.cubin(kind, *dims, md.REGISTER)
     assert len(cub) > 1000
     sass = _cuobjdump("-sass", cub, tmp_path)
     assert not re.search(r"\b(LDL|STL)\b", sass), "the kernel spills to local memory"
@@ -289,14 +289,14 @@ def _inputs(*args, **kw):
 @pytest.mark.parametrize(
     ("t", "d", "i", "e", "k", "cfg"),
     [
-        (1, 256, 128, 16, 4, md.DEFAULT),
-        (5, 512, 256, 32, 6, md.DEFAULT),
-        (37, 256, 96, 32, 6, md.DEFAULT),  # experts with more rows than a tile; odd T, odd I/32
+        (1, 256, 128, 16, 4, md.REGISTER),
+        (5, 512, 256, 32, 6, md.REGISTER),
+        (37, 256, 96, 32, 6, md.REGISTER),  # experts with more rows than a tile; odd T, odd I/32
         (37, 256, 96, 32, 6, md.MoeDecodeCudaConfig(tile_tokens=16, split1=3, rt2=2)),
         (16, 512, 256, 8, 4, md.MoeDecodeCudaConfig(rt1=4, split1=1, split2=5, rt2=1)),
         (9, 512, 256, 16, 6, md.MoeDecodeCudaConfig(depth=2, min_blocks1=2, split2=3)),
-        (1, *V41, 384, 6, md.DEFAULT),
-        (16, *V41, 384, 6, md.DEFAULT),
+        (1, *V41, 384, 6, md.REGISTER),
+        (16, *V41, 384, 6, md.REGISTER),
         (1, 256, 128, 16, 4, md.WGMMA_DEFAULT),
         (37, 256, 128, 32, 6, md.MoeDecodeWgmmaConfig(tile_tokens=16, depth1=2, depth2=7)),
         (16, *V41, 384, 6, md.WGMMA_DEFAULT),
@@ -317,12 +317,15 @@ def test_close_to_ref(t, d, i, e, k, cfg):
 @needs_hopper
 def test_rows_do_not_depend_on_the_batch():
     """A token's output is bitwise the same alone and in any batch: each mma column is one token,
-    K is split by shape only, and the combine sums a token's rows in expert order (the slices of
-    at most SMALL_TOKENS tokens run SMALL's kernels, the rest DEFAULT's)."""
-    x, tw, ids, *ws = _inputs(48, 512, 256, 64, 6, seed=7)
-    full = md.moe_experts(x, tw, ids, *ws, 10.0)
-    for lo, hi in ((0, 1), (47, 48), (5, 21), (9, 9 + md.SMALL_TOKENS)):
+    K is split by shape only, and the combine sums a token's rows in expert order (whether the
+    TMA, the 16-token-tile or the register kernels run it)."""
+    x, tw, ids, *ws = _inputs(300, 512, 256, 64, 6, seed=7)
+    full = md.moe_experts(x, tw, ids, *ws, 10.0)  # 16-token tiles
+    assert md.pick_config(False, False, 300) == md.TMA_TILE16
+    for lo, hi in ((0, 1), (299, 300), (5, 21), (9, 13)):
         assert torch.equal(md.moe_experts(x[lo:hi], tw[lo:hi], ids[lo:hi], *ws, 10.0), full[lo:hi])
+    part = md.moe_experts(x[:48], tw[:48], ids[:48], *ws, 10.0, config=md.REGISTER)
+    assert torch.equal(part, full[:48])
 
 
 @needs_hopper
@@ -412,14 +415,14 @@ def test_fragment_order_pays_in_invariant_mode_here():
 @pytest.mark.parametrize(
     ("t", "d", "i", "e", "k", "cfg"),
     [
-        (1, *V41, 384, 6, md.SMALL),
-        (4, *V41, 384, 6, md.SMALL),
-        (2, *V41, 384, 6, replace(md.SMALL, depth=5)),
-        (1, 256, 128, 16, 4, md.SMALL),
-        (3, 512, 256, 8, 6, replace(md.SMALL, depth=1)),
-        (37, 256, 96, 32, 6, replace(md.SMALL, tile_tokens=16, split1=3, rt2=2, depth=3)),
-        (16, 512, 256, 8, 4, replace(md.SMALL, rt1=4, split1=1, split2=5, rt2=1)),
-        (9, 512, 256, 16, 6, replace(md.SMALL, split2=3, depth=8)),
+        (1, *V41, 384, 6, md.TMA),
+        (4, *V41, 384, 6, md.TMA),
+        (2, *V41, 384, 6, replace(md.TMA, depth=5)),
+        (1, 256, 128, 16, 4, md.TMA),
+        (3, 512, 256, 8, 6, replace(md.TMA, depth=1)),
+        (37, 256, 96, 32, 6, replace(md.TMA, tile_tokens=16, split1=3, rt2=2, depth=3)),
+        (16, 512, 256, 8, 4, replace(md.TMA, rt1=4, split1=1, split2=5, rt2=1)),
+        (9, 512, 256, 16, 6, replace(md.TMA, split2=3, depth=8)),
     ],
 )
 def test_tma_kernels_give_the_register_kernels_bits(t, d, i, e, k, cfg):
@@ -437,7 +440,7 @@ def test_cuda_graph_replay_on_new_routing():
     from gpu_checks import assert_graph_replays_new_routing
 
     assert_graph_replays_new_routing(md.moe_experts, 8, 512, 256, 32, 6)
-    assert_graph_replays_new_routing(md.moe_experts, md.SMALL_TOKENS, 512, 256, 32, 6)
+    assert_graph_replays_new_routing(md.moe_experts, 4, 512, 256, 32, 6)
 
 
 @needs_hopper

@@ -2,13 +2,14 @@
 // (`moe_decode.py` holds the contract and picks the constants below).
 //
 // Why this shape: at decode an expert sees a handful of tokens, so the GEMM streams FP4 weights
-// once and the cost is the instructions spent per weight byte. Each thread loads 16 packed bytes
-// (32 values = exactly one UE8M0 scale group) of a weight row straight into registers, expands
-// them to bf16 there and feeds them to mma.sync as the A fragment: no shared-memory round trip,
-// no CTA barrier in the K loop. The mma's K order is free as long as A and B agree, so thread
-// (g, t) of a warp takes K group `4i + t` for both its weight rows and its tokens' activations:
-// pair p (0..15) of its 32 values feeds mma p/2 as the (2t, 2t+1) or (2t+8, 2t+9) slot, and the
-// activations' 32 bf16 are read in the same natural order (LDG.128 x 4).
+// once and the cost is the instructions spent per weight byte. Each thread takes 16 packed bytes
+// (32 values = exactly one UE8M0 scale group) of a weight row into registers (straight from
+// global memory, `run`, or from the stages the TMA fills, `run_tma`), expands them to bf16 there
+// and feeds them to mma.sync as the A fragment: no CTA barrier in the K loop. The mma's K order
+// is free as long as A and B agree, so thread (g, t) of a warp takes K group `4i + t` for both
+// its weight rows and its tokens' activations: pair p (0..15) of its 32 values feeds mma p/2 as
+// the (2t, 2t+1) or (2t+8, 2t+9) slot, and the activations' 32 bf16 are read in the same natural
+// order (4 x 16 bytes).
 //
 // Constants (-D): K_DIM (reduction length), N_DIM (weight rows per expert), MATS (1: W2; 2: W1
 // and W3 fused with SwiGLU), RT (16-row A tiles per matrix per warp), TOKG (8-token groups per
@@ -171,16 +172,18 @@ static __device__ __forceinline__ void run(Stream& st, const Place& p) {
 }
 
 #if TMA
-// The K loop fed by the tensor-memory accelerator (small T): the same products in the same order
-// per sum as `run` (same K split, each K step's four A tiles in turn), but the weights reach
+// The K loop fed by the tensor-memory accelerator (the default): the same products in the same
+// order per sum as `run` (same K split, each K step's four A tiles in turn), but the weights reach
 // shared memory as 2-D boxes (each matrix's ROWS_PER_CTA rows x one 64-byte K step of the
 // warp's share) that one lane asks for DEPTH steps ahead, so the bytes in flight cost no
-// registers; the CTA's scale rows and the tile's token rows (its K share, per warp) are copied
-// once. Dynamic shared memory, in this order: scales [MATS][ROWS_PER_CTA][KG] (128-byte
-// padded); per warp DEPTH stages [MATS * ROWS_PER_CTA rows][64 B] (rows g and g + 1 fall in
-// different bank halves); per warp x_cap token rows of XSHARE bytes.
+// registers; each token's slice of the step (4 groups of bf16) comes with them by a bulk copy,
+// and the CTA's scale rows once. Dynamic shared memory, in this order: scales
+// [MATS][ROWS_PER_CTA][KG] (128-byte padded); per warp DEPTH stages of STAGE_SMEM weight bytes
+// ([MATS * ROWS_PER_CTA rows][64 B]: rows g and g + 1 fall in different bank halves) then x_cap
+// token slices of XSTEP bytes. Keeping only the steps in flight, not the warp's whole K share of
+// the tokens, lets 4 W1/W3 CTAs share an SM at 2-4 tokens.
 #define STAGE_SMEM (MATS * ROWS_PER_CTA * 64)
-#define XSHARE (((KG + SPLIT - 1) / SPLIT) * 64)
+#define XSTEP (4 * 64)  // a token's 4 groups of a K step, bf16
 #define SCALE_SMEM ((MATS * ROWS_PER_CTA * KG + 127) / 128 * 128)
 
 // A CUtensorMap (cuTensorMapEncodeTiled), passed by value as a __grid_constant__ parameter.
@@ -243,34 +246,41 @@ static __device__ __forceinline__ void run_tma(float (&acc)[NA][TOKG][4], const 
                                                RowOf row_of, int x_cap) {
   extern __shared__ __align__(128) u8 smem[];
   __shared__ __align__(8) u64 stage_bar[SPLIT][DEPTH];
-  __shared__ __align__(8) u64 x_bar[SPLIT];
   __shared__ __align__(8) u64 scale_bar;
+  const int stage_bytes = STAGE_SMEM + x_cap * XSTEP;
   const u8* scales = smem;
-  u8* ring = smem + SCALE_SMEM + p.warp * DEPTH * STAGE_SMEM;
-  u8* xs = smem + SCALE_SMEM + SPLIT * DEPTH * STAGE_SMEM + p.warp * x_cap * XSHARE;
+  u8* ring = smem + SCALE_SMEM + p.warp * DEPTH * stage_bytes;
   u64* full = stage_bar[p.warp];
   const int groups = p.g_end - p.g_begin;
   const int steps = (groups + 3) / 4;
   if (p.lane == 0) {
     for (int d = 0; d < DEPTH; ++d) mbar_init(&full[d]);
-    mbar_init(&x_bar[p.warp]);
     if (p.warp == 0) mbar_init(&scale_bar);
     asm volatile("fence.mbarrier_init.release.cluster;");
   }
   __syncthreads();
-  // step i's boxes into stage i % DEPTH (their bytes past the share, or past the row: unused)
-  auto issue = [&](int i) {
+  // step i: the weight boxes into stage i % DEPTH (their bytes past the share, or past the row:
+  // unused), counting the tokens' slices that `issue_x` adds
+  auto xbytes = [&](int i) { return (groups - 4 * i < 4 ? groups - 4 * i : 4) * 64; };
+  auto issue_w = [&](int i) {
     u64* bar = &full[i % DEPTH];
     __syncwarp();  // the stage's previous readers are done
     if (p.lane == 0) {
-      mbar_expect(bar, STAGE_SMEM);
+      mbar_expect(bar, STAGE_SMEM + p.count * xbytes(i));
 #pragma unroll
       for (int m = 0; m < MATS; ++m)
-        tma_box(ring + (i % DEPTH) * STAGE_SMEM + m * ROWS_PER_CTA * 64, maps[m],
+        tma_box(ring + (i % DEPTH) * stage_bytes + m * ROWS_PER_CTA * 64, maps[m],
                 (p.g_begin + 4 * i) * 16, p.expert * N_DIM + p.row0, bar);
     }
+    __syncwarp();  // the expectation first
   };
-  for (int i = 0; i < DEPTH && i < steps; ++i) issue(i);
+  const u8* xrow = x;  // lane n < count: its token's row at the warp's first group
+  auto issue_x = [&](int i) {
+    if (p.lane < p.count)
+      bulk_copy(ring + (i % DEPTH) * stage_bytes + STAGE_SMEM + p.lane * XSTEP, xrow + i * XSTEP,
+                xbytes(i), &full[i % DEPTH]);
+  };
+  for (int i = 0; i < DEPTH && i < steps; ++i) issue_w(i);
   if (threadIdx.x == 0) {
     mbar_expect(&scale_bar, MATS * ROWS_PER_CTA * KG);
 #pragma unroll
@@ -279,19 +289,15 @@ static __device__ __forceinline__ void run_tma(float (&acc)[NA][TOKG][4], const 
                 ROWS_PER_CTA * KG, &scale_bar);
   }
   // W2 runs as a programmatic dependent of W1/W3 (moe_decode.py): everything above (barriers,
-  // the first stages, the scales) overlaps W1/W3's last CTAs; the activations (h) are W1/W3's
-  // output. For W1/W3 (a plain launch) the wait returns at once.
+  // the first weight stages, the scales) overlaps W1/W3's last CTAs; the activations (h) are
+  // W1/W3's output. For W1/W3 (a plain launch) the wait returns at once.
   asm volatile("griddepcontrol.wait;" ::: "memory");
-  if (p.lane == 0) mbar_expect(&x_bar[p.warp], p.count * groups * 64);
-  __syncwarp();
-  if (p.lane < p.count)
-    bulk_copy(xs + p.lane * XSHARE, x + ((u64)row_of(p.lane) * K_DIM + p.g_begin * 32) * 2,
-              groups * 64, &x_bar[p.warp]);
+  if (p.lane < p.count) xrow = x + ((u64)row_of(p.lane) * K_DIM + p.g_begin * 32) * 2;
+  for (int i = 0; i < DEPTH && i < steps; ++i) issue_x(i);
   mbar_wait(&scale_bar, 0);
-  mbar_wait(&x_bar[p.warp], 0);
   for (int i = 0; i < steps; ++i) {
     mbar_wait(&full[i % DEPTH], (i / DEPTH) & 1);
-    const u8* stage = ring + (i % DEPTH) * STAGE_SMEM;
+    const u8* stage = ring + (i % DEPTH) * stage_bytes;
     const int grp = 4 * i + p.t;  // the thread's group in the warp's share
     const bool ok = grp < groups;
     u32 xv[TOKG][16];
@@ -301,7 +307,7 @@ static __device__ __forceinline__ void run_tma(float (&acc)[NA][TOKG][4], const 
 #pragma unroll
       for (int v = 0; v < 4; ++v) {
         u32 r[4] = {0u, 0u, 0u, 0u};
-        if (ok && n < p.count) lds128(r, xs + n * XSHARE + grp * 64 + v * 16);
+        if (ok && n < p.count) lds128(r, stage + STAGE_SMEM + n * XSTEP + p.t * 64 + v * 16);
 #pragma unroll
         for (int e = 0; e < 4; ++e) xv[q][4 * v + e] = r[e];
       }
@@ -323,11 +329,14 @@ static __device__ __forceinline__ void run_tma(float (&acc)[NA][TOKG][4], const 
     }
 #pragma unroll
     for (int a = 0; a < NA; ++a) compute_tile(wv[a], sv[a], xv, acc[a]);
-    if (i + DEPTH < steps) issue(i + DEPTH);
+    if (i + DEPTH < steps) {
+      issue_w(i + DEPTH);
+      issue_x(i + DEPTH);
+    }
   }
   // the warp-order sum through each warp's own stages, idle now (no static buffer)
   reduce_warps<NA, TOKG, SPLIT>(acc, p.warp, p.lane, [&](int w) {
-    return reinterpret_cast<float*>(smem + SCALE_SMEM + w * DEPTH * STAGE_SMEM);
+    return reinterpret_cast<float*>(smem + SCALE_SMEM + w * DEPTH * stage_bytes);
   });
 }
 #endif

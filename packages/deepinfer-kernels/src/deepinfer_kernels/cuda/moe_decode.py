@@ -2,9 +2,10 @@
 mma.sync (`moe_decode.cu`), the fastest, and for batch-invariant mode wgmma
 (`moe_decode_wgmma.cu`), whose fp32 sums are those of the Triton tier's prefill tiles, so that a
 routed row's bits do not depend on the batch or on which path (decode or prefill) ran it. The
-mma.sync pair loads its weights into registers (DEFAULT) or, for a few tokens, through shared
-memory from the tensor-memory accelerator (SMALL): the same sums either way. From 2 tokens
-SMALL's W2 is a programmatic dependent launch of W1/W3: its prologue runs under W1/W3's last CTAs.
+mma.sync pair loads its weights through shared memory from the tensor-memory accelerator (TMA,
+TMA_TILE16: the default) or straight into registers (REGISTER: for weights the TMA cannot copy):
+the same sums either way. From 2 tokens the TMA W2 is a programmatic dependent launch of W1/W3:
+its prologue runs under W1/W3's last CTAs.
 
 Same contract and numerics as `ref.moe.moe_experts` (and the Triton tier's): activations
 quantised per 32 to FP8 and expanded exactly to bf16, FP4 weights expanded exactly to bf16 in
@@ -54,9 +55,9 @@ class MoeDecodeCudaConfig:
     depend on K, split1 and split2 only: configs with the same splits give the same bits.
 
     tma: the weights reach shared memory as tensor-map boxes that one lane per warp asks for
-    `depth` K steps ahead (1..8 stages, no register cost), the scales and the tile's token rows
-    by bulk copies once per CTA: for small T, where the register loads leave HBM underused;
-    shared memory grows with the tile's tokens (at most min(T, tile_tokens))."""
+    `depth` K steps ahead (1..8 stages, no register cost), each with the tokens' slices of that
+    step (bulk copies), and the scales once per CTA; the register loads leave HBM underused.
+    The stages grow with the tile's tokens (at most min(T, tile_tokens))."""
 
     rt1: int = 2
     split1: int = 4
@@ -87,13 +88,17 @@ class MoeDecodeCudaConfig:
         _check_fields(self, checks)
 
 
-DEFAULT = MoeDecodeCudaConfig()
-SMALL = MoeDecodeCudaConfig(tma=True, depth=2)
-"""DEFAULT's splits (the same bits) fed by the tensor-memory accelerator, 2 stages per warp, for
-calls of at most SMALL_TOKENS tokens (H200, three runs: 6-14% faster than DEFAULT at T=1, 2-18%
-at T=2..4, 16% slower at T=8, where the tile's token rows fill shared memory; NOTES.md, ninth
-session)."""
-SMALL_TOKENS = 4
+REGISTER = MoeDecodeCudaConfig()
+"""The register-loop kernels: for weights or scales that are not 16-byte aligned."""
+TMA = MoeDecodeCudaConfig(tma=True, depth=2)
+"""REGISTER's splits (the same bits) fed by the tensor-memory accelerator, 2 stages per warp: the
+default up to TMA_TILE8_TOKENS tokens (H200: 10% faster than REGISTER at T=1, 19% at T=2, 13% at
+T=8, 10% at T=16, 6% at T=64, 4% at T=256; NOTES.md, tenth session)."""
+TMA_TILE16 = MoeDecodeCudaConfig(tma=True, depth=2, tile_tokens=16)
+"""TMA with 16-token routing tiles (two mma columns per weight fragment; the same bits): the
+default above TMA_TILE8_TOKENS (H200: 14% faster than REGISTER and TMA at T=512, 9% slower than
+TMA at T=256)."""
+TMA_TILE8_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -161,15 +166,15 @@ def _wgmma_static_bytes(kind: str, cfg: MoeDecodeWgmmaConfig) -> int:
 
 
 def _tma_shared_bytes(kind: str, d: int, i: int, cfg: MoeDecodeCudaConfig, x_cap: int) -> int:
-    """The dynamic shared memory of TMA kernel `kind` with room for x_cap token rows:
-    moe_decode.cu's scale rows, per-warp stages and per-warp token-row shares."""
+    """The dynamic shared memory of TMA kernel `kind` with room for x_cap tokens: moe_decode.cu's
+    scale rows and per-warp stages (the weight boxes, then each token's 4 groups of bf16)."""
     k, rt, split = (d, cfg.rt1, cfg.split1) if kind == "w13" else (i, cfg.rt2, cfg.split2)
     mats, kg = (2 if kind == "w13" else 1), k // 32
     scales = -(-mats * 16 * rt * kg // 128) * 128
-    return scales + split * (cfg.depth * mats * 16 * rt * 64 + x_cap * -(-kg // split) * 64)
+    return scales + split * cfg.depth * (mats * 16 * rt * 64 + x_cap * 4 * 64)
 
 
-def shape_reason(d: int, i: int, cfg: Config = DEFAULT) -> str | None:
+def shape_reason(d: int, i: int, cfg: Config = REGISTER) -> str | None:
     """Why the kernels cannot run hidden size d, expert width i, or None."""
     if d % 32 or i % 32:
         return f"D={d} and I={i} must be multiples of 32"
@@ -219,20 +224,30 @@ def order_reason(batch_invariant: bool, config: Config | None, fragment_order: b
     return None
 
 
-def pick_config(batch_invariant: bool, fragment_order: bool, tokens: int) -> Config:
-    """The kernels that a call of `tokens` tokens runs when it names no config."""
+def pick_config(
+    batch_invariant: bool, fragment_order: bool, tokens: int, aligned: bool = True
+) -> Config:
+    """The kernels that a call of `tokens` tokens runs when it names no config; aligned: its
+    weights and scales are 16-byte aligned (the TMA copies them)."""
     if fragment_order:
         return WGMMA_FRAGMENT
     if batch_invariant:
         return WGMMA_DEFAULT
-    return SMALL if tokens <= SMALL_TOKENS else DEFAULT
+    if not aligned:
+        return REGISTER
+    return TMA if tokens <= TMA_TILE8_TOKENS else TMA_TILE16
+
+
+def aligned(*tensors: torch.Tensor) -> bool:
+    """Whether every tensor starts on a 16-byte boundary (what the TMA kernels copy in bulk)."""
+    return all(t.data_ptr() % 16 == 0 for t in tensors)
 
 
 def call_reason(
     x: torch.Tensor,
     weights: dict[str, torch.Tensor],
     scales: dict[str, torch.Tensor],
-    cfg: Config = DEFAULT,
+    cfg: Config = REGISTER,
 ) -> str | None:
     """Why `moe_experts` cannot run x [T, D] with these named weights (w1 [E, I, D/2] first) and
     scales here (device, dtypes, dims, alignment, NVRTC), or None."""
@@ -332,8 +347,9 @@ def moe_experts(
     """Routed FP4 experts (see the module docstring). x [T, D] bf16; topk_weights [T, k] fp32;
     topk_ids [T, k] (< 0: skipped); w1/w3 [E, I, D/2] int8 + s1/s3 [E, I, D/32] e8m0; w2
     [E, D, I/2] + s2 [E, D, I/32] -> [T, D] bf16. batch_invariant: the wgmma kernels (config: a
-    MoeDecodeWgmmaConfig, default WGMMA_DEFAULT); otherwise the mma.sync ones (SMALL, fed by the
-    TMA, up to SMALL_TOKENS tokens, else DEFAULT: the same bits), or whichever kernels `config`
+    MoeDecodeWgmmaConfig, default WGMMA_DEFAULT); otherwise the mma.sync ones fed by the TMA
+    (TMA up to TMA_TILE8_TOKENS tokens, else TMA_TILE16; REGISTER for unaligned weights: the
+    same bits), or whichever kernels `config`
     names.
     fragment_order: w1, w3, w2 are in `quant.fp4_fragment_order`, which only the wgmma kernels
     read (default WGMMA_FRAGMENT; a config must then have fragment_weights)."""
@@ -344,9 +360,9 @@ def moe_experts(
     if why is not None:
         raise ValueError(f"cuda moe_experts: {why}")
     t, d = x.shape
-    cfg = config or pick_config(batch_invariant, fragment_order, t)
     e, i = w1.shape[0], w1.shape[1]
     w1, s1, w3, s3, w2, s2 = (v.contiguous() for v in (w1, s1, w3, s3, w2, s2))
+    cfg = config or pick_config(batch_invariant, fragment_order, t, aligned(w1, s1, w3, s3, w2, s2))
     why = call_reason(x, {"w1": w1, "w3": w3, "w2": w2}, {"s1": s1, "s3": s3, "s2": s2}, cfg)
     if why is not None:
         raise ValueError(f"cuda moe_experts: {why}")

@@ -92,14 +92,14 @@ def moe_experts_cuda_supports(
     """Why the cuda decode experts (`cuda/moe_decode.py`) cannot run these arguments, or None:
     they take decode-sized routing in bf16 with UE8M0 scales (batch-invariant mode: the wgmma
     kernels, whose dims must be multiples of 128; fragment-order weights: those kernels only)."""
-    from ..cuda.moe_decode import call_reason, order_reason, pick_config
+    from ..cuda.moe_decode import aligned, call_reason, order_reason, pick_config
 
     if topk_ids.numel() > 8 * w1.shape[0]:
         return "prefill-sized routing (pairs > 8 x experts)"
     why = order_reason(batch_invariant, None, fragment_order)
     if why is not None:
         return why
-    cfg = pick_config(batch_invariant, fragment_order, x.shape[0])
+    cfg = pick_config(batch_invariant, fragment_order, x.shape[0], aligned(w1, s1, w3, s3, w2, s2))
     weights = {"w1": w1, "w3": w3, "w2": w2}
     return call_reason(x, weights, {"s1": s1, "s3": s3, "s2": s2}, cfg)
 
