@@ -349,8 +349,7 @@ def moe_experts(
     [E, D, I/2] + s2 [E, D, I/32] -> [T, D] bf16. batch_invariant: the wgmma kernels (config: a
     MoeDecodeWgmmaConfig, default WGMMA_DEFAULT); otherwise the mma.sync ones fed by the TMA
     (TMA up to TMA_TILE8_TOKENS tokens, else TMA_TILE16; REGISTER for unaligned weights: the
-    same bits), or whichever kernels `config`
-    names.
+    same bits), or whichever kernels `config` names.
     fragment_order: w1, w3, w2 are in `quant.fp4_fragment_order`, which only the wgmma kernels
     read (default WGMMA_FRAGMENT; a config must then have fragment_weights)."""
     from ..triton.moe import build_routing, combine
