@@ -51,8 +51,9 @@ REGISTRY.register(
         requires=("triton",),  # its routing, activation quantisation and combine kernels
         supports="deepinfer_kernels.ops.moe:moe_experts_cuda_supports",
         routing=(
-            "decode-sized routing only (pairs <= 8 x experts), bf16: mma.sync kernels, or in "
-            "batch-invariant mode wgmma kernels with the Triton prefill tiles' bits"
+            "decode-sized routing only (pairs <= 8 x experts), bf16: mma.sync kernels fed by the "
+            "TMA (8-token tiles up to 256 tokens, then 16; register-fed for unaligned weights), "
+            "or in batch-invariant mode wgmma kernels with the Triton prefill tiles' bits"
         ),
     )
 )
