@@ -257,7 +257,7 @@ def call_reason(
         if s.dtype != torch.float8_e8m0fnu:
             return f"{name} is {s.dtype}, the cuda experts read float8_e8m0fnu scales"
     for name, t in (*weights.items(), *scales.items()) if getattr(cfg, "tma", False) else ():
-        if t.data_ptr() % 16:
+        if not aligned(t):
             return f"{name} is not 16-byte aligned (the TMA kernels copy it in bulk)"
     why = shape_reason(x.shape[1], next(iter(weights.values())).shape[1], cfg)
     if why is not None:
