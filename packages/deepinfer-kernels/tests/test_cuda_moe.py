@@ -94,6 +94,18 @@ def test_tensor_map_arguments_are_checked_before_the_driver():
         module.tensor_map_2d(0x1000, 8, 64, 64, 512)
 
 
+def test_programmatic_launch_structs_match_the_driver_abi():
+    """cuLaunchKernelEx's CUlaunchConfig and CUlaunchAttribute (cuda.h) as ctypes lays them out:
+    7 unsigned ints, the stream at 32, the attribute array at 40, its count at 48; an attribute
+    is an id, 4 bytes of padding and a 64-byte value."""
+    import ctypes
+
+    cfg, attr = module._LaunchConfig, module._LaunchAttribute
+    assert ctypes.sizeof(attr) == 72 and attr.value.offset == 8
+    assert (cfg.stream.offset, cfg.attrs.offset, cfg.num_attrs.offset) == (32, 40, 48)
+    assert ctypes.sizeof(cfg) == 56
+
+
 def test_fragment_weights_must_be_a_bool():
     assert md.MoeDecodeWgmmaConfig(fragment_weights=True).fragment_weights is True
     with pytest.raises(ValueError, match=r"MoeDecodeWgmmaConfig\.fragment_weights must be a bool"):
