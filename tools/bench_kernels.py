@@ -414,6 +414,13 @@ def main() -> None:
         "16-call chained graphs, TileLang decode candidates), sweep, "
         "probe, tilelang (the TileLang FP8 GEMM at prefill shapes)",
     )
+    ap.add_argument(
+        "--moe-tokens",
+        nargs="*",
+        type=int,
+        default=[1, 16, 64, 256, 8192],
+        help="T of the MoE-layer rows (graph replays up to 256)",
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_kernels: needs a CUDA GPU")
@@ -441,7 +448,7 @@ def main() -> None:
             shapes = [s for s in shapes if s[0] in (1, 64, 256, 8192)]
         rows += gemm_rows(shapes, args.quick)
     if "moe" in parts:
-        rows += moe_rows([1, 16, 64, 256, 8192], args.quick)
+        rows += moe_rows(args.moe_tokens, args.quick)
     if "decode4" in parts:  # its own table (single-call and chained graphs side by side)
         print_decode4_table(decode4_rows(), copy_gbs)
     if "tilelang" in parts:

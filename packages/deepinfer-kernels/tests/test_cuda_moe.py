@@ -60,14 +60,27 @@ def test_config_rejects_bad_values_naming_the_field(field, value):
 @settings(max_examples=30, deadline=None)
 @given(
     field=st.sampled_from(
-        ["tile_tokens", "depth1", "depth2", "min_blocks1", "min_blocks2", "warpgroups1"]
+        [
+            "tile_tokens",
+            "depth1",
+            "depth2",
+            "min_blocks1",
+            "min_blocks2",
+            "warpgroups1",
+            "warpgroups2",
+            "row_sets2",
+            "x_stages",
+        ]
     ),
-    value=st.integers(-3, 20),
+    value=st.integers(-3, 200),
 )
 def test_wgmma_config_rejects_bad_values_naming_the_field(field, value):
     allowed = {
-        "tile_tokens": {8, 16},
-        "warpgroups1": {1, 2},
+        "tile_tokens": {8, 16, 32, 64, 128},
+        "warpgroups1": {1, 2, 4},
+        "warpgroups2": {1, 2, 4},
+        "row_sets2": {1, 2},
+        "x_stages": {0, 3, 4, 5, 6, 7, 8},
     }
     if value in allowed.get(field, set(range(1, 9))):
         assert getattr(md.MoeDecodeWgmmaConfig(**{field: value}), field) == value
@@ -132,6 +145,8 @@ def test_default_kernels_by_mode_and_size():
         assert (cfg.split1, cfg.split2) == (md.REGISTER.split1, md.REGISTER.split2)
     assert md.pick_config(True, False, 1) == md.WGMMA_DEFAULT
     assert md.pick_config(True, True, 1) == md.WGMMA_FRAGMENT
+    assert md.pick_config(True, True, 8192, prefill=True) == md.WGMMA_PREFILL_FRAGMENT
+    assert md.prefill_sized(8 * 384 + 1, 384) and not md.prefill_sized(8 * 384, 384)
 
 
 def _cpu_call(t=4, d=64, i=64, e=8, k=2, dtype=torch.bfloat16):
@@ -153,6 +168,13 @@ def test_supports_reasons():
     )
     assert "bfloat16" in moe_experts_cuda_supports(*_cpu_call(dtype=torch.float32))
     assert "prefill-sized" in moe_experts_cuda_supports(*_cpu_call(t=40, e=8, k=2))
+    # prefill-sized routing on fragment-order weights: the wgmma prefill kernels (W2: 256 rows
+    # per CTA)
+    inv = dict(batch_invariant=True, fragment_order=True)
+    prefill = _cpu_call(t=40, d=256, i=128, e=8, k=2)
+    assert moe_experts_cuda_supports(*prefill, **inv) == "input on cpu"
+    narrow = _cpu_call(t=40, d=128, i=128, e=8, k=2)
+    assert "D=128 must be a multiple of 256" in moe_experts_cuda_supports(*narrow, **inv)
     assert moe_experts_cuda_supports(*args) == "input on cpu"
     x, tw, ids, w1, s1, w3, s3, w2, s2, limit = args
     assert "s3 is torch.float32" in moe_experts_cuda_supports(
@@ -226,22 +248,24 @@ def _cuobjdump(flag: str, cubin: bytes, tmp_path) -> str:
 
 
 @needs_nvrtc
-@pytest.mark.parametrize("cfg", [md.WGMMA_DEFAULT, FRAGMENT])
+@pytest.mark.parametrize("cfg", [md.WGMMA_DEFAULT, FRAGMENT, md.WGMMA_PREFILL_FRAGMENT])
 @pytest.mark.parametrize("kind", ["w13", "w2"])
 def test_wgmma_kernels_compile_without_local_memory(kind, cfg, tmp_path):
-    """The batch-invariant kernels compile for sm_90a (NVRTC on CPU) at V4.1's dims; with
-    cuobjdump: no spills, and the mma is wgmma (HGMMA) with A from registers. On fragment-order
-    weights no shared-memory store is left in the kernel but the activation copies' (the byte
-    exchange is gone)."""
+    """The wgmma kernels compile for sm_90a (NVRTC on CPU) at V4.1's dims; with cuobjdump: no
+    spills, and the mma is wgmma (HGMMA) with A from registers, one per variant of N (from
+    64-token tiles: the tokens rounded up to 32). On fragment-order weights no 16-byte
+    shared-memory store is left (the byte exchange's; the amax and W3-sum exchanges and the
+    tile's row table store words)."""
     sass = _cuobjdump("-sass", md.cubin(kind, *V41, cfg), tmp_path)
     assert not re.search(r"\b(LDL|STL)\b", sass), "the kernel spills to local memory"
-    gmma = re.findall(r"HGMMA\.64x8x16\.F32\.BF16 R\d+, R\d+, gdesc", sass)
-    assert gmma, "no register-A wgmma in the kernel"
+    gmma = set(re.findall(r"HGMMA\.64x(\d+)x16\.F32\.BF16 R\d+, R\d+, gdesc", sass))
+    n = cfg.tile_tokens
+    assert gmma == ({str(v) for v in range(32, n + 1, 32)} if n >= 64 else {str(n)})
     assert "HMMA" not in sass.replace("HGMMA", "")
     stores = re.findall(r"\bSTS(\.\w+)*", sass)
-    if cfg.fragment_weights and kind == "w2":
-        assert not stores
-    elif not cfg.fragment_weights:
+    if cfg.fragment_weights:
+        assert not any(".128" in s for s in stores)
+    else:
         assert any(".128" in s for s in stores)  # the scratch's 16-byte stores
 
 
@@ -252,6 +276,16 @@ def test_wgmma_kernels_compile_without_local_memory(kind, cfg, tmp_path):
         md.WGMMA_DEFAULT,
         md.MoeDecodeWgmmaConfig(tile_tokens=16, warpgroups1=1, warpgroups2=2),
         FRAGMENT,
+        md.WGMMA_PREFILL_FRAGMENT,
+        md.MoeDecodeWgmmaConfig(
+            tile_tokens=64,
+            min_blocks1=1,
+            depth1=2,
+            depth2=2,
+            warpgroups2=2,
+            row_sets2=2,
+            x_stages=3,
+        ),
     ],
 )
 def test_wgmma_shared_memory_model_matches_the_cubins(cfg, tmp_path):
@@ -364,6 +398,34 @@ def test_wgmma_rows_are_the_triton_prefill_tiles_bits(t, d, i, e, k):
 
 
 @needs_hopper
+@pytest.mark.parametrize(("t", "d", "i", "e", "k"), [(300, 512, 256, 16, 6), (1000, *V41, 384, 6)])
+def test_wgmma_prefill_tiles_give_the_triton_prefill_bits(t, d, i, e, k):
+    """Prefill tiles (up to 128 tokens; tail tiles on narrower wgmmas) streamed through a ring
+    of K steps, on 1, 2 or 4 warpgroups (W1/W3 split over warpgroup pairs), W2 with 1 or 2 row
+    sets, either byte order: every routed row bitwise the Triton tier's prefill tiles."""
+    from deepinfer_kernels.quant import fp4_fragment_order as f
+    from deepinfer_kernels.triton import moe as tmoe
+
+    x, tw, ids, w1, s1, w3, s3, w2, s2 = _inputs(t, d, i, e, k, seed=9 + t)
+    want = tmoe.moe_experts(x, tw, ids, w1, s1, w3, s3, w2, s2, 10.0, config=tmoe.PREFILL)
+    frag = (f(w1), s1, f(w3), s3, f(w2), s2)
+    assert torch.equal(
+        md.moe_experts(x, tw, ids, *frag, 10.0, batch_invariant=True, fragment_order=True), want
+    )
+    ring = dict(min_blocks1=1, min_blocks2=1, depth1=1, depth2=1)
+    for cfg in (
+        md.MoeDecodeWgmmaConfig(tile_tokens=128, warpgroups1=2, warpgroups2=2, row_sets2=2,
+                                x_stages=4, **ring),
+        md.MoeDecodeWgmmaConfig(tile_tokens=64, warpgroups1=4, warpgroups2=1, row_sets2=2,
+                                x_stages=3, **ring),
+        md.MoeDecodeWgmmaConfig(tile_tokens=32, warpgroups1=1, warpgroups2=4, x_stages=5, **ring),
+    ):  # fmt: skip
+        assert torch.equal(
+            md.moe_experts(x, tw, ids, w1, s1, w3, s3, w2, s2, 10.0, config=cfg), want
+        )
+
+
+@needs_hopper
 @pytest.mark.parametrize(("t", "d", "i", "e", "k"), [(37, 512, 256, 32, 6), (16, *V41, 384, 6)])
 def test_fragment_order_weights_give_the_same_bits(t, d, i, e, k):
     """Every kernel that reads `fp4_fragment_order` weights sums the same products in the same
@@ -392,8 +454,9 @@ def test_fragment_order_weights_give_the_same_bits(t, d, i, e, k):
 @pytest.mark.parametrize("fragment_order", [False, True])
 def test_ops_rows_do_not_change_across_the_decode_prefill_switch(fragment_order):
     """Batch-invariant mode through the registry: the whole batch is prefill-sized (the Triton
-    tier), its slices decode-sized (this tier's wgmma kernels); every row is bitwise the same,
-    and the same on fragment-order weights as on the checkpoint's order."""
+    tier, or on fragment-order weights this tier's prefill kernels), its slices decode-sized
+    (this tier's wgmma kernels); every row is bitwise the same, and the same on fragment-order
+    weights as on the checkpoint's order."""
     from deepinfer_kernels import REGISTRY, ops
     from deepinfer_kernels.quant import fp4_fragment_order as f
 
@@ -402,7 +465,10 @@ def test_ops_rows_do_not_change_across_the_decode_prefill_switch(fragment_order)
     order = dict(fragment_order=fragment_order)
     with REGISTRY.batch_invariant_mode():
         inv = dict(batch_invariant=True, **order)
-        assert REGISTRY.resolve("moe_experts", x, tw, ids, *ws, 10.0, **inv).tier == "triton"
+        # prefill-sized: the Triton tiles on the checkpoint's order, the wgmma prefill kernels
+        # on fragment order
+        want = "cuda" if fragment_order else "triton"
+        assert REGISTRY.resolve("moe_experts", x, tw, ids, *ws, 10.0, **inv).tier == want
         full = ops.moe_experts(x, tw, ids, *ws, 10.0, **order)
         checkpoint = ops.moe_experts(x, tw, ids, w1, s1, w3, s3, w2, s2, 10.0)
         assert torch.equal(full, checkpoint)

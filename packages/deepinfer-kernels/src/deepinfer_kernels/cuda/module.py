@@ -272,7 +272,7 @@ def load_kernel(cubin: bytes, name: str, device: torch.device, shared_bytes: int
             drv.cuModuleGetFunction(ctypes.byref(function), module, name.encode()),
             f"kernel {name}",
         )
-        if shared_bytes > 48 * 1024:
+        if shared_bytes > 0:  # static + dynamic over 48 KiB needs the opt-in
             _cu_check(
                 drv.cuFuncSetAttribute(function, _MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_bytes),
                 f"{shared_bytes} bytes of shared memory for {name}",

@@ -1,7 +1,9 @@
-"""Routed FP4 experts at decode sizes: the `cuda` tier of `moe_experts`. Two kernel pairs:
-mma.sync (`moe_decode.cu`), the fastest, and for batch-invariant mode wgmma
-(`moe_decode_wgmma.cu`), whose fp32 sums are those of the Triton tier's prefill tiles, so that a
-routed row's bits do not depend on the batch or on which path (decode or prefill) ran it. The
+"""Routed FP4 experts at decode sizes, and at prefill sizes on fragment-order weights: the `cuda`
+tier of `moe_experts`. Two kernel pairs: mma.sync (`moe_decode.cu`), the fastest at decode sizes,
+and wgmma (`moe_decode_wgmma.cu`), whose fp32 sums are those of the Triton tier's prefill tiles,
+so that a routed row's bits do not depend on the batch or on which path (decode or prefill) ran
+it: batch-invariant mode's decode kernels, and with 128-token routing tiles streamed through
+shared memory (WGMMA_PREFILL_FRAGMENT) the prefill kernels on fragment-order weights. The
 mma.sync pair loads its weights through shared memory from the tensor-memory accelerator (TMA,
 TMA_TILE16: the default) or straight into registers (REGISTER: for weights the TMA cannot copy):
 the same sums either way. From 2 tokens the TMA W2 is a programmatic dependent launch of W1/W3:
@@ -15,7 +17,7 @@ summed per token in fp32 in routing order. Only the fp32 summation order differs
 reference (mma.sync: K split across SPLIT warps, summed in warp order; wgmma: one chain of k16
 steps over all of K, in order).
 
-Routing (`triton.moe.build_routing`, 8- or 16-row tiles), the activation quantisation and the final
+Routing (`triton.moe.build_routing`, 8- to 128-row tiles), the activation quantisation and the final
 combine are the Triton tier's kernels; the two GEMMs are CUDA C++ compiled at first use by NVRTC.
 """
 
@@ -103,11 +105,20 @@ TMA_TILE8_TOKENS = 256
 
 @dataclass(frozen=True)
 class MoeDecodeWgmmaConfig:
-    """The batch-invariant kernels' knobs (none changes a sum): tile_tokens, routed rows per
-    routing tile (8 or 16: the wgmma's N); depth1 / depth2, K steps (128 values) whose loads are
-    in flight while one computes (1..8); min_blocks1 / min_blocks2, the CTAs per SM the
-    register allocation must allow (1..8); warpgroups1 / warpgroups2, warpgroups per CTA (1 or
-    2: 64 weight rows each, sharing the tile's activations in shared memory).
+    """The wgmma kernels' knobs (none changes a sum):
+    - tile_tokens: routed rows per routing tile (8, 16, 32, 64 or 128: the wgmma's N; from 64,
+      a tile's wgmmas cover its tokens rounded up to 32);
+    - depth1 / depth2: K steps (128 values) whose weight loads are in flight while one
+      computes (1..8);
+    - min_blocks1 / min_blocks2: the CTAs per SM the register allocation must allow (1..8);
+    - warpgroups1 / warpgroups2: warpgroups per CTA, sharing the tile's activations in shared
+      memory: 1 or 2 (64 weight rows each), or 4 (W1/W3: W1 on two and W3 on two, so that a
+      thread holds one matrix's sums; W2: 4 x 64 rows);
+    - row_sets2: sets of 64 x warpgroups2 W2 rows per CTA (1 or 2: more rows per activation
+      byte read);
+    - x_stages: 0, the tile's activations over all of K reach shared memory before the first
+      step (decode tiles), or 3..8, a ring of that many K steps refilled x_stages - 2 steps
+      ahead (prefill tiles, whose K does not fit).
 
     fragment_weights: w1, w3 and w2 are in `quant.fp4_fragment_order`, which saves each K step the
     byte exchange through shared memory (the same sums: the same bits); WGMMA_FRAGMENT is the
@@ -120,17 +131,21 @@ class MoeDecodeWgmmaConfig:
     min_blocks2: int = 1
     warpgroups1: int = 2
     warpgroups2: int = 1
+    row_sets2: int = 1
+    x_stages: int = 0
     fragment_weights: bool = False
 
     def __post_init__(self) -> None:
         checks = (
-            ("tile_tokens", self.tile_tokens in (8, 16), "8 or 16"),
+            ("tile_tokens", self.tile_tokens in (8, 16, 32, 64, 128), "8, 16, 32, 64 or 128"),
             ("depth1", 1 <= self.depth1 <= 8, "1..8"),
             ("depth2", 1 <= self.depth2 <= 8, "1..8"),
             ("min_blocks1", 1 <= self.min_blocks1 <= 8, "1..8"),
             ("min_blocks2", 1 <= self.min_blocks2 <= 8, "1..8"),
-            ("warpgroups1", self.warpgroups1 in (1, 2), "1 or 2"),
-            ("warpgroups2", self.warpgroups2 in (1, 2), "1 or 2"),
+            ("warpgroups1", self.warpgroups1 in (1, 2, 4), "1, 2 or 4"),
+            ("warpgroups2", self.warpgroups2 in (1, 2, 4), "1, 2 or 4"),
+            ("row_sets2", self.row_sets2 in (1, 2), "1 or 2"),
+            ("x_stages", self.x_stages == 0 or 3 <= self.x_stages <= 8, "0 or 3..8"),
             ("fragment_weights", isinstance(self.fragment_weights, bool), "a bool"),
         )
         _check_fields(self, checks)
@@ -141,28 +156,52 @@ WGMMA_FRAGMENT = MoeDecodeWgmmaConfig(fragment_weights=True, min_blocks1=1, dept
 """On fragment-order weights (the default W1/W3 schedule spills there: the loaded words now live
 until their group's wgmma). H200, two runs: 1.06-1.10x the mma.sync kernels at T=1, 1.11-1.23x at
 T=16..256, against 1.23-1.36x for the checkpoint's order (NOTES.md, eighth session)."""
+WGMMA_PREFILL_FRAGMENT = MoeDecodeWgmmaConfig(
+    tile_tokens=128, depth1=1, depth2=1, min_blocks1=1, min_blocks2=1, warpgroups1=4,
+    warpgroups2=4, x_stages=4, fragment_weights=True,
+)  # fmt: skip
+"""Prefill-sized routing on fragment-order weights: 128-token tiles (the wgmmas of a tail tile
+cover its tokens rounded up to 32), 4 warpgroups (W1 on two, W3 on two), the activations through
+a ring of 4 K steps. H200, one V4.1 layer: 1.04 / 1.30 / 1.25 / 1.21x Triton's PREFILL_FRAGMENT at
+T = 2048 / 4096 / 8192 / 16384 (on the checkpoint's order the same schedule ties with Triton's
+PREFILL: the byte exchange; NOTES.md, eleventh session)."""
 WGMMA_ROWS = 64  # weight rows per warpgroup (its M)
+PREFILL_PAIRS_PER_EXPERT = 8
+"""Routing with more (token, slot) pairs than this per expert is prefill-sized."""
+
+
+def prefill_sized(pairs: int, experts: int) -> bool:
+    """Whether routing `pairs` (token, slot) pairs over `experts` experts is prefill-sized."""
+    return pairs > PREFILL_PAIRS_PER_EXPERT * experts
 
 
 Config = MoeDecodeCudaConfig | MoeDecodeWgmmaConfig
 MAX_SHARED = 227 * 1024  # shared memory one CTA may take on sm_90 (static + dynamic)
 
 
+def _wgmma_rows(kind: str, cfg: MoeDecodeWgmmaConfig) -> int:
+    """The weight rows (of each matrix) that one CTA of wgmma kernel `kind` computes."""
+    if kind == "w13":
+        return WGMMA_ROWS * (2 if cfg.warpgroups1 == 4 else cfg.warpgroups1)
+    return WGMMA_ROWS * cfg.warpgroups2 * cfg.row_sets2
+
+
 def _wgmma_shared_bytes(k: int, cfg: MoeDecodeWgmmaConfig) -> int:
     """The dynamic shared memory of a wgmma kernel with reduction length k: the routing tile's
-    bf16 activations."""
-    return k * cfg.tile_tokens * 2
+    bf16 activations, over all of K or x_stages K steps of 128."""
+    return (128 * cfg.x_stages if cfg.x_stages else k) * cfg.tile_tokens * 2
 
 
 def _wgmma_static_bytes(kind: str, cfg: MoeDecodeWgmmaConfig) -> int:
     """The static shared memory of wgmma kernel `kind` (moe_decode_wgmma.cu), as the cubin
     declares it: each warp's scratch for one K step of packed bytes (none with fragment-order
-    weights), W1/W3's per-warp amax exchange, and the 1 KiB that sm_90 reserves per CTA."""
+    weights), W1/W3's per-warp amax exchange, the tile's token rows (128-byte aligned) and the
+    1 KiB that sm_90 reserves per CTA."""
     warps = 4 * (cfg.warpgroups1 if kind == "w13" else cfg.warpgroups2)
-    mats = 2 if kind == "w13" else 1
+    mats = (1 if cfg.warpgroups1 == 4 else 2) if kind == "w13" else cfg.row_sets2
     amax = warps * cfg.tile_tokens * 4 if kind == "w13" else 0
     scratch = 0 if cfg.fragment_weights else warps * mats * 2 * 8 * 64
-    return scratch + amax + 1024
+    return scratch + amax + -(-cfg.tile_tokens * 4 // 128) * 128 + 1024
 
 
 def _tma_shared_bytes(kind: str, d: int, i: int, cfg: MoeDecodeCudaConfig, x_cap: int) -> int:
@@ -184,6 +223,12 @@ def shape_reason(d: int, i: int, cfg: Config = REGISTER) -> str | None:
                 f"D={d} and I={i} must be multiples of 128 (the wgmma tile's {WGMMA_ROWS} rows "
                 "and K steps of 128)"
             )
+        for name, n, rows in (
+            ("I", i, _wgmma_rows("w13", cfg)),
+            ("D", d, _wgmma_rows("w2", cfg)),
+        ):
+            if n % rows:
+                return f"{name}={n} must be a multiple of {rows} (a CTA's weight rows)"
         for kind, k in (("w13", d), ("w2", i)):
             need = _wgmma_shared_bytes(k, cfg) + _wgmma_static_bytes(kind, cfg)
             if need > MAX_SHARED:
@@ -225,12 +270,17 @@ def order_reason(batch_invariant: bool, config: Config | None, fragment_order: b
 
 
 def pick_config(
-    batch_invariant: bool, fragment_order: bool, tokens: int, aligned: bool = True
+    batch_invariant: bool,
+    fragment_order: bool,
+    tokens: int,
+    aligned: bool = True,
+    prefill: bool = False,
 ) -> Config:
     """The kernels that a call of `tokens` tokens runs when it names no config; aligned: its
-    weights and scales are 16-byte aligned (the TMA copies them)."""
+    weights and scales are 16-byte aligned (the TMA copies them); prefill: its routing is
+    prefill-sized (which this tier takes on fragment-order weights only)."""
     if fragment_order:
-        return WGMMA_FRAGMENT
+        return WGMMA_PREFILL_FRAGMENT if prefill else WGMMA_FRAGMENT
     if batch_invariant:
         return WGMMA_DEFAULT
     if not aligned:
@@ -272,14 +322,18 @@ def defines(kind: str, d: int, i: int, cfg: Config) -> dict[str, int]:
     if kind not in ("w13", "w2"):
         raise ValueError(f"kernel kind must be 'w13' or 'w2', got {kind!r}")
     w13 = kind == "w13"
-    shape = dict(K_DIM=d, N_DIM=i, MATS=2) if w13 else dict(K_DIM=i, N_DIM=d, MATS=1)
+    wgmma = isinstance(cfg, MoeDecodeWgmmaConfig)
+    mats1 = 1 if wgmma and cfg.warpgroups1 == 4 else 2
+    rows2 = cfg.row_sets2 if wgmma else 1
+    shape = dict(K_DIM=d, N_DIM=i, MATS=mats1) if w13 else dict(K_DIM=i, N_DIM=d, MATS=rows2)
     if isinstance(cfg, MoeDecodeWgmmaConfig):
         return dict(
             shape, TOKG=cfg.tile_tokens // 8,
             MIN_BLOCKS=cfg.min_blocks1 if w13 else cfg.min_blocks2,
             DEPTH=cfg.depth1 if w13 else cfg.depth2,
             WG=cfg.warpgroups1 if w13 else cfg.warpgroups2,
-            FRAGMENT_WEIGHTS=int(cfg.fragment_weights),
+            FRAGMENT_WEIGHTS=int(cfg.fragment_weights), GATED=int(w13),
+            X_STAGES=cfg.x_stages,
         )  # fmt: skip
     return dict(
         shape, RT=cfg.rt1 if w13 else cfg.rt2, TOKG=cfg.tile_tokens // 8,
@@ -311,7 +365,7 @@ def _launch_shape(
     n, k = (i, d) if kind == "w13" else (d, i)
     if isinstance(cfg, MoeDecodeWgmmaConfig):
         wg = cfg.warpgroups1 if kind == "w13" else cfg.warpgroups2
-        return n // (WGMMA_ROWS * wg), 128 * wg, _wgmma_shared_bytes(k, cfg)
+        return n // _wgmma_rows(kind, cfg), 128 * wg, _wgmma_shared_bytes(k, cfg)
     rt, split = (cfg.rt1, cfg.split1) if kind == "w13" else (cfg.rt2, cfg.split2)
     shared = _tma_shared_bytes(kind, d, i, cfg, x_cap or cfg.tile_tokens) if cfg.tma else 0
     return n // (16 * rt), 32 * split, shared
@@ -351,7 +405,8 @@ def moe_experts(
     (TMA up to TMA_TILE8_TOKENS tokens, else TMA_TILE16; REGISTER for unaligned weights: the
     same bits), or whichever kernels `config` names.
     fragment_order: w1, w3, w2 are in `quant.fp4_fragment_order`, which only the wgmma kernels
-    read (default WGMMA_FRAGMENT; a config must then have fragment_weights)."""
+    read (default WGMMA_FRAGMENT, or WGMMA_PREFILL_FRAGMENT for prefill-sized routing; a config
+    must then have fragment_weights)."""
     from ..triton.moe import build_routing, combine
     from ..triton.quant import act_fake_quant_bf16
 
@@ -361,7 +416,9 @@ def moe_experts(
     t, d = x.shape
     e, i = w1.shape[0], w1.shape[1]
     w1, s1, w3, s3, w2, s2 = (v.contiguous() for v in (w1, s1, w3, s3, w2, s2))
-    cfg = config or pick_config(batch_invariant, fragment_order, t, aligned(w1, s1, w3, s3, w2, s2))
+    prefill = prefill_sized(topk_ids.numel(), e)
+    ws = (w1, s1, w3, s3, w2, s2)
+    cfg = config or pick_config(batch_invariant, fragment_order, t, aligned(*ws), prefill)
     why = call_reason(x, {"w1": w1, "w3": w3, "w2": w2}, {"s1": s1, "s3": s3, "s2": s2}, cfg)
     if why is not None:
         raise ValueError(f"cuda moe_experts: {why}")

@@ -1,6 +1,7 @@
-// FP4 MoE decode GEMMs for batch-invariant mode: every output is the same chain of
-// wgmma.m64nNk16 (bf16 in, fp32 sums) over all of K in natural order that the Triton tier's
-// prefill tiles compute, so a routed row's bits do not depend on the batch, decode or prefill.
+// FP4 MoE GEMMs on wgmma: every output is the same chain of wgmma.m64nNk16 (bf16 in, fp32 sums)
+// over all of K in natural order that the Triton tier's prefill tiles compute, so a routed row's
+// bits do not depend on the batch, decode or prefill: batch-invariant mode's decode kernels, and
+// with routing tiles of 64-128 tokens the prefill kernels.
 // Compiled at run time by NVRTC; `moe_decode.py` holds the contract and picks the constants.
 //
 // How: a CTA is WG warpgroups on 64 WG weight rows of each matrix (warp w: rows 16w..16w+15,
@@ -12,13 +13,15 @@
 // exactly to bf16. With FRAGMENT_WEIGHTS the weights were stored in that order beforehand
 // (`quant.fp4_fragment_order`: chunk t of each 64-byte step holds bytes t, 4+t, 8+t, 12+t of
 // the step's 4 groups), so each thread's 16-byte load is its fragment bytes: no exchange.
-// The routing tile's activations sit in shared memory in wgmma's K-major layout, loaded once.
+// The routing tile's activations reach shared memory in wgmma's K-major layout by cp.async:
+// all of K before the first step (X_STAGES = 0: a decode tile of 8-16 tokens), or a ring of
+// X_STAGES K steps that the whole CTA refills X_STAGES - 2 steps ahead (prefill tiles).
 //
-// Constants (-D): K_DIM (reduction length), N_DIM (weight rows per expert), MATS (1: W2; 2: W1
-// and W3 fused with SwiGLU), TOKG (8-token groups per routing tile: wgmma N = 8 TOKG), WG
-// (warpgroups per CTA, sharing the activations), MIN_BLOCKS (CTAs per SM the register allocation
-// must allow), DEPTH (K steps loaded ahead), FRAGMENT_WEIGHTS (1: the weights' bytes are in
-// fragment order, above).
+// Constants (-D): K_DIM (reduction length), N_DIM (weight rows per expert), GATED (1: W1 and W3
+// fused with SwiGLU, MATS = 2; 0: W2, MATS sets of 64 WG rows per CTA), TOKG (8-token groups per
+// routing tile: wgmma N = 8 TOKG), WG (warpgroups per CTA, sharing the activations), MIN_BLOCKS
+// (CTAs per SM the register allocation must allow), DEPTH (K steps of weights loaded ahead),
+// X_STAGES (above), FRAGMENT_WEIGHTS (1: the weights' bytes are in fragment order, above).
 
 #include "common.cuh"
 
@@ -26,8 +29,24 @@
 #define KB (K_DIM / 2)  // packed bytes per weight row
 #define KG (K_DIM / 32)  // scale groups per weight row
 #define THREADS (128 * WG)
-#define ROWS_PER_CTA (64 * WG)
-#define X_BYTES (K_DIM * NB * 2)  // the tile's activations in shared memory
+// W1/W3 on 4 warpgroups: W1 on warpgroups 0-1 and W3 on 2-3, so that a thread holds one
+// matrix's sums (MATS = 1) and 4 warpgroups fit an SM's registers; the epilogue pairs them
+#define SPLIT_GATE (GATED && WG == 4)
+#define ROWS_PER_CTA (GATED ? 64 * (SPLIT_GATE ? 2 : WG) : 64 * WG * MATS)
+#define STEPS (KG / 4)  // K steps of 128 values
+#define X_STEP_BYTES (NB * 256)  // one K step of the tile's activations
+#if X_STAGES
+#define X_AHEAD (X_STAGES - 2)  // steps copied ahead: the stage of step j - 2 is free at step j
+#define X_BYTES (X_STAGES * X_STEP_BYTES)
+#else
+#define X_BYTES (STEPS * X_STEP_BYTES)  // all of K
+#endif
+
+static_assert(GATED ? MATS == (SPLIT_GATE ? 1 : 2) : (MATS == 1 || MATS == 2),
+              "W1/W3: MATS 2 (1 on 4 warpgroups); W2: 1 or 2 row sets");
+static_assert(WG == 1 || WG == 2 || WG == 4, "WG: 1, 2 or 4 warpgroups");
+static_assert(X_STAGES == 0 || X_STAGES >= 3, "a ring needs 3 stages or more");
+static_assert(TOKG == 1 || TOKG == 2 || TOKG == 4 || TOKG == 8 || TOKG == 16, "TOKG: 1..16");
 
 // wgmma's matrix descriptor of the activations' first k16 step (at shared address x_smem):
 // K-major, no swizzle, core matrices of 8 tokens x 8 values (128 bytes) laid out [K / 8][NB][8]:
@@ -42,28 +61,78 @@ static __device__ __forceinline__ u64 x_desc(u32 x_smem) {
 // units, stays below 2**14: shared memory is under 256 KiB).
 static __device__ __forceinline__ u64 x_desc_add(u64 desc, int dj) { return desc + dj * 2 * NB; }
 
-// acc += A (64 x 16, this thread's fragment a) * X^T (16 x NB, descriptor b).
+// acc += A (64 x 16, this thread's fragment a) * X^T (16 x 8 TG, descriptor b): token groups
+// 0..TG-1 of acc (a tile's wgmmas cover its tokens rounded up to a variant, see `run`).
+#define ACC4(q) "+f"(acc[q][0]), "+f"(acc[q][1]), "+f"(acc[q][2]), "+f"(acc[q][3])
+template <int TG>
 static __device__ __forceinline__ void wgmma_step(float (&acc)[TOKG][4], const u32 (&a)[4],
                                                   u64 b) {
-#if TOKG == 1
-  asm volatile(
-      "{.reg .pred p;\n setp.ne.b32 p, %9, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0,%1,%2,%3}, {%4,%5,%6,%7}, %8, "
-      "p, 1, 1, 0;}"
-      : "+f"(acc[0][0]), "+f"(acc[0][1]), "+f"(acc[0][2]), "+f"(acc[0][3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
-#elif TOKG == 2
-  asm volatile(
-      "{.reg .pred p;\n setp.ne.b32 p, %13, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7}, "
-      "{%8,%9,%10,%11}, %12, p, 1, 1, 0;}"
-      : "+f"(acc[0][0]), "+f"(acc[0][1]), "+f"(acc[0][2]), "+f"(acc[0][3]), "+f"(acc[1][0]),
-        "+f"(acc[1][1]), "+f"(acc[1][2]), "+f"(acc[1][3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
-#else
-#error "TOKG must be 1 or 2"
-#endif
+  static_assert(TG <= TOKG, "a variant covers at most the tile's tokens");
+  if constexpr (TG == 1) {
+    asm volatile(
+        "{.reg .pred p;\n setp.ne.b32 p, %9, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {"
+        "%0,%1,%2,%3}, "
+        "{%4,%5,%6,%7}, %8, p, 1, 1, 0;}"
+        : ACC4(0)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
+  } else if constexpr (TG == 2) {
+    asm volatile(
+        "{.reg .pred p;\n setp.ne.b32 p, %13, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {"
+        "%0,%1,%2,%3,%4,%5,%6,%7}, "
+        "{%8,%9,%10,%11}, %12, p, 1, 1, 0;}"
+        : ACC4(0), ACC4(1)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
+  } else if constexpr (TG == 4) {
+    asm volatile(
+        "{.reg .pred p;\n setp.ne.b32 p, %21, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
+        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, "
+        "{%16,%17,%18,%19}, %20, p, 1, 1, 0;}"
+        : ACC4(0), ACC4(1), ACC4(2), ACC4(3)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
+  } else if constexpr (TG == 8) {
+    asm volatile(
+        "{.reg .pred p;\n setp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, "
+        "{%32,%33,%34,%35}, %36, p, 1, 1, 0;}"
+        : ACC4(0), ACC4(1), ACC4(2), ACC4(3),
+          ACC4(4), ACC4(5), ACC4(6), ACC4(7)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
+  } else if constexpr (TG == 12) {
+    asm volatile(
+        "{.reg .pred p;\n setp.ne.b32 p, %53, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n96k16.f32.bf16.bf16 {"
+        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+        "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47}, "
+        "{%48,%49,%50,%51}, %52, p, 1, 1, 0;}"
+        : ACC4(0), ACC4(1), ACC4(2), ACC4(3),
+          ACC4(4), ACC4(5), ACC4(6), ACC4(7),
+          ACC4(8), ACC4(9), ACC4(10), ACC4(11)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
+  } else if constexpr (TG == 16) {
+    asm volatile(
+        "{.reg .pred p;\n setp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+        "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+        "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, "
+        "{%64,%65,%66,%67}, %68, p, 1, 1, 0;}"
+        : ACC4(0), ACC4(1), ACC4(2), ACC4(3),
+          ACC4(4), ACC4(5), ACC4(6), ACC4(7),
+          ACC4(8), ACC4(9), ACC4(10), ACC4(11),
+          ACC4(12), ACC4(13), ACC4(14), ACC4(15)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
+  } else {
+    static_assert(TG != TG, "TG must be 1, 2, 4, 8, 12 or 16");
+  }
 }
+#undef ACC4
 
 // One K step (4 scale groups, 128 values) of one thread: for each matrix and row half (rows g,
 // g + 8) the 16 packed bytes of group t (the quad loads the row's 64 bytes, each byte once) and
@@ -105,23 +174,68 @@ static __device__ __forceinline__ u32 scale_pair_of(u32 sw126, int c) {
   return b >> 1;
 }
 
-// The thread's K stream (see `ring_loop`): w[m], s[m] at the current step of row g of matrix
-// m (row g + 8 is a compile-time offset); the activations wait in shared memory until the first
-// compute. acc[m][q]: matrix m's sums, token group q (element c: row g + 8 (c >> 1), token
-// 8q + 2t + (c & 1)).
-struct Stream {
-  typedef ::Step Step;
+#define X_COPIES ((16 * NB + THREADS - 1) / THREADS)  // 16-byte copies per thread and K step
+
+// Start the copies of K step j of the tile's activations into the stage at shared address
+// `stage`, [16 chunks of 8 values][NB tokens][8 values] (wgmma's K-major core matrices): token n
+// < cols is row rows[n] of x [rows, K_DIM] bf16 (rows[n] < 0: zeros); the wgmmas read no more.
+// This thread's copies first..end-1 of the step's X_COPIES (a ring step spreads them out). Lanes 8c..8c+7 copy chunk c of
+// 8 tokens: each 8-lane phase of the shared-memory stores covers 128 bytes (no bank conflict),
+// and each token's 64 bytes come from 4 lanes (whole 32-byte sectors).
+static __device__ __forceinline__ void copy_x_step(u32 stage, const u8* x, const int* rows,
+                                                   int cols, int j, int first = 0,
+                                                   int end = X_COPIES) {
+#pragma unroll
+  for (int c = first; c < end; ++c) {
+    const int i = threadIdx.x + c * THREADS;
+    if (X_COPIES * THREADS > 16 * NB && i >= 16 * NB) break;
+    const int octet = i >> 5;
+    const int n = (i & 7) + 8 * (octet % (NB / 8));
+    const int kb = ((i >> 3) & 3) + 4 * (octet / (NB / 8));
+    if (n >= cols) continue;
+    const int row = rows[n];
+    const u8* src = x + ((row >= 0 ? (u64)row : 0ull) * K_DIM + j * 128 + kb * 8) * 2;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(stage + (kb * NB + n) * 16),
+                 "l"(src), "r"(row >= 0 ? 16 : 0)
+                 : "memory");
+  }
+}
+
+// The shared address of K step j's stage.
+static __device__ __forceinline__ u32 x_stage(u32 x_base, int j) {
+#if X_STAGES
+  j %= X_STAGES;
+#endif
+  return x_base + j * X_STEP_BYTES;
+}
+
+// The thread's K stream (see `ring_loop`): w[m], s[m] at the current step of row g of weight
+// row set m (row g + 8 is a compile-time offset); the activations come through the stages (all
+// of K or the ring, above), tokens 0..cols-1. acc[m][q]: set m's sums, token group q (element
+// c: row g + 8 (c >> 1), token 8q + 2t + (c & 1)).
+struct StreamState {
   const u8* w[MATS];
   const u8* s[MATS];
-  u64 desc;     // the activations' descriptor at the current step's first k16 step
-  u32 scratch;  // this warp's scratch (shared address; unused with FRAGMENT_WEIGHTS)
+  const u8* x;      // the activations' rows [rows, K_DIM] bf16
+  const int* rows;  // the tile's token rows (shared memory; < 0: none)
+  u32 x_base;       // the stages (shared address)
+  u32 scratch;      // this warp's scratch (shared address; unused with FRAGMENT_WEIGHTS)
+  int cols;         // the tokens the wgmmas cover: 8 TG of the variant that runs
   int g, t;
   int step = 0;
   float (&acc)[MATS][TOKG][4];
 
-  __device__ __forceinline__ Stream(float (&acc_)[MATS][TOKG][4]) : acc(acc_) {}
+  __device__ __forceinline__ StreamState(float (&acc_)[MATS][TOKG][4]) : acc(acc_) {}
+};
 
-  __device__ __forceinline__ bool valid(int j) const { return j < KG / 4; }
+// The K loop of the variant whose wgmmas cover TG 8-token groups.
+template <int TG>
+struct Stream : StreamState {
+  typedef ::Step Step;
+
+  __device__ __forceinline__ explicit Stream(const StreamState& st) : StreamState(st) {}
+
+  __device__ __forceinline__ bool valid(int j) const { return j < STEPS; }
 
   __device__ __forceinline__ void advance() {
 #pragma unroll
@@ -147,11 +261,24 @@ struct Stream {
   }
 
   __device__ __forceinline__ void compute(const Step& st) {
+#if X_STAGES
+    // this step's copies (X_AHEAD - 1 later groups may be in flight), visible to wgmma (the
+    // async proxy) in every thread's; past the barrier every warpgroup has waited for its
+    // wgmmas of step - 2, so that stage takes step + X_AHEAD: its copies go out a quarter per
+    // scale group below, one cp.async group (empty past the end)
+    asm volatile("cp.async.wait_group %0;\n fence.proxy.async.shared::cta;" ::"n"(X_AHEAD - 1)
+                 : "memory");
+    __syncthreads();
+    const bool refill = step + X_AHEAD < STEPS;
+    const u32 refill_stage = x_stage(x_base, step + X_AHEAD);
+#else
     if (step == 0) {
-      // the activations' cp.async copies, then visible to wgmma (the async proxy)
+      // all of K's copies, then visible to wgmma (the async proxy)
       asm volatile("cp.async.wait_all;\n fence.proxy.async.shared::cta;" ::: "memory");
       __syncthreads();
     }
+#endif
+    const u64 desc = x_desc(x_stage(x_base, step));
 #if !FRAGMENT_WEIGHTS
     __syncwarp();  // the last step's scratch reads are done
 #pragma unroll
@@ -173,7 +300,13 @@ struct Stream {
       for (int h = 0; h < 2; ++h) sw[m][h] = st.s[m][h] + 0x7E7E7E7Eu;
 #pragma unroll
     for (int c = 0; c < 4; ++c) {  // group c: k16 steps 2c and 2c + 1
-      u32 a[MATS][2][4];           // [matrix][k16 step][fragment]
+#if X_STAGES
+      if (refill)
+        copy_x_step(refill_stage, x, rows, cols, step + X_AHEAD, c * X_COPIES / 4,
+                    (c + 1) * X_COPIES / 4);
+      if (c == 3) asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+      u32 a[MATS][2][4];  // [matrix][k16 step][fragment]
 #pragma unroll
       for (int m = 0; m < MATS; ++m) {
         u32 lo[4], hi[4];
@@ -198,17 +331,16 @@ struct Stream {
       for (int k = 0; k < 2; ++k)
 #pragma unroll
         for (int m = 0; m < MATS; ++m)
-          wgmma_step(acc[m], a[m][k], x_desc_add(desc, 2 * c + k));
+          wgmma_step<TG>(acc[m], a[m][k], x_desc_add(desc, 2 * c + k));
       asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
       asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
     }
     ++step;
-    desc = x_desc_add(desc, 8);
   }
 };
 
 // The stream's per-warp byte-exchange scratch (none with FRAGMENT_WEIGHTS: nothing to exchange).
-static __device__ __forceinline__ void give_scratch(Stream& st, int warp) {
+static __device__ __forceinline__ void give_scratch(StreamState& st, int warp) {
 #if !FRAGMENT_WEIGHTS
   __shared__ __align__(16) u8 scratch[4 * WG][SCRATCH_BYTES];
   st.scratch = (u32)__cvta_generic_to_shared(scratch[warp]);
@@ -227,39 +359,65 @@ static __device__ __forceinline__ Place place(const int* tiles) {
   return p;
 }
 
-// Start the copies of the tile's activations (token n: row row_of(n) of x [rows, K_DIM] bf16;
-// n past the tile's rows: zeros) into shared memory, 16 bytes per cp.async, and aim the stream.
+// Fill the tile's row table (token n: row row_of(n) of x, n < count; else -1), pick the variant
+// (from 64-token tiles: the tokens rounded up to 32, so a tail tile does not pay for a full
+// one), start the copies of the first K steps (all of K, or the ring's first X_AHEAD, one
+// cp.async group each) and aim the stream at them.
 template <typename RowOf>
-static __device__ __forceinline__ void start(Stream& st, const Place& p, u8* x_smem,
-                                             const u8* x, RowOf row_of) {
-  const u32 x_base = (u32)__cvta_generic_to_shared(x_smem);
-  st.desc = x_desc(x_base);
-  for (int i = threadIdx.x; i < (K_DIM / 8) * NB; i += THREADS) {
-    const int n = i % NB, kb = i / NB;
-    const bool has = n < p.count;
-    const u8* src = x + ((has ? (u64)row_of(n) : 0ull) * K_DIM + kb * 8) * 2;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(x_base + i * 16),
-                 "l"(src), "r"(has ? 16 : 0)
-                 : "memory");
+static __device__ __forceinline__ void start(StreamState& st, const Place& p, u8* x_smem,
+                                             int* rows, const u8* x, RowOf row_of) {
+  for (int n = threadIdx.x; n < NB; n += THREADS) rows[n] = n < p.count ? row_of(n) : -1;
+  __syncthreads();
+  st.x = x;
+  st.rows = rows;
+  st.x_base = (u32)__cvta_generic_to_shared(x_smem);
+  st.cols = TOKG >= 8 ? min(NB, (p.count + 31) / 32 * 32) : NB;
+#if X_STAGES
+#pragma unroll
+  for (int j = 0; j < X_AHEAD; ++j) {
+    if (j < STEPS) copy_x_step(x_stage(st.x_base, j), x, rows, st.cols, j);
+    asm volatile("cp.async.commit_group;" ::: "memory");
   }
+#else
+  for (int j = 0; j < STEPS; ++j) copy_x_step(x_stage(st.x_base, j), x, rows, st.cols, j);
+#endif
   st.g = p.g;
   st.t = p.t;
 }
 
-// The stream's weight and scale pointers for matrix m (w, s: its [E, N, K/2] and [E, N, K/32]).
-static __device__ __forceinline__ void aim(Stream& st, int m, const Place& p, const u8* w,
-                                           const u8* s) {
-  const u64 row = (u64)p.expert * N_DIM + p.row0 + 16 * p.warp + p.g;
+// The stream's weight and scale pointers for row set m (w, s: its [E, N, K/2] and [E, N, K/32]),
+// whose warp's 16 rows start `warp_row` rows past the CTA's first.
+static __device__ __forceinline__ void aim(StreamState& st, int m, const Place& p, const u8* w,
+                                           const u8* s, int warp_row) {
+  const u64 row = (u64)p.expert * N_DIM + p.row0 + warp_row + p.g;
   st.w[m] = w + row * KB + 16 * p.t;
   st.s[m] = s + row * KG;
 }
 
-static __device__ __forceinline__ void run(Stream& st) {
-  ring_loop<DEPTH>(st, KG / 4);
+template <int TG>
+static __device__ __forceinline__ void run_variant(const StreamState& state) {
+  Stream<TG> st(state);
+  ring_loop<DEPTH>(st, STEPS);
+}
+
+// The K loop of the variant that covers the tile's `cols` tokens (a uniform branch per CTA).
+static __device__ __forceinline__ void run(const StreamState& st) {
+  if constexpr (TOKG < 8) {
+    run_variant<TOKG>(st);
+  } else if (st.cols <= 32) {
+    run_variant<4>(st);
+  } else if (TOKG == 8 || st.cols <= 64) {
+    run_variant<8>(st);
+  } else if constexpr (TOKG == 16) {
+    if (st.cols <= 96)
+      run_variant<12>(st);
+    else
+      run_variant<16>(st);
+  }
   asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
 }
 
-#if MATS == 2
+#if GATED
 
 // h = quant_dequant_fp8(swiglu(x W1^T, x W3^T) * weight) per 32 columns, as bf16: the W2 input.
 // Grid: (N_DIM / ROWS_PER_CTA, routing tiles); block THREADS; X_BYTES of dynamic shared memory.
@@ -273,18 +431,43 @@ moe_w13(const u8* __restrict__ xa,  // [T, K_DIM] bf16: FP8 activations expanded
         u16* __restrict__ h,                      // [P, N_DIM] bf16
         float limit, float amax_floor) {
   extern __shared__ __align__(128) u8 x_tile[];
+  __shared__ __align__(128) int rows[NB];
   __shared__ float half_amax[4 * WG][NB];  // each warp's amax per token over its 16 rows
   const Place p = place(tiles);
   if (p.expert < 0) return;
   float acc[MATS][TOKG][4] = {};
-  Stream st(acc);
+  StreamState st(acc);
   give_scratch(st, p.warp);
-  start(st, p, x_tile, xa, [&](int n) { return sorted_token[p.first + n]; });
-  aim(st, 0, p, w1, s1);
-  aim(st, 1, p, w3, s3);
+  start(st, p, x_tile, rows, xa, [&](int n) { return sorted_token[p.first + n]; });
+#if SPLIT_GATE
+  const bool up_half = p.warp >= 8;  // warpgroups 2-3: W3
+  const int warp_row = 16 * (p.warp & 7);
+  aim(st, 0, p, up_half ? w3 : w1, up_half ? s3 : s1, warp_row);
   run(st);
+  // W3's sums to warpgroups 0-1 through the ring's memory (every wgmma is done past the barrier)
+  float* up = reinterpret_cast<float*>(x_tile);  // [warp - 8][q][c][lane]
+  static_assert(X_BYTES >= 8 * TOKG * 4 * 32 * 4, "the ring holds W3's sums");
+  __syncthreads();
+  if (up_half)
+#pragma unroll
+    for (int q = 0; q < TOKG; ++q)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) up[(((p.warp - 8) * TOKG + q) * 4 + c) * 32 + p.lane] = acc[0][q][c];
+  __syncthreads();
+  const auto up_at = [&](int q, int c) {
+    return up_half ? 0.f : up[((p.warp * TOKG + q) * 4 + c) * 32 + p.lane];
+  };
+#else
+  const bool up_half = false;
+  const int warp_row = 16 * p.warp;
+  aim(st, 0, p, w1, s1, warp_row);
+  aim(st, 1, p, w3, s3, warp_row);
+  run(st);
+  const auto up_at = [&](int q, int c) { return acc[1][q][c]; };
+#endif
 
-  // An h group is 32 rows: this warp's 16 and its partner's (warp ^ 1).
+  // An h group is 32 rows: this warp's 16 and its partner's (warp ^ 1). (With SPLIT_GATE
+  // warpgroups 2-3 go along for the barrier and store nothing.)
   float v[TOKG][2][2];  // [q][c1][row half]
 #pragma unroll
   for (int q = 0; q < TOKG; ++q)
@@ -295,7 +478,7 @@ moe_w13(const u8* __restrict__ xa,  // [T, K_DIM] bf16: FP8 activations expanded
       float amax = 0.f;
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        v[q][c1][r] = swiglu_weighted(acc[0][q][2 * r + c1], acc[1][q][2 * r + c1], rw, limit);
+        v[q][c1][r] = swiglu_weighted(acc[0][q][2 * r + c1], up_at(q, 2 * r + c1), rw, limit);
         amax = fmaxf(amax, fabsf(v[q][c1][r]));
       }
       amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 4));
@@ -309,12 +492,12 @@ moe_w13(const u8* __restrict__ xa,  // [T, K_DIM] bf16: FP8 activations expanded
 #pragma unroll
     for (int c1 = 0; c1 < 2; ++c1) {
       const int n = 8 * q + 2 * p.t + c1;
-      if (n >= p.count) continue;
+      if (n >= p.count || up_half) continue;
       const float amax = fmaxf(half_amax[p.warp][n], half_amax[p.warp ^ 1][n]);
       const Fp8Scale sc = fp8_scale(fmaxf(amax, amax_floor));
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const int row = p.row0 + 16 * p.warp + p.g + 8 * r;
+        const int row = p.row0 + warp_row + p.g + 8 * r;
         h[(u64)(p.first + n) * N_DIM + row] = fp8_round_trip(v[q][c1][r], sc);
       }
     }
@@ -330,24 +513,28 @@ moe_w2(const u8* __restrict__ h,                              // [P, K_DIM] bf16
        const int* __restrict__ tiles,                         // [tiles, 3]
        u16* __restrict__ y) {                                 // [P, N_DIM] bf16
   extern __shared__ __align__(128) u8 x_tile[];
+  __shared__ __align__(128) int rows[NB];
   const Place p = place(tiles);
   if (p.expert < 0) return;
   float acc[MATS][TOKG][4] = {};
-  Stream st(acc);
+  StreamState st(acc);
   give_scratch(st, p.warp);
-  start(st, p, x_tile, h, [&](int n) { return p.first + n; });
-  aim(st, 0, p, w2, s2);
+  start(st, p, x_tile, rows, h, [&](int n) { return p.first + n; });
+#pragma unroll
+  for (int m = 0; m < MATS; ++m) aim(st, m, p, w2, s2, m * 64 * WG + 16 * p.warp);
   run(st);
 #pragma unroll
-  for (int q = 0; q < TOKG; ++q)
+  for (int m = 0; m < MATS; ++m)
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const int n = 8 * q + 2 * p.t + (c & 1);
-      if (n < p.count) {
-        const int row = p.row0 + 16 * p.warp + p.g + 8 * (c >> 1);
-        y[(u64)(p.first + n) * N_DIM + row] = bf16_bits(acc[0][q][c]);
+    for (int q = 0; q < TOKG; ++q)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int n = 8 * q + 2 * p.t + (c & 1);
+        if (n < p.count) {
+          const int row = p.row0 + m * 64 * WG + 16 * p.warp + p.g + 8 * (c >> 1);
+          y[(u64)(p.first + n) * N_DIM + row] = bf16_bits(acc[m][q][c]);
+        }
       }
-    }
 }
 
 #endif

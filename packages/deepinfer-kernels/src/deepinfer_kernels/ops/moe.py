@@ -51,9 +51,10 @@ REGISTRY.register(
         requires=("triton",),  # its routing, activation quantisation and combine kernels
         supports="deepinfer_kernels.ops.moe:moe_experts_cuda_supports",
         routing=(
-            "decode-sized routing only (pairs <= 8 x experts), bf16: mma.sync kernels fed by the "
+            "decode-sized routing (pairs <= 8 x experts), bf16: mma.sync kernels fed by the "
             "TMA (8-token tiles up to 256 tokens, then 16; register-fed for unaligned weights), "
-            "or in batch-invariant mode wgmma kernels with the Triton prefill tiles' bits"
+            "or in batch-invariant mode wgmma kernels with the Triton prefill tiles' bits; "
+            "prefill-sized routing on fragment-order weights: wgmma kernels on 128-token tiles"
         ),
     )
 )
@@ -90,17 +91,30 @@ def moe_experts_cuda_supports(
     s1: torch.Tensor, w3: torch.Tensor, s3: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
     *args: object, batch_invariant: bool = False, fragment_order: bool = False, **kw: object,
 ) -> str | None:  # fmt: skip
-    """Why the cuda decode experts (`cuda/moe_decode.py`) cannot run these arguments, or None:
-    they take decode-sized routing in bf16 with UE8M0 scales (batch-invariant mode: the wgmma
-    kernels, whose dims must be multiples of 128; fragment-order weights: those kernels only)."""
-    from ..cuda.moe_decode import aligned, call_reason, order_reason, pick_config
+    """Why the cuda experts (`cuda/moe_decode.py`) cannot run these arguments, or None: they take
+    decode-sized routing, and prefill-sized routing on fragment-order weights, in bf16 with UE8M0
+    scales (batch-invariant mode: the wgmma kernels, whose dims must be multiples of 128;
+    fragment-order weights: those kernels only)."""
+    from ..cuda.moe_decode import (
+        PREFILL_PAIRS_PER_EXPERT,
+        aligned,
+        call_reason,
+        order_reason,
+        pick_config,
+        prefill_sized,
+    )
 
-    if topk_ids.numel() > 8 * w1.shape[0]:
-        return "prefill-sized routing (pairs > 8 x experts)"
+    prefill = prefill_sized(topk_ids.numel(), w1.shape[0])
+    if prefill and not fragment_order:
+        return (
+            f"prefill-sized routing (pairs > {PREFILL_PAIRS_PER_EXPERT} x experts) on the "
+            "checkpoint's byte order"
+        )
     why = order_reason(batch_invariant, None, fragment_order)
     if why is not None:
         return why
-    cfg = pick_config(batch_invariant, fragment_order, x.shape[0], aligned(w1, s1, w3, s3, w2, s2))
+    ws = (w1, s1, w3, s3, w2, s2)
+    cfg = pick_config(batch_invariant, fragment_order, x.shape[0], aligned(*ws), prefill)
     weights = {"w1": w1, "w3": w3, "w2": w2}
     return call_reason(x, weights, {"s1": s1, "s3": s3, "s2": s2}, cfg)
 
