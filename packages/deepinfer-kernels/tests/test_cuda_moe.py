@@ -146,6 +146,7 @@ def test_default_kernels_by_mode_and_size():
     assert md.pick_config(True, False, 1) == md.WGMMA_DEFAULT
     assert md.pick_config(True, True, 1) == md.WGMMA_FRAGMENT
     assert md.pick_config(True, True, 8192, prefill=True) == md.WGMMA_PREFILL_FRAGMENT
+    assert md.pick_config(False, False, 8192, prefill=True) == md.WGMMA_PREFILL
     assert md.prefill_sized(8 * 384 + 1, 384) and not md.prefill_sized(8 * 384, 384)
 
 
@@ -167,11 +168,15 @@ def test_supports_reasons():
         "input on cpu"
     )
     assert "bfloat16" in moe_experts_cuda_supports(*_cpu_call(dtype=torch.float32))
-    assert "prefill-sized" in moe_experts_cuda_supports(*_cpu_call(t=40, e=8, k=2))
+    prefill = _cpu_call(t=200, d=256, i=128, e=8, k=2)  # 50 pairs per expert
+    assert "prefill-sized" in moe_experts_cuda_supports(*prefill, batch_invariant=True)
+    assert moe_experts_cuda_supports(*prefill) == "input on cpu"  # WGMMA_PREFILL
+    few = _cpu_call(t=40, d=256, i=128, e=8, k=2)  # 10 pairs per expert: Triton's tiles
+    assert "<= 48 pairs per expert" in moe_experts_cuda_supports(*few)
+    assert "multiples of 128" in moe_experts_cuda_supports(*_cpu_call(t=200, e=8, k=2))
     # prefill-sized routing on fragment-order weights: the wgmma prefill kernels (W2: 256 rows
     # per CTA)
     inv = dict(batch_invariant=True, fragment_order=True)
-    prefill = _cpu_call(t=40, d=256, i=128, e=8, k=2)
     assert moe_experts_cuda_supports(*prefill, **inv) == "input on cpu"
     narrow = _cpu_call(t=40, d=128, i=128, e=8, k=2)
     assert "D=128 must be a multiple of 256" in moe_experts_cuda_supports(*narrow, **inv)
@@ -247,15 +252,44 @@ def _cuobjdump(flag: str, cubin: bytes, tmp_path) -> str:
     ).stdout
 
 
+def test_k_permutation_gives_each_lane_its_own_group():
+    """Within each 128-value step the permuted order is a permutation, and the 4 values of lane t
+    in every k16 step (slots 2t, 2t+1, 2t+8, 2t+9) come from its own 32-value group t, 4
+    consecutive values per step in natural order."""
+    perm = md.k_permutation(384)
+    assert sorted(perm.tolist()) == list(range(384))
+    assert torch.equal(perm[128:256] - 128, perm[:128])
+    for t in range(4):
+        mine = [
+            perm[16 * s + j].item()
+            for s in range(8)
+            for j in (2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9)
+        ]
+        assert mine == list(range(32 * t, 32 * t + 32))
+    # where W1/W3 (`h_column` in moe_decode_wgmma.cu) put value v of a step for W2 to read it
+    for v in range(128):
+        slot = 16 * ((v >> 2) & 7) + 8 * ((v >> 1) & 1) + 2 * (v >> 5) + (v & 1)
+        assert perm[slot] == v
+
+
+def test_permuted_k_is_for_auto_mode_on_the_checkpoint_order():
+    with pytest.raises(ValueError, match="permuted_k must be a bool, and False with fragment"):
+        md.MoeDecodeWgmmaConfig(permuted_k=True, fragment_weights=True)
+    why = md.order_reason(True, md.WGMMA_PREFILL, False)
+    assert "permuted_k sums K in another order" in why
+
+
 @needs_nvrtc
-@pytest.mark.parametrize("cfg", [md.WGMMA_DEFAULT, FRAGMENT, md.WGMMA_PREFILL_FRAGMENT])
+@pytest.mark.parametrize(
+    "cfg", [md.WGMMA_DEFAULT, FRAGMENT, md.WGMMA_PREFILL_FRAGMENT, md.WGMMA_PREFILL]
+)
 @pytest.mark.parametrize("kind", ["w13", "w2"])
 def test_wgmma_kernels_compile_without_local_memory(kind, cfg, tmp_path):
     """The wgmma kernels compile for sm_90a (NVRTC on CPU) at V4.1's dims; with cuobjdump: no
     spills, and the mma is wgmma (HGMMA) with A from registers, one per variant of N (from
     64-token tiles: the tokens rounded up to 32). On fragment-order weights no 16-byte
     shared-memory store is left (the byte exchange's; the amax and W3-sum exchanges and the
-    tile's row table store words)."""
+    tile's row table store words), nor with K permuted."""
     sass = _cuobjdump("-sass", md.cubin(kind, *V41, cfg), tmp_path)
     assert not re.search(r"\b(LDL|STL)\b", sass), "the kernel spills to local memory"
     gmma = set(re.findall(r"HGMMA\.64x(\d+)x16\.F32\.BF16 R\d+, R\d+, gdesc", sass))
@@ -263,7 +297,7 @@ def test_wgmma_kernels_compile_without_local_memory(kind, cfg, tmp_path):
     assert gmma == ({str(v) for v in range(32, n + 1, 32)} if n >= 64 else {str(n)})
     assert "HMMA" not in sass.replace("HGMMA", "")
     stores = re.findall(r"\bSTS(\.\w+)*", sass)
-    if cfg.fragment_weights:
+    if cfg.fragment_weights or cfg.permuted_k:
         assert not any(".128" in s for s in stores)
     else:
         assert any(".128" in s for s in stores)  # the scratch's 16-byte stores
@@ -277,6 +311,7 @@ def test_wgmma_kernels_compile_without_local_memory(kind, cfg, tmp_path):
         md.MoeDecodeWgmmaConfig(tile_tokens=16, warpgroups1=1, warpgroups2=2),
         FRAGMENT,
         md.WGMMA_PREFILL_FRAGMENT,
+        md.WGMMA_PREFILL,
         md.MoeDecodeWgmmaConfig(
             tile_tokens=64,
             min_blocks1=1,
@@ -426,6 +461,26 @@ def test_wgmma_prefill_tiles_give_the_triton_prefill_bits(t, d, i, e, k):
 
 
 @needs_hopper
+@pytest.mark.parametrize(("t", "d", "i", "e", "k"), [(300, 512, 256, 16, 6), (1000, *V41, 384, 6)])
+def test_permuted_k_prefill_is_close_to_ref_and_batch_independent(t, d, i, e, k):
+    """Auto mode's prefill kernels (K permuted, checkpoint order): close to the reference, and a
+    token's rows bitwise the same in any prefill-sized batch (the sum order depends on K only)."""
+    from deepinfer_kernels.ref import moe as ref_moe
+    from gpu_checks import rel
+
+    x, tw, ids, *ws = _inputs(t, d, i, e, k, seed=13 + t, neg=True)
+    got = md.moe_experts(x, tw, ids, *ws, 10.0)
+    assert (
+        md.pick_config(False, False, t, prefill=md.prefill_sized(ids.numel(), e))
+        == md.WGMMA_PREFILL
+    )
+    assert rel(got, ref_moe.moe_experts(x, tw, ids, *ws, 10.0)) < 1.5e-2
+    for lo, hi in ((0, t // 2), (t // 3, t)):
+        part = md.moe_experts(x[lo:hi], tw[lo:hi], ids[lo:hi], *ws, 10.0, config=md.WGMMA_PREFILL)
+        assert torch.equal(part, got[lo:hi])
+
+
+@needs_hopper
 @pytest.mark.parametrize(("t", "d", "i", "e", "k"), [(37, 512, 256, 32, 6), (16, *V41, 384, 6)])
 def test_fragment_order_weights_give_the_same_bits(t, d, i, e, k):
     """Every kernel that reads `fp4_fragment_order` weights sums the same products in the same
@@ -524,7 +579,8 @@ def test_cuda_graph_replay_on_new_routing():
 @needs_hopper
 def test_registry_routes_decode_sizes_here():
     """Decode-sized bf16 calls run this tier in both modes (batch-invariant: the wgmma kernels,
-    bitwise the Triton tier's invariant rows); prefill-sized ones run the Triton tier."""
+    bitwise the Triton tier's invariant rows); prefill-sized ones run this tier's wgmma prefill
+    kernels, and in batch-invariant mode (checkpoint order) the Triton tier."""
     from deepinfer_kernels import REGISTRY, ops
     from deepinfer_kernels.triton import moe as tmoe
 
@@ -538,5 +594,7 @@ def test_registry_routes_decode_sizes_here():
     with REGISTRY.batch_invariant_mode():
         got = ops.moe_experts(x, tw, ids, *ws, 10.0)
     assert torch.equal(got, tmoe.moe_experts(x, tw, ids, *ws, 10.0, batch_invariant=True))
-    xp, twp, idsp, *_ = _inputs(40, 256, 128, 8, 2, seed=32)
-    assert REGISTRY.resolve("moe_experts", xp, twp, idsp, *ws, 10.0).tier == "triton"
+    xp, twp, idsp, *_ = _inputs(200, 256, 128, 8, 2, seed=32)
+    assert REGISTRY.resolve("moe_experts", xp, twp, idsp, *ws, 10.0).tier == "cuda"
+    inv = REGISTRY.resolve("moe_experts", xp, twp, idsp, *ws, 10.0, batch_invariant=True)
+    assert inv.tier == "triton"

@@ -1,9 +1,10 @@
-"""Routed FP4 experts at decode sizes, and at prefill sizes on fragment-order weights: the `cuda`
-tier of `moe_experts`. Two kernel pairs: mma.sync (`moe_decode.cu`), the fastest at decode sizes,
-and wgmma (`moe_decode_wgmma.cu`), whose fp32 sums are those of the Triton tier's prefill tiles,
-so that a routed row's bits do not depend on the batch or on which path (decode or prefill) ran
-it: batch-invariant mode's decode kernels, and with 128-token routing tiles streamed through
-shared memory (WGMMA_PREFILL_FRAGMENT) the prefill kernels on fragment-order weights. The
+"""Routed FP4 experts: the `cuda` tier of `moe_experts`. Two kernel pairs: mma.sync
+(`moe_decode.cu`), the fastest at decode sizes, and wgmma (`moe_decode_wgmma.cu`), whose fp32
+sums are those of the Triton tier's prefill tiles, so that a routed row's bits do not depend on
+the batch or on which path (decode or prefill) ran it: batch-invariant mode's decode kernels, and
+with 128-token routing tiles streamed through shared memory the prefill kernels
+(WGMMA_PREFILL_FRAGMENT on fragment-order weights; outside batch-invariant mode WGMMA_PREFILL on
+the checkpoint's order, which sums K in a permuted order instead of exchanging bytes). The
 mma.sync pair loads its weights through shared memory from the tensor-memory accelerator (TMA,
 TMA_TILE16: the default) or straight into registers (REGISTER: for weights the TMA cannot copy):
 the same sums either way. From 2 tokens the TMA W2 is a programmatic dependent launch of W1/W3:
@@ -24,7 +25,7 @@ combine are the Triton tier's kernels; the two GEMMs are CUDA C++ compiled at fi
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -122,7 +123,12 @@ class MoeDecodeWgmmaConfig:
 
     fragment_weights: w1, w3 and w2 are in `quant.fp4_fragment_order`, which saves each K step the
     byte exchange through shared memory (the same sums: the same bits); WGMMA_FRAGMENT is the
-    default for such weights."""
+    default for such weights.
+
+    permuted_k: on the checkpoint's order, each thread feeds its own 32-value group to its
+    fragment slots, so K runs permuted within each 128-value step (`k_permutation`; the caller
+    permutes the activations' columns to match): no byte exchange, but not the prefill tiles'
+    sums, so not for batch-invariant mode (WGMMA_PREFILL, auto mode's prefill)."""
 
     tile_tokens: int = 8
     depth1: int = 3
@@ -134,6 +140,7 @@ class MoeDecodeWgmmaConfig:
     row_sets2: int = 1
     x_stages: int = 0
     fragment_weights: bool = False
+    permuted_k: bool = False
 
     def __post_init__(self) -> None:
         checks = (
@@ -147,6 +154,12 @@ class MoeDecodeWgmmaConfig:
             ("row_sets2", self.row_sets2 in (1, 2), "1 or 2"),
             ("x_stages", self.x_stages == 0 or 3 <= self.x_stages <= 8, "0 or 3..8"),
             ("fragment_weights", isinstance(self.fragment_weights, bool), "a bool"),
+            (
+                "permuted_k",
+                isinstance(self.permuted_k, bool)
+                and not (self.permuted_k and self.fragment_weights),
+                "a bool, and False with fragment_weights",
+            ),
         )
         _check_fields(self, checks)
 
@@ -165,6 +178,13 @@ cover its tokens rounded up to 32), 4 warpgroups (W1 on two, W3 on two), the act
 a ring of 4 K steps. H200, one V4.1 layer: 1.04 / 1.30 / 1.25 / 1.21x Triton's PREFILL_FRAGMENT at
 T = 2048 / 4096 / 8192 / 16384 (on the checkpoint's order the same schedule ties with Triton's
 PREFILL: the byte exchange; NOTES.md, eleventh session)."""
+WGMMA_PREFILL = replace(WGMMA_PREFILL_FRAGMENT, fragment_weights=False, permuted_k=True)
+"""Prefill-sized routing on the checkpoint's order outside batch-invariant mode: the fragment
+schedule with K permuted instead of the byte exchange. H200, one V4.1 layer: 1.22 / 1.20 / 1.17x
+Triton's PREFILL at T = 4096 / 8192 / 16384, 0.97x at 2048 (NOTES.md, eleventh session)."""
+WGMMA_PREFILL_PAIRS_PER_EXPERT = 48
+"""Below this many routed pairs per expert the registry leaves auto mode's prefill to Triton
+(H200: its tiles are faster at 32 per expert, slower at 64)."""
 WGMMA_ROWS = 64  # weight rows per warpgroup (its M)
 PREFILL_PAIRS_PER_EXPERT = 8
 """Routing with more (token, slot) pairs than this per expert is prefill-sized."""
@@ -173,6 +193,22 @@ PREFILL_PAIRS_PER_EXPERT = 8
 def prefill_sized(pairs: int, experts: int) -> bool:
     """Whether routing `pairs` (token, slot) pairs over `experts` experts is prefill-sized."""
     return pairs > PREFILL_PAIRS_PER_EXPERT * experts
+
+
+def k_permutation(k: int) -> torch.Tensor:
+    """The column order [k] in which `permuted_k` kernels sum K: within each 128-value step, k16
+    step s's slot 8 hi + 2t + e (t: the quad lane, hi: the slot half, e: the pair element) holds
+    value 32t + 4s + 2hi + e (thread t's own scale group, in natural order); activations go in as
+    x[:, k_permutation(k)]."""
+    slot = torch.arange(128)
+    s, hi, t, e = slot // 16, (slot // 8) % 2, (slot % 8) // 2, slot % 2
+    step = 32 * t + 4 * s + 2 * hi + e
+    return (torch.arange(0, k, 128)[:, None] + step[None, :]).reshape(-1)
+
+
+@functools.lru_cache(maxsize=8)
+def _k_permutation_on(k: int, device: torch.device) -> torch.Tensor:
+    return k_permutation(k).to(device)
 
 
 Config = MoeDecodeCudaConfig | MoeDecodeWgmmaConfig
@@ -200,7 +236,7 @@ def _wgmma_static_bytes(kind: str, cfg: MoeDecodeWgmmaConfig) -> int:
     warps = 4 * (cfg.warpgroups1 if kind == "w13" else cfg.warpgroups2)
     mats = (1 if cfg.warpgroups1 == 4 else 2) if kind == "w13" else cfg.row_sets2
     amax = warps * cfg.tile_tokens * 4 if kind == "w13" else 0
-    scratch = 0 if cfg.fragment_weights else warps * mats * 2 * 8 * 64
+    scratch = 0 if cfg.fragment_weights or cfg.permuted_k else warps * mats * 2 * 8 * 64
     return scratch + amax + -(-cfg.tile_tokens * 4 // 128) * 128 + 1024
 
 
@@ -258,6 +294,8 @@ def order_reason(batch_invariant: bool, config: Config | None, fragment_order: b
             "batch-invariant mode runs the wgmma kernels, so config must be a "
             f"MoeDecodeWgmmaConfig, got {config!r}"
         )
+    if batch_invariant and getattr(config, "permuted_k", False):
+        return "config.permuted_k sums K in another order than the prefill tiles (not invariant)"
     if fragment_order and not batch_invariant and config is None:
         return (
             "fragment-order weights: the mma.sync kernels (outside batch-invariant mode) read the "
@@ -277,12 +315,15 @@ def pick_config(
     prefill: bool = False,
 ) -> Config:
     """The kernels that a call of `tokens` tokens runs when it names no config; aligned: its
-    weights and scales are 16-byte aligned (the TMA copies them); prefill: its routing is
-    prefill-sized (which this tier takes on fragment-order weights only)."""
+    weights and scales are 16-byte aligned (the TMA and the wgmma prefill kernels need it);
+    prefill: its routing is prefill-sized (which batch-invariant mode takes here on
+    fragment-order weights only)."""
     if fragment_order:
         return WGMMA_PREFILL_FRAGMENT if prefill else WGMMA_FRAGMENT
     if batch_invariant:
         return WGMMA_DEFAULT
+    if prefill:
+        return WGMMA_PREFILL
     if not aligned:
         return REGISTER
     return TMA if tokens <= TMA_TILE8_TOKENS else TMA_TILE16
@@ -306,9 +347,12 @@ def call_reason(
     for name, s in scales.items():
         if s.dtype != torch.float8_e8m0fnu:
             return f"{name} is {s.dtype}, the cuda experts read float8_e8m0fnu scales"
-    for name, t in (*weights.items(), *scales.items()) if getattr(cfg, "tma", False) else ():
+    wgmma = isinstance(cfg, MoeDecodeWgmmaConfig)
+    how = "the TMA kernels copy it in bulk" if getattr(cfg, "tma", False) else None
+    how = "the wgmma kernels load it in 16-byte words" if wgmma else how
+    for name, t in (*weights.items(), *scales.items()) if how else ():
         if not aligned(t):
-            return f"{name} is not 16-byte aligned (the TMA kernels copy it in bulk)"
+            return f"{name} is not 16-byte aligned ({how})"
     why = shape_reason(x.shape[1], next(iter(weights.values())).shape[1], cfg)
     if why is not None:
         return why
@@ -333,6 +377,7 @@ def defines(kind: str, d: int, i: int, cfg: Config) -> dict[str, int]:
             DEPTH=cfg.depth1 if w13 else cfg.depth2,
             WG=cfg.warpgroups1 if w13 else cfg.warpgroups2,
             FRAGMENT_WEIGHTS=int(cfg.fragment_weights), GATED=int(w13),
+            K_PERMUTED=int(cfg.permuted_k),
             X_STAGES=cfg.x_stages,
         )  # fmt: skip
     return dict(
@@ -401,9 +446,10 @@ def moe_experts(
     """Routed FP4 experts (see the module docstring). x [T, D] bf16; topk_weights [T, k] fp32;
     topk_ids [T, k] (< 0: skipped); w1/w3 [E, I, D/2] int8 + s1/s3 [E, I, D/32] e8m0; w2
     [E, D, I/2] + s2 [E, D, I/32] -> [T, D] bf16. batch_invariant: the wgmma kernels (config: a
-    MoeDecodeWgmmaConfig, default WGMMA_DEFAULT); otherwise the mma.sync ones fed by the TMA
-    (TMA up to TMA_TILE8_TOKENS tokens, else TMA_TILE16; REGISTER for unaligned weights: the
-    same bits), or whichever kernels `config` names.
+    MoeDecodeWgmmaConfig, default WGMMA_DEFAULT); otherwise at decode sizes the mma.sync ones
+    fed by the TMA (TMA up to TMA_TILE8_TOKENS tokens, else TMA_TILE16; REGISTER for unaligned
+    weights: the same bits), at prefill sizes (`prefill_sized`) the wgmma ones with K permuted
+    (WGMMA_PREFILL), or whichever kernels `config` names.
     fragment_order: w1, w3, w2 are in `quant.fp4_fragment_order`, which only the wgmma kernels
     read (default WGMMA_FRAGMENT, or WGMMA_PREFILL_FRAGMENT for prefill-sized routing; a config
     must then have fragment_weights)."""
@@ -427,6 +473,9 @@ def moe_experts(
         return out.zero_()
     route = build_routing(topk_weights, topk_ids, e, cfg.tile_tokens)
     xa = act_fake_quant_bf16(x)
+    permuted = getattr(cfg, "permuted_k", False)
+    if permuted:  # the columns in the order the kernels sum K (W1/W3 write h in that order)
+        xa = xa.index_select(1, _k_permutation_on(d, x.device))
     p = topk_ids.numel()
     h = torch.empty(p, i, dtype=torch.bfloat16, device=x.device)
     y = torch.empty(p, d, dtype=torch.bfloat16, device=x.device)

@@ -13,6 +13,10 @@
 // exactly to bf16. With FRAGMENT_WEIGHTS the weights were stored in that order beforehand
 // (`quant.fp4_fragment_order`: chunk t of each 64-byte step holds bytes t, 4+t, 8+t, 12+t of
 // the step's 4 groups), so each thread's 16-byte load is its fragment bytes: no exchange.
+// With K_PERMUTED (auto mode's prefill: not the prefill tiles' sums) no exchange either: thread t
+// feeds its own group t's 32 values in natural order to its fragment slots, so the wgmmas run K
+// permuted within each 128-value step (k16 step s, slot 8 hi + 2t + e <- value 32t + 4s + 2hi + e),
+// and the caller permutes the activations' columns the same way (`moe_decode.k_permutation`).
 // The routing tile's activations reach shared memory in wgmma's K-major layout by cp.async:
 // all of K before the first step (X_STAGES = 0: a decode tile of 8-16 tokens), or a ring of
 // X_STAGES K steps that the whole CTA refills X_STAGES - 2 steps ahead (prefill tiles).
@@ -21,7 +25,8 @@
 // fused with SwiGLU, MATS = 2; 0: W2, MATS sets of 64 WG rows per CTA), TOKG (8-token groups per
 // routing tile: wgmma N = 8 TOKG), WG (warpgroups per CTA, sharing the activations), MIN_BLOCKS
 // (CTAs per SM the register allocation must allow), DEPTH (K steps of weights loaded ahead),
-// X_STAGES (above), FRAGMENT_WEIGHTS (1: the weights' bytes are in fragment order, above).
+// X_STAGES (above), FRAGMENT_WEIGHTS (1: the weights' bytes are in fragment order, above),
+// K_PERMUTED (1: the permuted K order, above).
 
 #include "common.cuh"
 
@@ -45,6 +50,8 @@
 static_assert(GATED ? MATS == (SPLIT_GATE ? 1 : 2) : (MATS == 1 || MATS == 2),
               "W1/W3: MATS 2 (1 on 4 warpgroups); W2: 1 or 2 row sets");
 static_assert(WG == 1 || WG == 2 || WG == 4, "WG: 1, 2 or 4 warpgroups");
+static_assert(!(FRAGMENT_WEIGHTS && K_PERMUTED), "fragment order and permuted K exclude each other");
+#define DIRECT_WORDS (FRAGMENT_WEIGHTS || K_PERMUTED)  // each loaded word feeds the thread's slots
 static_assert(X_STAGES == 0 || X_STAGES >= 3, "a ring needs 3 stages or more");
 static_assert(TOKG == 1 || TOKG == 2 || TOKG == 4 || TOKG == 8 || TOKG == 16, "TOKG: 1..16");
 
@@ -219,7 +226,7 @@ struct StreamState {
   const u8* x;      // the activations' rows [rows, K_DIM] bf16
   const int* rows;  // the tile's token rows (shared memory; < 0: none)
   u32 x_base;       // the stages (shared address)
-  u32 scratch;      // this warp's scratch (shared address; unused with FRAGMENT_WEIGHTS)
+  u32 scratch;      // this warp's scratch (shared address; unused with DIRECT_WORDS)
   int cols;         // the tokens the wgmmas cover: 8 TG of the variant that runs
   int g, t;
   int step = 0;
@@ -279,7 +286,7 @@ struct Stream : StreamState {
     }
 #endif
     const u64 desc = x_desc(x_stage(x_base, step));
-#if !FRAGMENT_WEIGHTS
+#if !DIRECT_WORDS
     __syncwarp();  // the last step's scratch reads are done
 #pragma unroll
     for (int m = 0; m < MATS; ++m)
@@ -312,15 +319,16 @@ struct Stream : StreamState {
         u32 lo[4], hi[4];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-#if FRAGMENT_WEIGHTS
-          const u32 mine = st.w[m][h][c];  // bytes t, 4+t, 8+t, 12+t of group c
+#if DIRECT_WORDS
+          const u32 mine = st.w[m][h][c];  // bytes t, 4+t, 8+t, 12+t of group c (K_PERMUTED:
+                                           // bytes 4c..4c+3 of group t)
 #else
           u32 mine;  // bytes t, 4+t, 8+t, 12+t of the group
           asm volatile("ld.shared.u32 %0, [%1];"
                        : "=r"(mine)
                        : "r"(scratch_at(scratch, m, h, g, c) + 4 * t));
 #endif
-          expand8(mine, scale_pair_of(sw[m][h], c), h == 0 ? lo : hi);
+          expand8(mine, scale_pair_of(sw[m][h], K_PERMUTED ? t : c), h == 0 ? lo : hi);
         }
         // bytes t, 4+t of the group's first 8: k16 step 2c (slots 2t.. and 2t+8..); then 2c+1
         a[m][0][0] = lo[0], a[m][0][1] = hi[0], a[m][0][2] = lo[1], a[m][0][3] = hi[1];
@@ -339,9 +347,9 @@ struct Stream : StreamState {
   }
 };
 
-// The stream's per-warp byte-exchange scratch (none with FRAGMENT_WEIGHTS: nothing to exchange).
+// The stream's per-warp byte-exchange scratch (none with DIRECT_WORDS: nothing to exchange).
 static __device__ __forceinline__ void give_scratch(StreamState& st, int warp) {
-#if !FRAGMENT_WEIGHTS
+#if !DIRECT_WORDS
   __shared__ __align__(16) u8 scratch[4 * WG][SCRATCH_BYTES];
   st.scratch = (u32)__cvta_generic_to_shared(scratch[warp]);
 #endif
@@ -418,6 +426,18 @@ static __device__ __forceinline__ void run(const StreamState& st) {
 }
 
 #if GATED
+
+// The column of h that W1/W3's output row `row` goes to: the row itself, or with K_PERMUTED the
+// place W2's permuted K order reads it from (value 32t + 4s + 2hi + e of a 128-value step sits in
+// slot 16s + 8hi + 2t + e), so that W2 reads h as it is.
+static __device__ __forceinline__ int h_column(int row) {
+#if K_PERMUTED
+  const int v = row & 127;
+  return row - v + 16 * ((v >> 2) & 7) + 8 * ((v >> 1) & 1) + 2 * (v >> 5) + (v & 1);
+#else
+  return row;
+#endif
+}
 
 // h = quant_dequant_fp8(swiglu(x W1^T, x W3^T) * weight) per 32 columns, as bf16: the W2 input.
 // Grid: (N_DIM / ROWS_PER_CTA, routing tiles); block THREADS; X_BYTES of dynamic shared memory.
@@ -498,7 +518,7 @@ moe_w13(const u8* __restrict__ xa,  // [T, K_DIM] bf16: FP8 activations expanded
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int row = p.row0 + warp_row + p.g + 8 * r;
-        h[(u64)(p.first + n) * N_DIM + row] = fp8_round_trip(v[q][c1][r], sc);
+        h[(u64)(p.first + n) * N_DIM + h_column(row)] = fp8_round_trip(v[q][c1][r], sc);
       }
     }
 }

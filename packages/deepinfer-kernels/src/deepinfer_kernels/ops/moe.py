@@ -54,7 +54,9 @@ REGISTRY.register(
             "decode-sized routing (pairs <= 8 x experts), bf16: mma.sync kernels fed by the "
             "TMA (8-token tiles up to 256 tokens, then 16; register-fed for unaligned weights), "
             "or in batch-invariant mode wgmma kernels with the Triton prefill tiles' bits; "
-            "prefill-sized routing on fragment-order weights: wgmma kernels on 128-token tiles"
+            "prefill-sized routing: wgmma kernels on 128-token tiles (K permuted on the "
+            "checkpoint's order, from 48 pairs per expert; in batch-invariant mode "
+            "fragment-order weights only)"
         ),
     )
 )
@@ -91,12 +93,14 @@ def moe_experts_cuda_supports(
     s1: torch.Tensor, w3: torch.Tensor, s3: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
     *args: object, batch_invariant: bool = False, fragment_order: bool = False, **kw: object,
 ) -> str | None:  # fmt: skip
-    """Why the cuda experts (`cuda/moe_decode.py`) cannot run these arguments, or None: they take
-    decode-sized routing, and prefill-sized routing on fragment-order weights, in bf16 with UE8M0
-    scales (batch-invariant mode: the wgmma kernels, whose dims must be multiples of 128;
-    fragment-order weights: those kernels only)."""
+    """Why the cuda experts (`cuda/moe_decode.py`) cannot run these arguments, or None: bf16 with
+    UE8M0 scales; prefill-sized routing (the wgmma prefill kernels) except in batch-invariant mode
+    on the checkpoint's order, where it takes over from Triton's tiles only from
+    WGMMA_PREFILL_PAIRS_PER_EXPERT pairs per expert; batch-invariant mode: the wgmma kernels,
+    whose dims must be multiples of 128; fragment-order weights: those kernels only."""
     from ..cuda.moe_decode import (
         PREFILL_PAIRS_PER_EXPERT,
+        WGMMA_PREFILL_PAIRS_PER_EXPERT,
         aligned,
         call_reason,
         order_reason,
@@ -105,10 +109,16 @@ def moe_experts_cuda_supports(
     )
 
     prefill = prefill_sized(topk_ids.numel(), w1.shape[0])
-    if prefill and not fragment_order:
+    if prefill and batch_invariant and not fragment_order:
         return (
-            f"prefill-sized routing (pairs > {PREFILL_PAIRS_PER_EXPERT} x experts) on the "
-            "checkpoint's byte order"
+            f"prefill-sized routing (pairs > {PREFILL_PAIRS_PER_EXPERT} x experts) in "
+            "batch-invariant mode on the checkpoint's byte order"
+        )
+    few = topk_ids.numel() <= WGMMA_PREFILL_PAIRS_PER_EXPERT * w1.shape[0]
+    if prefill and not fragment_order and few:
+        return (
+            f"prefill-sized routing with <= {WGMMA_PREFILL_PAIRS_PER_EXPERT} pairs per expert on "
+            "the checkpoint's byte order (the Triton tiles are faster there)"
         )
     why = order_reason(batch_invariant, None, fragment_order)
     if why is not None:
