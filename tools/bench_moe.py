@@ -450,6 +450,10 @@ def cuda_decode_candidates() -> dict:
         "cuda inv frag 1wg mb3 d2": replace(
             cmd.WGMMA_FRAGMENT, warpgroups1=1, min_blocks1=3, depth1=2
         ),
+        # W1 and W3 on separate warpgroup pairs (16 warps per CTA at 79-121 registers; eleventh
+        # session)
+        "cuda inv frag w4 d4": replace(cmd.WGMMA_FRAGMENT, warpgroups1=4, depth1=4),
+        "cuda inv frag w4 d6": replace(cmd.WGMMA_FRAGMENT, warpgroups1=4, depth1=6),
         # measured before (NOTES.md): split1=2 / 5 / 8, 16-token tiles, min_blocks 2 / 4, W2 with
         # 2 row tiles x 4 warps; L2 prefetches, the L2 fetch size and a dependent W2 launch
         # (eighth session, not kept)

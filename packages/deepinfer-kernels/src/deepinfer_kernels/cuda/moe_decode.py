@@ -165,10 +165,11 @@ class MoeDecodeWgmmaConfig:
 
 
 WGMMA_DEFAULT = MoeDecodeWgmmaConfig()
-WGMMA_FRAGMENT = MoeDecodeWgmmaConfig(fragment_weights=True, min_blocks1=1, depth1=4)
+WGMMA_FRAGMENT = MoeDecodeWgmmaConfig(fragment_weights=True, min_blocks1=1, depth1=4, warpgroups1=4)
 """On fragment-order weights (the default W1/W3 schedule spills there: the loaded words now live
-until their group's wgmma). H200, two runs: 1.06-1.10x the mma.sync kernels at T=1, 1.11-1.23x at
-T=16..256, against 1.23-1.36x for the checkpoint's order (NOTES.md, eighth session)."""
+until their group's wgmma), W1 and W3 on separate warpgroup pairs (16 warps per CTA at 93
+registers). H200, 8-routing chained graphs: 1.13 / 1.26 / 1.21x the TMA mma.sync kernels at T =
+1 / 16 / 64, 4-5% faster than with both matrices on 2 warpgroups (NOTES.md, eleventh session)."""
 WGMMA_PREFILL_FRAGMENT = MoeDecodeWgmmaConfig(
     tile_tokens=128, depth1=1, depth2=1, min_blocks1=1, min_blocks2=1, warpgroups1=4,
     warpgroups2=4, x_stages=4, fragment_weights=True,

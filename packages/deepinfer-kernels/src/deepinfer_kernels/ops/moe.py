@@ -133,10 +133,11 @@ def moe_fragment_order_pays(dim: int, inter: int, device: torch.device | str) ->
     """Whether `moe_experts` runs faster here on expert weights in `quant.fp4_fragment_order`
     (pass `fragment_order=True`) than on the checkpoint's byte order, for experts of hidden size
     `dim` and intermediate size `inter`. True in batch-invariant mode when the cuda tier serves
-    MoE on `device` (its wgmma kernels then skip a byte exchange per K step: on the H200 1.18-1.26x
-    the auto kernels at T=1..256 instead of 1.30-1.41x in the last run; NOTES.md, tenth session).
-    Elsewhere the checkpoint's order is as fast or faster: the mma.sync kernels read only it, the
-    ref tier un-permutes."""
+    MoE on `device` (its wgmma kernels then skip a byte exchange per K step: on the H200 1.13-1.26x
+    the auto kernels at T=1..64, and at prefill sizes its wgmma prefill kernels run instead of
+    Triton's tiles, 1.2x faster; NOTES.md, eleventh session). Elsewhere the checkpoint's order is
+    as fast or faster: the mma.sync kernels read only it, the prefill kernels permute K instead,
+    the ref tier un-permutes."""
     if not REGISTRY.batch_invariant or dim % 128 or inter % 128:
         return False
     device = torch.device(device)
