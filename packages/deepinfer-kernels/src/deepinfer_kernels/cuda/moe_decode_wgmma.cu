@@ -50,7 +50,7 @@
 static_assert(GATED ? MATS == (SPLIT_GATE ? 1 : 2) : (MATS == 1 || MATS == 2),
               "W1/W3: MATS 2 (1 on 4 warpgroups); W2: 1 or 2 row sets");
 static_assert(WG == 1 || WG == 2 || WG == 4, "WG: 1, 2 or 4 warpgroups");
-static_assert(!(FRAGMENT_WEIGHTS && K_PERMUTED), "fragment order and permuted K exclude each other");
+static_assert(!(FRAGMENT_WEIGHTS && K_PERMUTED), "fragment order or permuted K, not both");
 #define DIRECT_WORDS (FRAGMENT_WEIGHTS || K_PERMUTED)  // each loaded word feeds the thread's slots
 static_assert(X_STAGES == 0 || X_STAGES >= 3, "a ring needs 3 stages or more");
 static_assert(TOKG == 1 || TOKG == 2 || TOKG == 4 || TOKG == 8 || TOKG == 16, "TOKG: 1..16");
@@ -186,9 +186,9 @@ static __device__ __forceinline__ u32 scale_pair_of(u32 sw126, int c) {
 // Start the copies of K step j of the tile's activations into the stage at shared address
 // `stage`, [16 chunks of 8 values][NB tokens][8 values] (wgmma's K-major core matrices): token n
 // < cols is row rows[n] of x [rows, K_DIM] bf16 (rows[n] < 0: zeros); the wgmmas read no more.
-// This thread's copies first..end-1 of the step's X_COPIES (a ring step spreads them out). Lanes 8c..8c+7 copy chunk c of
-// 8 tokens: each 8-lane phase of the shared-memory stores covers 128 bytes (no bank conflict),
-// and each token's 64 bytes come from 4 lanes (whole 32-byte sectors).
+// This thread's copies first..end-1 of the step's X_COPIES (a ring step spreads them out).
+// Lanes 8c..8c+7 copy chunk c of 8 tokens: each 8-lane phase of the shared-memory stores covers
+// 128 bytes (no bank conflict), and each token's 64 bytes come from 4 lanes (whole sectors).
 static __device__ __forceinline__ void copy_x_step(u32 stage, const u8* x, const int* rows,
                                                    int cols, int j, int first = 0,
                                                    int end = X_COPIES) {
@@ -472,7 +472,8 @@ moe_w13(const u8* __restrict__ xa,  // [T, K_DIM] bf16: FP8 activations expanded
 #pragma unroll
     for (int q = 0; q < TOKG; ++q)
 #pragma unroll
-      for (int c = 0; c < 4; ++c) up[(((p.warp - 8) * TOKG + q) * 4 + c) * 32 + p.lane] = acc[0][q][c];
+      for (int c = 0; c < 4; ++c)
+        up[(((p.warp - 8) * TOKG + q) * 4 + c) * 32 + p.lane] = acc[0][q][c];
   __syncthreads();
   const auto up_at = [&](int q, int c) {
     return up_half ? 0.f : up[((p.warp * TOKG + q) * 4 + c) * 32 + p.lane];
