@@ -110,10 +110,11 @@ def compile_cubin(
     arch: str,
     defines: dict[str, int],
     headers: dict[str, str] | None = None,
-) -> bytes:
+) -> tuple[bytes, str]:
     """CUDA C++ `source` compiled for `arch` (e.g. "sm_90a") with `-D` `defines` and the
-    `#include`-able `headers` (name -> text) -> cubin bytes. A compile error raises RuntimeError
-    with NVRTC's log. Runs on CPU (no GPU needed)."""
+    `#include`-able `headers` (name -> text) -> (cubin bytes, NVRTC's log: the front end's
+    warnings and ptxas' remarks, for example C7515, wgmma instructions serialized). A compile
+    error raises RuntimeError with the log. Runs on CPU (no GPU needed)."""
     lib = nvrtc()
     prog = ctypes.c_void_p()
     headers = headers or {}
@@ -131,11 +132,11 @@ def compile_cubin(
         opts += [f"-D{k}={v}" for k, v in sorted(defines.items())]
         argv = (ctypes.c_char_p * len(opts))(*(o.encode() for o in opts))
         result = lib.nvrtcCompileProgram(prog, len(opts), argv)
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(prog, log)
         if result != 0:
-            size = ctypes.c_size_t()
-            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-            log = ctypes.create_string_buffer(size.value)
-            lib.nvrtcGetProgramLog(prog, log)
             raise RuntimeError(
                 f"NVRTC could not compile {name} ({' '.join(opts)}):\n{log.value.decode()}"
             )
@@ -143,7 +144,7 @@ def compile_cubin(
         _nvrtc_check(lib, lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "cubin size")
         cubin = ctypes.create_string_buffer(size.value)
         _nvrtc_check(lib, lib.nvrtcGetCUBIN(prog, cubin), "cubin")
-        return cubin.raw
+        return cubin.raw, log.value.decode()
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
@@ -247,7 +248,12 @@ class Kernel:
 
 
 def compile_file(path: Path, arch: str, defines: dict[str, int]) -> bytes:
-    """`compile_cubin` of a .cu file whose `#include "x.cuh"`s are .cuh files beside it."""
+    """The cubin of a .cu file whose `#include "x.cuh"`s are .cuh files beside it."""
+    return compile_file_and_log(path, arch, defines)[0]
+
+
+def compile_file_and_log(path: Path, arch: str, defines: dict[str, int]) -> tuple[bytes, str]:
+    """`compile_cubin` of a .cu file (as `compile_file`): the cubin and NVRTC's log."""
     headers = {h.name: h.read_text() for h in sorted(path.parent.glob("*.cuh"))}
     return compile_cubin(path.read_text(), path.name, arch, defines, headers)
 
