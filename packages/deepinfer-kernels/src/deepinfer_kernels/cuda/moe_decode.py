@@ -191,9 +191,10 @@ PREFILL_PAIRS_PER_EXPERT = 8
 """Routing with more (token, slot) pairs than this per expert is prefill-sized."""
 
 
-def prefill_sized(pairs: int, experts: int) -> bool:
-    """Whether routing `pairs` (token, slot) pairs over `experts` experts is prefill-sized."""
-    return pairs > PREFILL_PAIRS_PER_EXPERT * experts
+def prefill_sized(pairs: int, experts: int, per_expert: int = PREFILL_PAIRS_PER_EXPERT) -> bool:
+    """Whether routing `pairs` (token, slot) pairs over `experts` experts has more than
+    `per_expert` pairs per expert (by default: is prefill-sized)."""
+    return pairs > per_expert * experts
 
 
 def k_permutation(k: int) -> torch.Tensor:
@@ -216,6 +217,14 @@ Config = MoeDecodeCudaConfig | MoeDecodeWgmmaConfig
 MAX_SHARED = 227 * 1024  # shared memory one CTA may take on sm_90 (static + dynamic)
 
 
+def _wgmma_mats(kind: str, cfg: MoeDecodeWgmmaConfig) -> int:
+    """Weight row sets per thread of wgmma kernel `kind` (its MATS): W1/W3 both, or one of them
+    with W1 and W3 on separate warpgroup pairs; W2's row sets."""
+    if kind == "w13":
+        return 1 if cfg.warpgroups1 == 4 else 2
+    return cfg.row_sets2
+
+
 def _wgmma_rows(kind: str, cfg: MoeDecodeWgmmaConfig) -> int:
     """The weight rows (of each matrix) that one CTA of wgmma kernel `kind` computes."""
     if kind == "w13":
@@ -235,7 +244,7 @@ def _wgmma_static_bytes(kind: str, cfg: MoeDecodeWgmmaConfig) -> int:
     weights), W1/W3's per-warp amax exchange, the tile's token rows (128-byte aligned) and the
     1 KiB that sm_90 reserves per CTA."""
     warps = 4 * (cfg.warpgroups1 if kind == "w13" else cfg.warpgroups2)
-    mats = (1 if cfg.warpgroups1 == 4 else 2) if kind == "w13" else cfg.row_sets2
+    mats = _wgmma_mats(kind, cfg)
     amax = warps * cfg.tile_tokens * 4 if kind == "w13" else 0
     scratch = 0 if cfg.fragment_weights or cfg.permuted_k else warps * mats * 2 * 8 * 64
     return scratch + amax + -(-cfg.tile_tokens * 4 // 128) * 128 + 1024
@@ -367,11 +376,9 @@ def defines(kind: str, d: int, i: int, cfg: Config) -> dict[str, int]:
     if kind not in ("w13", "w2"):
         raise ValueError(f"kernel kind must be 'w13' or 'w2', got {kind!r}")
     w13 = kind == "w13"
-    wgmma = isinstance(cfg, MoeDecodeWgmmaConfig)
-    mats1 = 1 if wgmma and cfg.warpgroups1 == 4 else 2
-    rows2 = cfg.row_sets2 if wgmma else 1
-    shape = dict(K_DIM=d, N_DIM=i, MATS=mats1) if w13 else dict(K_DIM=i, N_DIM=d, MATS=rows2)
+    shape = dict(K_DIM=d, N_DIM=i, MATS=2) if w13 else dict(K_DIM=i, N_DIM=d, MATS=1)
     if isinstance(cfg, MoeDecodeWgmmaConfig):
+        shape["MATS"] = _wgmma_mats(kind, cfg)
         return dict(
             shape, TOKG=cfg.tile_tokens // 8,
             MIN_BLOCKS=cfg.min_blocks1 if w13 else cfg.min_blocks2,

@@ -114,8 +114,8 @@ def moe_experts_cuda_supports(
             f"prefill-sized routing (pairs > {PREFILL_PAIRS_PER_EXPERT} x experts) in "
             "batch-invariant mode on the checkpoint's byte order"
         )
-    few = topk_ids.numel() <= WGMMA_PREFILL_PAIRS_PER_EXPERT * w1.shape[0]
-    if prefill and not fragment_order and few:
+    many = prefill_sized(topk_ids.numel(), w1.shape[0], WGMMA_PREFILL_PAIRS_PER_EXPERT)
+    if prefill and not fragment_order and not many:
         return (
             f"prefill-sized routing with <= {WGMMA_PREFILL_PAIRS_PER_EXPERT} pairs per expert on "
             "the checkpoint's byte order (the Triton tiles are faster there)"
