@@ -317,15 +317,16 @@ def test_moe_experts_batch_invariant_bitwise(prefill, monkeypatch):
 
 
 def test_moe_ops_prefill_sizes_dispatch():
-    """Prefill-sized routing (pairs > 8 x experts) on the checkpoint's order runs the cuda tier's
-    wgmma prefill kernels from 48 pairs per expert (the Triton tier below), and in
-    batch-invariant mode the Triton tier (test_cuda_moe.py: decode sizes, fragment order)."""
+    """Prefill-sized routing (pairs > 8 x experts) on the checkpoint's order runs the cuda tier
+    in auto mode (its TMA decode kernels up to 16 pairs per expert, then its wgmma prefill
+    kernels), and in batch-invariant mode the Triton tier (test_cuda_moe.py: decode sizes,
+    fragment order)."""
     from deepinfer_kernels import REGISTRY, ops
 
-    for t, tier in ((40, "triton"), (200, "cuda")):  # 10 and 50 pairs per expert
+    for t in (40, 200):  # 10 and 50 pairs per expert
         x, tw, ids, *ws = moe_inputs(t, 256, 128, 8, 2, seed=31)
         want = ref_moe.moe_experts(x, tw, ids, *ws, 10.0)
-        assert REGISTRY.resolve("moe_experts", x, tw, ids, *ws, 10.0).tier == tier
+        assert REGISTRY.resolve("moe_experts", x, tw, ids, *ws, 10.0).tier == "cuda"
         assert rel(ops.moe_experts(x, tw, ids, *ws, 10.0), want) < 1.5e-2
         inv = REGISTRY.resolve("moe_experts", x, tw, ids, *ws, 10.0, batch_invariant=True)
         assert inv.tier == "triton"

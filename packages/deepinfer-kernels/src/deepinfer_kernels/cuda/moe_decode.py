@@ -4,7 +4,8 @@ sums are those of the Triton tier's prefill tiles, so that a routed row's bits d
 the batch or on which path (decode or prefill) ran it: batch-invariant mode's decode kernels, and
 with 128-token routing tiles streamed through shared memory the prefill kernels
 (WGMMA_PREFILL_FRAGMENT on fragment-order weights; outside batch-invariant mode WGMMA_PREFILL on
-the checkpoint's order, which sums K in a permuted order instead of exchanging bytes). The
+the checkpoint's order, which sums K in a permuted order instead of exchanging bytes: auto
+mode's kernels above WGMMA_PREFILL_PAIRS_PER_EXPERT routed pairs per expert). The
 mma.sync pair loads its weights through shared memory from the tensor-memory accelerator (TMA,
 TMA_TILE16: the default) or straight into registers (REGISTER: for weights the TMA cannot copy):
 the same sums either way. From 2 tokens the TMA W2 is a programmatic dependent launch of W1/W3:
@@ -119,7 +120,13 @@ class MoeDecodeWgmmaConfig:
       byte read);
     - x_stages: 0, the tile's activations over all of K reach shared memory before the first
       step (decode tiles), or 3..8, a ring of that many K steps refilled x_stages - 2 steps
-      ahead (prefill tiles, whose K does not fit).
+      ahead (prefill tiles, whose K does not fit);
+    - tail_depth: the load depth of both kernels' tail variants (from 64-token tiles, the K
+      loops whose wgmmas cover at most half the tile: less work per step to hide a load behind,
+      and half the accumulators' registers free), 1..8, or 0: depth1 / depth2;
+    - pinned_loads: the weight and scale loads are plain `ld.global` instead of the
+      non-coherent `ld.global.nc`, which ptxas may not move past the step's barrier: it keeps
+      them a step ahead instead of sinking them next to their use to free registers.
 
     fragment_weights: w1, w3 and w2 are in `quant.fp4_fragment_order`, which saves each K step the
     byte exchange through shared memory (the same sums: the same bits); WGMMA_FRAGMENT is the
@@ -139,6 +146,8 @@ class MoeDecodeWgmmaConfig:
     warpgroups2: int = 1
     row_sets2: int = 1
     x_stages: int = 0
+    tail_depth: int = 0
+    pinned_loads: bool = False
     fragment_weights: bool = False
     permuted_k: bool = False
 
@@ -153,6 +162,8 @@ class MoeDecodeWgmmaConfig:
             ("warpgroups2", self.warpgroups2 in (1, 2, 4), "1, 2 or 4"),
             ("row_sets2", self.row_sets2 in (1, 2), "1 or 2"),
             ("x_stages", self.x_stages == 0 or 3 <= self.x_stages <= 8, "0 or 3..8"),
+            ("tail_depth", 0 <= self.tail_depth <= 8, "0..8"),
+            ("pinned_loads", isinstance(self.pinned_loads, bool), "a bool"),
             ("fragment_weights", isinstance(self.fragment_weights, bool), "a bool"),
             (
                 "permuted_k",
@@ -165,36 +176,49 @@ class MoeDecodeWgmmaConfig:
 
 
 WGMMA_DEFAULT = MoeDecodeWgmmaConfig()
-WGMMA_FRAGMENT = MoeDecodeWgmmaConfig(fragment_weights=True, min_blocks1=1, depth1=4, warpgroups1=4)
+WGMMA_FRAGMENT = MoeDecodeWgmmaConfig(
+    fragment_weights=True, min_blocks1=1, depth1=4, warpgroups1=4, pinned_loads=True
+)
 """On fragment-order weights (the default W1/W3 schedule spills there: the loaded words now live
 until their group's wgmma), W1 and W3 on separate warpgroup pairs (16 warps per CTA at 93
 registers). H200, 8-routing chained graphs: 1.13 / 1.26 / 1.21x the TMA mma.sync kernels at T =
-1 / 16 / 64, 4-5% faster than with both matrices on 2 warpgroups (NOTES.md, eleventh session)."""
+1 / 16 / 64, 4-5% faster than with both matrices on 2 warpgroups (NOTES.md, eleventh session);
+pinned loads 0-3% faster (twelfth session)."""
 WGMMA_PREFILL_FRAGMENT = MoeDecodeWgmmaConfig(
     tile_tokens=128, depth1=1, depth2=1, min_blocks1=1, min_blocks2=1, warpgroups1=4,
-    warpgroups2=4, x_stages=4, fragment_weights=True,
+    warpgroups2=4, x_stages=4, tail_depth=2, pinned_loads=True, fragment_weights=True,
 )  # fmt: skip
 """Prefill-sized routing on fragment-order weights: 128-token tiles (the wgmmas of a tail tile
-cover its tokens rounded up to 32), 4 warpgroups (W1 on two, W3 on two), the activations through
-a ring of 4 K steps. H200, one V4.1 layer: 1.04 / 1.30 / 1.25 / 1.21x Triton's PREFILL_FRAGMENT at
-T = 2048 / 4096 / 8192 / 16384 (on the checkpoint's order the same schedule ties with Triton's
-PREFILL: the byte exchange; NOTES.md, eleventh session)."""
+cover its tokens rounded up to 32, loading 2 K steps ahead), 4 warpgroups (W1 on two, W3 on two),
+the activations through a ring of 4 K steps, pinned loads. H200, one V4.1 layer: see NOTES.md,
+twelfth session (1.2-1.3x Triton's PREFILL_FRAGMENT from 4K tokens)."""
 WGMMA_PREFILL = replace(WGMMA_PREFILL_FRAGMENT, fragment_weights=False, permuted_k=True)
-"""Prefill-sized routing on the checkpoint's order outside batch-invariant mode: the fragment
-schedule with K permuted instead of the byte exchange. H200, one V4.1 layer: 1.22 / 1.20 / 1.17x
-Triton's PREFILL at T = 4096 / 8192 / 16384, 0.97x at 2048 (NOTES.md, eleventh session)."""
-WGMMA_PREFILL_PAIRS_PER_EXPERT = 48
-"""Below this many routed pairs per expert the registry leaves auto mode's prefill to Triton
-(H200: its tiles are faster at 32 per expert, slower at 64)."""
+"""Auto mode's prefill (the checkpoint's order outside batch-invariant mode): the fragment
+schedule with K permuted instead of the byte exchange. H200, one V4.1 layer: see NOTES.md,
+twelfth session (1.1-1.25x Triton's PREFILL from 1K tokens)."""
+WGMMA_PREFILL_PAIRS_PER_EXPERT = 16
+"""Auto mode: up to this many routed pairs per expert the TMA decode kernels run, above it
+WGMMA_PREFILL (H200, one V4.1 layer: TMA_TILE16 4.3 / 6.0 ms, WGMMA_PREFILL 4.8 / 4.9 ms at 16 /
+24 pairs per expert; both faster than Triton's PREFILL, 5.9 / 5.6 ms; NOTES.md, twelfth
+session)."""
 WGMMA_ROWS = 64  # weight rows per warpgroup (its M)
 PREFILL_PAIRS_PER_EXPERT = 8
-"""Routing with more (token, slot) pairs than this per expert is prefill-sized."""
+"""Routing with more (token, slot) pairs than this per expert is prefill-sized: batch-invariant
+mode's switch from the decode to the prefill kernels (the same bits either side)."""
 
 
 def prefill_sized(pairs: int, experts: int, per_expert: int = PREFILL_PAIRS_PER_EXPERT) -> bool:
     """Whether routing `pairs` (token, slot) pairs over `experts` experts has more than
     `per_expert` pairs per expert (by default: is prefill-sized)."""
     return pairs > per_expert * experts
+
+
+def prefill_kernels(pairs: int, experts: int, batch_invariant: bool) -> bool:
+    """Whether routing `pairs` pairs over `experts` experts runs the prefill kernels: in
+    batch-invariant mode when prefill-sized, in auto mode above WGMMA_PREFILL_PAIRS_PER_EXPERT
+    pairs per expert (the TMA decode kernels are faster below)."""
+    per_expert = PREFILL_PAIRS_PER_EXPERT if batch_invariant else WGMMA_PREFILL_PAIRS_PER_EXPERT
+    return prefill_sized(pairs, experts, per_expert)
 
 
 def k_permutation(k: int) -> torch.Tensor:
@@ -232,22 +256,27 @@ def _wgmma_rows(kind: str, cfg: MoeDecodeWgmmaConfig) -> int:
     return WGMMA_ROWS * cfg.warpgroups2 * cfg.row_sets2
 
 
-def _wgmma_shared_bytes(k: int, cfg: MoeDecodeWgmmaConfig) -> int:
-    """The dynamic shared memory of a wgmma kernel with reduction length k: the routing tile's
-    bf16 activations, over all of K or x_stages K steps of 128."""
-    return (128 * cfg.x_stages if cfg.x_stages else k) * cfg.tile_tokens * 2
+def _wgmma_shared_bytes(kind: str, k: int, cfg: MoeDecodeWgmmaConfig) -> int:
+    """The dynamic shared memory of wgmma kernel `kind` with reduction length k (the .cu's
+    DYN_BYTES): the routing tile's bf16 activations, over all of K or x_stages K steps of 128;
+    with W1 and W3 on separate warpgroup pairs at least W3's fp32 sums (8 warps x 32 lanes x 4 per
+    8 tokens), which that memory takes to W1's warpgroups afterwards."""
+    x_bytes = (128 * cfg.x_stages if cfg.x_stages else k) * cfg.tile_tokens * 2
+    split_gate = kind == "w13" and cfg.warpgroups1 == 4
+    w3_sums = 8 * 32 * 4 * 4 * (cfg.tile_tokens // 8) if split_gate else 0
+    return max(x_bytes, w3_sums)
 
 
 def _wgmma_static_bytes(kind: str, cfg: MoeDecodeWgmmaConfig) -> int:
     """The static shared memory of wgmma kernel `kind` (moe_decode_wgmma.cu), as the cubin
     declares it: each warp's scratch for one K step of packed bytes (none with fragment-order
-    weights), W1/W3's per-warp amax exchange, the tile's token rows (128-byte aligned) and the
-    1 KiB that sm_90 reserves per CTA."""
+    weights), W1/W3's per-warp amax exchange, the tile's token row addresses (128-byte aligned)
+    and the 1 KiB that sm_90 reserves per CTA."""
     warps = 4 * (cfg.warpgroups1 if kind == "w13" else cfg.warpgroups2)
     mats = _wgmma_mats(kind, cfg)
     amax = warps * cfg.tile_tokens * 4 if kind == "w13" else 0
     scratch = 0 if cfg.fragment_weights or cfg.permuted_k else warps * mats * 2 * 8 * 64
-    return scratch + amax + -(-cfg.tile_tokens * 4 // 128) * 128 + 1024
+    return scratch + amax + -(-cfg.tile_tokens * 8 // 128) * 128 + 1024
 
 
 def _tma_shared_bytes(kind: str, d: int, i: int, cfg: MoeDecodeCudaConfig, x_cap: int) -> int:
@@ -276,7 +305,7 @@ def shape_reason(d: int, i: int, cfg: Config = REGISTER) -> str | None:
             if n % rows:
                 return f"{name}={n} must be a multiple of {rows} (a CTA's weight rows)"
         for kind, k in (("w13", d), ("w2", i)):
-            need = _wgmma_shared_bytes(k, cfg) + _wgmma_static_bytes(kind, cfg)
+            need = _wgmma_shared_bytes(kind, k, cfg) + _wgmma_static_bytes(kind, cfg)
             if need > MAX_SHARED:
                 return (
                     f"the {kind} kernel needs {need} bytes of shared memory (a "
@@ -326,8 +355,8 @@ def pick_config(
 ) -> Config:
     """The kernels that a call of `tokens` tokens runs when it names no config; aligned: its
     weights and scales are 16-byte aligned (the TMA and the wgmma prefill kernels need it);
-    prefill: its routing is prefill-sized (which batch-invariant mode takes here on
-    fragment-order weights only)."""
+    prefill: its routing runs the prefill kernels (`prefill_kernels`; batch-invariant mode takes
+    prefill-sized routing here on fragment-order weights only)."""
     if fragment_order:
         return WGMMA_PREFILL_FRAGMENT if prefill else WGMMA_FRAGMENT
     if batch_invariant:
@@ -379,14 +408,15 @@ def defines(kind: str, d: int, i: int, cfg: Config) -> dict[str, int]:
     shape = dict(K_DIM=d, N_DIM=i, MATS=2) if w13 else dict(K_DIM=i, N_DIM=d, MATS=1)
     if isinstance(cfg, MoeDecodeWgmmaConfig):
         shape["MATS"] = _wgmma_mats(kind, cfg)
+        depth = cfg.depth1 if w13 else cfg.depth2
         return dict(
             shape, TOKG=cfg.tile_tokens // 8,
             MIN_BLOCKS=cfg.min_blocks1 if w13 else cfg.min_blocks2,
-            DEPTH=cfg.depth1 if w13 else cfg.depth2,
+            DEPTH=depth, TAIL_DEPTH=cfg.tail_depth or depth,
             WG=cfg.warpgroups1 if w13 else cfg.warpgroups2,
             FRAGMENT_WEIGHTS=int(cfg.fragment_weights), GATED=int(w13),
             K_PERMUTED=int(cfg.permuted_k),
-            X_STAGES=cfg.x_stages,
+            X_STAGES=cfg.x_stages, PINNED_LOADS=int(cfg.pinned_loads),
         )  # fmt: skip
     return dict(
         shape, RT=cfg.rt1 if w13 else cfg.rt2, TOKG=cfg.tile_tokens // 8,
@@ -418,7 +448,7 @@ def _launch_shape(
     n, k = (i, d) if kind == "w13" else (d, i)
     if isinstance(cfg, MoeDecodeWgmmaConfig):
         wg = cfg.warpgroups1 if kind == "w13" else cfg.warpgroups2
-        return n // _wgmma_rows(kind, cfg), 128 * wg, _wgmma_shared_bytes(k, cfg)
+        return n // _wgmma_rows(kind, cfg), 128 * wg, _wgmma_shared_bytes(kind, k, cfg)
     rt, split = (cfg.rt1, cfg.split1) if kind == "w13" else (cfg.rt2, cfg.split2)
     shared = _tma_shared_bytes(kind, d, i, cfg, x_cap or cfg.tile_tokens) if cfg.tma else 0
     return n // (16 * rt), 32 * split, shared
@@ -456,8 +486,8 @@ def moe_experts(
     [E, D, I/2] + s2 [E, D, I/32] -> [T, D] bf16. batch_invariant: the wgmma kernels (config: a
     MoeDecodeWgmmaConfig, default WGMMA_DEFAULT); otherwise at decode sizes the mma.sync ones
     fed by the TMA (TMA up to TMA_TILE8_TOKENS tokens, else TMA_TILE16; REGISTER for unaligned
-    weights: the same bits), at prefill sizes (`prefill_sized`) the wgmma ones with K permuted
-    (WGMMA_PREFILL), or whichever kernels `config` names.
+    weights: the same bits), above WGMMA_PREFILL_PAIRS_PER_EXPERT routed pairs per expert the
+    wgmma ones with K permuted (WGMMA_PREFILL), or whichever kernels `config` names.
     fragment_order: w1, w3, w2 are in `quant.fp4_fragment_order`, which only the wgmma kernels
     read (default WGMMA_FRAGMENT, or WGMMA_PREFILL_FRAGMENT for prefill-sized routing; a config
     must then have fragment_weights)."""
@@ -470,7 +500,7 @@ def moe_experts(
     t, d = x.shape
     e, i = w1.shape[0], w1.shape[1]
     w1, s1, w3, s3, w2, s2 = (v.contiguous() for v in (w1, s1, w3, s3, w2, s2))
-    prefill = prefill_sized(topk_ids.numel(), e)
+    prefill = prefill_kernels(topk_ids.numel(), e, batch_invariant)
     ws = (w1, s1, w3, s3, w2, s2)
     cfg = config or pick_config(batch_invariant, fragment_order, t, aligned(*ws), prefill)
     why = call_reason(x, {"w1": w1, "w3": w3, "w2": w2}, {"s1": s1, "s3": s3, "s2": s2}, cfg)

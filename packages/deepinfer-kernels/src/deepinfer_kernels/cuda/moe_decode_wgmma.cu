@@ -25,8 +25,10 @@
 // fused with SwiGLU, MATS = 2; 0: W2, MATS sets of 64 WG rows per CTA), TOKG (8-token groups per
 // routing tile: wgmma N = 8 TOKG), WG (warpgroups per CTA, sharing the activations), MIN_BLOCKS
 // (CTAs per SM the register allocation must allow), DEPTH (K steps of weights loaded ahead),
-// X_STAGES (above), FRAGMENT_WEIGHTS (1: the weights' bytes are in fragment order, above),
-// K_PERMUTED (1: the permuted K order, above).
+// TAIL_DEPTH (the same for the tail variants, see `run`), X_STAGES (above), FRAGMENT_WEIGHTS (1:
+// the weights' bytes are in fragment order, above), K_PERMUTED (1: the permuted K order, above),
+// PINNED_LOADS (1: plain loads of weights and scales, which ptxas keeps ahead of the step's
+// barrier; 0: non-coherent ones, which it may sink next to their use).
 
 #include "common.cuh"
 
@@ -46,12 +48,21 @@
 #else
 #define X_BYTES (STEPS * X_STEP_BYTES)  // all of K
 #endif
+// With SPLIT_GATE the activations' memory then takes W3's sums to warpgroups 0-1, [8 warps][TOKG]
+// [4][32 lanes] floats: the dynamic shared memory is the larger of the two (short K: the sums)
+#define W3_SUM_BYTES (SPLIT_GATE ? 8 * TOKG * 4 * 32 * 4 : 0)
+#define DYN_BYTES (X_BYTES > W3_SUM_BYTES ? X_BYTES : W3_SUM_BYTES)
 
 static_assert(GATED ? MATS == (SPLIT_GATE ? 1 : 2) : (MATS == 1 || MATS == 2),
               "W1/W3: MATS 2 (1 on 4 warpgroups); W2: 1 or 2 row sets");
 static_assert(WG == 1 || WG == 2 || WG == 4, "WG: 1, 2 or 4 warpgroups");
 static_assert(!(FRAGMENT_WEIGHTS && K_PERMUTED), "fragment order or permuted K, not both");
 #define DIRECT_WORDS (FRAGMENT_WEIGHTS || K_PERMUTED)  // each loaded word feeds the thread's slots
+#if K_PERMUTED  // the scale bytes a thread loads per row and K step (see `Step`)
+#define SCALE_LOAD "u8"
+#else
+#define SCALE_LOAD "u32"
+#endif
 static_assert(X_STAGES == 0 || X_STAGES >= 3, "a ring needs 3 stages or more");
 static_assert(TOKG == 1 || TOKG == 2 || TOKG == 4 || TOKG == 8 || TOKG == 16, "TOKG: 1..16");
 
@@ -72,9 +83,7 @@ static __device__ __forceinline__ u64 x_desc_add(u64 desc, int dj) { return desc
 // 0..TG-1 of acc (a tile's wgmmas cover its tokens rounded up to a variant, see `run`).
 #define ACC4(q) "+f"(acc[q][0]), "+f"(acc[q][1]), "+f"(acc[q][2]), "+f"(acc[q][3])
 template <int TG>
-static __device__ __forceinline__ void wgmma_step(float (&acc)[TOKG][4], const u32 (&a)[4],
-                                                  u64 b) {
-  static_assert(TG <= TOKG, "a variant covers at most the tile's tokens");
+static __device__ __forceinline__ void wgmma_step(float (&acc)[TG][4], const u32 (&a)[4], u64 b) {
   if constexpr (TG == 1) {
     asm volatile(
         "{.reg .pred p;\n setp.ne.b32 p, %9, 0;\n"
@@ -143,7 +152,8 @@ static __device__ __forceinline__ void wgmma_step(float (&acc)[TOKG][4], const u
 
 // One K step (4 scale groups, 128 values) of one thread: for each matrix and row half (rows g,
 // g + 8) the 16 packed bytes of group t (the quad loads the row's 64 bytes, each byte once) and
-// the 4 groups' scale bytes (one word, the same in the whole quad).
+// the 4 groups' scale bytes (one word, the same in the whole quad; with K_PERMUTED the scale
+// byte of the thread's own group t only, which spares a register for the byte's selector).
 struct Step {
   u32 w[MATS][2][4];
   u32 s[MATS][2];
@@ -183,15 +193,20 @@ static __device__ __forceinline__ u32 scale_pair_of(u32 sw126, int c) {
 
 #define X_COPIES ((16 * NB + THREADS - 1) / THREADS)  // 16-byte copies per thread and K step
 
+// Token n's row of the activations as `copy_x_step` reads it: the row's address, with bit 0 set
+// for no row (zeros; the address is then x's first row). Rows are 16-byte aligned.
+static __device__ __forceinline__ u64 x_row_source(const u8* x, int row) {
+  return row >= 0 ? (u64)(x + (u64)row * K_DIM * 2) : (u64)x | 1ull;
+}
+
 // Start the copies of K step j of the tile's activations into the stage at shared address
 // `stage`, [16 chunks of 8 values][NB tokens][8 values] (wgmma's K-major core matrices): token n
-// < cols is row rows[n] of x [rows, K_DIM] bf16 (rows[n] < 0: zeros); the wgmmas read no more.
+// < cols from srcs[n] (`x_row_source`); the wgmmas read no more.
 // This thread's copies first..end-1 of the step's X_COPIES (a ring step spreads them out).
 // Lanes 8c..8c+7 copy chunk c of 8 tokens: each 8-lane phase of the shared-memory stores covers
 // 128 bytes (no bank conflict), and each token's 64 bytes come from 4 lanes (whole sectors).
-static __device__ __forceinline__ void copy_x_step(u32 stage, const u8* x, const int* rows,
-                                                   int cols, int j, int first = 0,
-                                                   int end = X_COPIES) {
+static __device__ __forceinline__ void copy_x_step(u32 stage, const u64* srcs, int cols, int j,
+                                                   int first = 0, int end = X_COPIES) {
 #pragma unroll
   for (int c = first; c < end; ++c) {
     const int i = threadIdx.x + c * THREADS;
@@ -200,10 +215,9 @@ static __device__ __forceinline__ void copy_x_step(u32 stage, const u8* x, const
     const int n = (i & 7) + 8 * (octet % (NB / 8));
     const int kb = ((i >> 3) & 3) + 4 * (octet / (NB / 8));
     if (n >= cols) continue;
-    const int row = rows[n];
-    const u8* src = x + ((row >= 0 ? (u64)row : 0ull) * K_DIM + j * 128 + kb * 8) * 2;
+    const u64 src = srcs[n];
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(stage + (kb * NB + n) * 16),
-                 "l"(src), "r"(row >= 0 ? 16 : 0)
+                 "l"((src & ~1ull) + j * 256 + kb * 16), "r"(src & 1 ? 0 : 16)
                  : "memory");
   }
 }
@@ -218,29 +232,35 @@ static __device__ __forceinline__ u32 x_stage(u32 x_base, int j) {
 
 // The thread's K stream (see `ring_loop`): w[m], s[m] at the current step of row g of weight
 // row set m (row g + 8 is a compile-time offset); the activations come through the stages (all
-// of K or the ring, above), tokens 0..cols-1. acc[m][q]: set m's sums, token group q (element
-// c: row g + 8 (c >> 1), token 8q + 2t + (c & 1)).
+// of K or the ring, above), tokens 0..cols-1.
 struct StreamState {
   const u8* w[MATS];
   const u8* s[MATS];
-  const u8* x;      // the activations' rows [rows, K_DIM] bf16
-  const int* rows;  // the tile's token rows (shared memory; < 0: none)
+  const u64* srcs;  // the tile's token rows (shared memory; `x_row_source`)
   u32 x_base;       // the stages (shared address)
   u32 scratch;      // this warp's scratch (shared address; unused with DIRECT_WORDS)
   int cols;         // the tokens the wgmmas cover: 8 TG of the variant that runs
   int g, t;
   int step = 0;
-  float (&acc)[MATS][TOKG][4];
-
-  __device__ __forceinline__ StreamState(float (&acc_)[MATS][TOKG][4]) : acc(acc_) {}
 };
 
-// The K loop of the variant whose wgmmas cover TG 8-token groups.
+// The K loop of the variant whose wgmmas cover TG 8-token groups. acc[m][q]: set m's sums,
+// token group q (element c: row g + 8 (c >> 1), token 8q + 2t + (c & 1)); a variant's own, zeroed
+// right before its loop: accumulators that other code defines between the wgmmas (one array
+// shared by the variants, zeroed before the branch) make ptxas serialize them (C7515).
 template <int TG>
 struct Stream : StreamState {
   typedef ::Step Step;
+  float acc[MATS][TG][4];
 
-  __device__ __forceinline__ explicit Stream(const StreamState& st) : StreamState(st) {}
+  __device__ __forceinline__ explicit Stream(const StreamState& st) : StreamState(st) {
+#pragma unroll
+    for (int m = 0; m < MATS; ++m)
+#pragma unroll
+      for (int q = 0; q < TG; ++q)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[m][q][c] = 0.f;
+  }
 
   __device__ __forceinline__ bool valid(int j) const { return j < STEPS; }
 
@@ -258,8 +278,20 @@ struct Stream : StreamState {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         if (ok) {
+#if PINNED_LOADS
+          asm volatile("ld.global.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                       : "=r"(st.w[m][h][0]), "=r"(st.w[m][h][1]), "=r"(st.w[m][h][2]),
+                         "=r"(st.w[m][h][3])
+                       : "l"(w[m] + 8 * h * KB));
+          asm volatile("ld.global." SCALE_LOAD " %0, [%1];"
+                       : "=r"(st.s[m][h])
+                       : "l"(s[m] + 8 * h * KG));
+#else
           ldg_stream(st.w[m][h], w[m] + 8 * h * KB);
-          asm volatile("ld.global.nc.u32 %0, [%1];" : "=r"(st.s[m][h]) : "l"(s[m] + 8 * h * KG));
+          asm volatile("ld.global.nc." SCALE_LOAD " %0, [%1];"
+                       : "=r"(st.s[m][h])
+                       : "l"(s[m] + 8 * h * KG));
+#endif
         } else {
           st.w[m][h][0] = st.w[m][h][1] = st.w[m][h][2] = st.w[m][h][3] = 0u;
           st.s[m][h] = 0u;
@@ -309,7 +341,7 @@ struct Stream : StreamState {
     for (int c = 0; c < 4; ++c) {  // group c: k16 steps 2c and 2c + 1
 #if X_STAGES
       if (refill)
-        copy_x_step(refill_stage, x, rows, cols, step + X_AHEAD, c * X_COPIES / 4,
+        copy_x_step(refill_stage, srcs, cols, step + X_AHEAD, c * X_COPIES / 4,
                     (c + 1) * X_COPIES / 4);
       if (c == 3) asm volatile("cp.async.commit_group;" ::: "memory");
 #endif
@@ -328,7 +360,7 @@ struct Stream : StreamState {
                        : "=r"(mine)
                        : "r"(scratch_at(scratch, m, h, g, c) + 4 * t));
 #endif
-          expand8(mine, scale_pair_of(sw[m][h], K_PERMUTED ? t : c), h == 0 ? lo : hi);
+          expand8(mine, scale_pair_of(sw[m][h], K_PERMUTED ? 0 : c), h == 0 ? lo : hi);
         }
         // bytes t, 4+t of the group's first 8: k16 step 2c (slots 2t.. and 2t+8..); then 2c+1
         a[m][0][0] = lo[0], a[m][0][1] = hi[0], a[m][0][2] = lo[1], a[m][0][3] = hi[1];
@@ -367,27 +399,27 @@ static __device__ __forceinline__ Place place(const int* tiles) {
   return p;
 }
 
-// Fill the tile's row table (token n: row row_of(n) of x, n < count; else -1), pick the variant
+// Fill the tile's row table (token n: row row_of(n) of x, n < count; else none), pick the variant
 // (from 64-token tiles: the tokens rounded up to 32, so a tail tile does not pay for a full
 // one), start the copies of the first K steps (all of K, or the ring's first X_AHEAD, one
 // cp.async group each) and aim the stream at them.
 template <typename RowOf>
 static __device__ __forceinline__ void start(StreamState& st, const Place& p, u8* x_smem,
-                                             int* rows, const u8* x, RowOf row_of) {
-  for (int n = threadIdx.x; n < NB; n += THREADS) rows[n] = n < p.count ? row_of(n) : -1;
+                                             u64* srcs, const u8* x, RowOf row_of) {
+  for (int n = threadIdx.x; n < NB; n += THREADS)
+    srcs[n] = x_row_source(x, n < p.count ? row_of(n) : -1);
   __syncthreads();
-  st.x = x;
-  st.rows = rows;
+  st.srcs = srcs;
   st.x_base = (u32)__cvta_generic_to_shared(x_smem);
   st.cols = TOKG >= 8 ? min(NB, (p.count + 31) / 32 * 32) : NB;
 #if X_STAGES
 #pragma unroll
   for (int j = 0; j < X_AHEAD; ++j) {
-    if (j < STEPS) copy_x_step(x_stage(st.x_base, j), x, rows, st.cols, j);
+    if (j < STEPS) copy_x_step(x_stage(st.x_base, j), srcs, st.cols, j);
     asm volatile("cp.async.commit_group;" ::: "memory");
   }
 #else
-  for (int j = 0; j < STEPS; ++j) copy_x_step(x_stage(st.x_base, j), x, rows, st.cols, j);
+  for (int j = 0; j < STEPS; ++j) copy_x_step(x_stage(st.x_base, j), srcs, st.cols, j);
 #endif
   st.g = p.g;
   st.t = p.t;
@@ -399,30 +431,40 @@ static __device__ __forceinline__ void aim(StreamState& st, int m, const Place& 
                                            const u8* s, int warp_row) {
   const u64 row = (u64)p.expert * N_DIM + p.row0 + warp_row + p.g;
   st.w[m] = w + row * KB + 16 * p.t;
-  st.s[m] = s + row * KG;
+  st.s[m] = s + row * KG + (K_PERMUTED ? p.t : 0);
 }
 
+// acc[m][q]: the sums (as in `Stream`) of the variant that covers TG token groups; zeros past.
+// A tail variant (at most half the tile) loads TAIL_DEPTH steps ahead: its steps are shorter.
 template <int TG>
-static __device__ __forceinline__ void run_variant(const StreamState& state) {
+static __device__ __forceinline__ void run_variant(const StreamState& state,
+                                                   float (&acc)[MATS][TOKG][4]) {
+  static_assert(TG <= TOKG, "a variant covers at most the tile's tokens");
   Stream<TG> st(state);
-  ring_loop<DEPTH>(st, STEPS);
+  ring_loop<(2 * TG <= TOKG ? TAIL_DEPTH : DEPTH)>(st, STEPS);
+  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+#pragma unroll
+  for (int m = 0; m < MATS; ++m)
+#pragma unroll
+    for (int q = 0; q < TOKG; ++q)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[m][q][c] = q < TG ? st.acc[m][q][c] : 0.f;
 }
 
 // The K loop of the variant that covers the tile's `cols` tokens (a uniform branch per CTA).
-static __device__ __forceinline__ void run(const StreamState& st) {
+static __device__ __forceinline__ void run(const StreamState& st, float (&acc)[MATS][TOKG][4]) {
   if constexpr (TOKG < 8) {
-    run_variant<TOKG>(st);
+    run_variant<TOKG>(st, acc);
   } else if (st.cols <= 32) {
-    run_variant<4>(st);
+    run_variant<4>(st, acc);
   } else if (TOKG == 8 || st.cols <= 64) {
-    run_variant<8>(st);
+    run_variant<8>(st, acc);
   } else if constexpr (TOKG == 16) {
     if (st.cols <= 96)
-      run_variant<12>(st);
+      run_variant<12>(st, acc);
     else
-      run_variant<16>(st);
+      run_variant<16>(st, acc);
   }
-  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
 }
 
 #if GATED
@@ -440,7 +482,7 @@ static __device__ __forceinline__ int h_column(int row) {
 }
 
 // h = quant_dequant_fp8(swiglu(x W1^T, x W3^T) * weight) per 32 columns, as bf16: the W2 input.
-// Grid: (N_DIM / ROWS_PER_CTA, routing tiles); block THREADS; X_BYTES of dynamic shared memory.
+// Grid: (N_DIM / ROWS_PER_CTA, routing tiles); block THREADS; DYN_BYTES of dynamic shared memory.
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 moe_w13(const u8* __restrict__ xa,  // [T, K_DIM] bf16: FP8 activations expanded exactly
         const u8* __restrict__ w1, const u8* __restrict__ s1,  // [E, N, K/2], [E, N, K/32]
@@ -451,22 +493,22 @@ moe_w13(const u8* __restrict__ xa,  // [T, K_DIM] bf16: FP8 activations expanded
         u16* __restrict__ h,                      // [P, N_DIM] bf16
         float limit, float amax_floor) {
   extern __shared__ __align__(128) u8 x_tile[];
-  __shared__ __align__(128) int rows[NB];
+  __shared__ __align__(128) u64 srcs[NB];
   __shared__ float half_amax[4 * WG][NB];  // each warp's amax per token over its 16 rows
   const Place p = place(tiles);
   if (p.expert < 0) return;
-  float acc[MATS][TOKG][4] = {};
-  StreamState st(acc);
+  float acc[MATS][TOKG][4];
+  StreamState st;
   give_scratch(st, p.warp);
-  start(st, p, x_tile, rows, xa, [&](int n) { return sorted_token[p.first + n]; });
+  start(st, p, x_tile, srcs, xa, [&](int n) { return sorted_token[p.first + n]; });
 #if SPLIT_GATE
   const bool up_half = p.warp >= 8;  // warpgroups 2-3: W3
   const int warp_row = 16 * (p.warp & 7);
   aim(st, 0, p, up_half ? w3 : w1, up_half ? s3 : s1, warp_row);
-  run(st);
-  // W3's sums to warpgroups 0-1 through the ring's memory (every wgmma is done past the barrier)
-  float* up = reinterpret_cast<float*>(x_tile);  // [warp - 8][q][c][lane]
-  static_assert(X_BYTES >= 8 * TOKG * 4 * 32 * 4, "the ring holds W3's sums");
+  run(st, acc);
+  // W3's sums to warpgroups 0-1 through the activations' memory (every wgmma is done past the
+  // barrier)
+  float* up = reinterpret_cast<float*>(x_tile);  // [warp - 8][q][c][lane]: W3_SUM_BYTES
   __syncthreads();
   if (up_half)
 #pragma unroll
@@ -483,7 +525,7 @@ moe_w13(const u8* __restrict__ xa,  // [T, K_DIM] bf16: FP8 activations expanded
   const int warp_row = 16 * p.warp;
   aim(st, 0, p, w1, s1, warp_row);
   aim(st, 1, p, w3, s3, warp_row);
-  run(st);
+  run(st, acc);
   const auto up_at = [&](int q, int c) { return acc[1][q][c]; };
 #endif
 
@@ -527,23 +569,23 @@ moe_w13(const u8* __restrict__ xa,  // [T, K_DIM] bf16: FP8 activations expanded
 #else
 
 // y = h W2^T per routed row, rounded to bf16. Grid: (N_DIM / ROWS_PER_CTA, routing tiles); block
-// THREADS; X_BYTES of dynamic shared memory.
+// THREADS; DYN_BYTES of dynamic shared memory.
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 moe_w2(const u8* __restrict__ h,                              // [P, K_DIM] bf16
        const u8* __restrict__ w2, const u8* __restrict__ s2,  // [E, N, K/2], [E, N, K/32]
        const int* __restrict__ tiles,                         // [tiles, 3]
        u16* __restrict__ y) {                                 // [P, N_DIM] bf16
   extern __shared__ __align__(128) u8 x_tile[];
-  __shared__ __align__(128) int rows[NB];
+  __shared__ __align__(128) u64 srcs[NB];
   const Place p = place(tiles);
   if (p.expert < 0) return;
-  float acc[MATS][TOKG][4] = {};
-  StreamState st(acc);
+  float acc[MATS][TOKG][4];
+  StreamState st;
   give_scratch(st, p.warp);
-  start(st, p, x_tile, rows, h, [&](int n) { return p.first + n; });
+  start(st, p, x_tile, srcs, h, [&](int n) { return p.first + n; });
 #pragma unroll
   for (int m = 0; m < MATS; ++m) aim(st, m, p, w2, s2, m * 64 * WG + 16 * p.warp);
-  run(st);
+  run(st, acc);
 #pragma unroll
   for (int m = 0; m < MATS; ++m)
 #pragma unroll

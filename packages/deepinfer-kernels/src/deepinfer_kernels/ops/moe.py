@@ -51,12 +51,11 @@ REGISTRY.register(
         requires=("triton",),  # its routing, activation quantisation and combine kernels
         supports="deepinfer_kernels.ops.moe:moe_experts_cuda_supports",
         routing=(
-            "decode-sized routing (pairs <= 8 x experts), bf16: mma.sync kernels fed by the "
-            "TMA (8-token tiles up to 256 tokens, then 16; register-fed for unaligned weights), "
-            "or in batch-invariant mode wgmma kernels with the Triton prefill tiles' bits; "
-            "prefill-sized routing: wgmma kernels on 128-token tiles (K permuted on the "
-            "checkpoint's order, from 48 pairs per expert; in batch-invariant mode "
-            "fragment-order weights only)"
+            "bf16; auto mode up to 16 routed pairs per expert: mma.sync kernels fed by the TMA "
+            "(8-token tiles up to 256 tokens, then 16; register-fed for unaligned weights), "
+            "above: wgmma kernels on 128-token tiles, K permuted; batch-invariant mode: wgmma "
+            "kernels with the Triton prefill tiles' bits, decode-sized routing (pairs <= 8 x "
+            "experts) on either weight order, prefill-sized on fragment-order weights only"
         ),
     )
 )
@@ -94,31 +93,24 @@ def moe_experts_cuda_supports(
     *args: object, batch_invariant: bool = False, fragment_order: bool = False, **kw: object,
 ) -> str | None:  # fmt: skip
     """Why the cuda experts (`cuda/moe_decode.py`) cannot run these arguments, or None: bf16 with
-    UE8M0 scales; prefill-sized routing (the wgmma prefill kernels) except in batch-invariant mode
-    on the checkpoint's order, where it takes over from Triton's tiles only from
-    WGMMA_PREFILL_PAIRS_PER_EXPERT pairs per expert; batch-invariant mode: the wgmma kernels,
-    whose dims must be multiples of 128; fragment-order weights: those kernels only."""
+    UE8M0 scales; any routing in auto mode (the TMA decode kernels, then the wgmma prefill
+    kernels); batch-invariant mode: the wgmma kernels, whose dims must be multiples of 128, for
+    prefill-sized routing on fragment-order weights only (Triton's tiles on the checkpoint's
+    order); fragment-order weights: those kernels only."""
     from ..cuda.moe_decode import (
         PREFILL_PAIRS_PER_EXPERT,
-        WGMMA_PREFILL_PAIRS_PER_EXPERT,
         aligned,
         call_reason,
         order_reason,
         pick_config,
-        prefill_sized,
+        prefill_kernels,
     )
 
-    prefill = prefill_sized(topk_ids.numel(), w1.shape[0])
+    prefill = prefill_kernels(topk_ids.numel(), w1.shape[0], batch_invariant)
     if prefill and batch_invariant and not fragment_order:
         return (
             f"prefill-sized routing (pairs > {PREFILL_PAIRS_PER_EXPERT} x experts) in "
             "batch-invariant mode on the checkpoint's byte order"
-        )
-    many = prefill_sized(topk_ids.numel(), w1.shape[0], WGMMA_PREFILL_PAIRS_PER_EXPERT)
-    if prefill and not fragment_order and not many:
-        return (
-            f"prefill-sized routing with <= {WGMMA_PREFILL_PAIRS_PER_EXPERT} pairs per expert on "
-            "the checkpoint's byte order (the Triton tiles are faster there)"
         )
     why = order_reason(batch_invariant, None, fragment_order)
     if why is not None:
