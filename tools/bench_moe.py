@@ -511,9 +511,7 @@ def decode_candidate_rows(ts, names, split_ts=(1, 64), split_names=("m3",)) -> l
     head = _load_head_moe()
     cands = decode_candidates()
     cuda_cands = cuda_decode_candidates()
-    g = torch.Generator(device="cuda").manual_seed(0)
-    experts, per_expert = moe_layer_weights(g)
-    experts_frag = fragment_experts(experts)
+    g, experts, per_expert, experts_frag = _layer_both_orders()
     rows = []
     for t in ts:
         sets = moe_routed_inputs(t, 8, g)
@@ -604,7 +602,21 @@ def main() -> None:
     ap.add_argument("--decode-t", nargs="*", type=int, default=[1, 16, 64, 256])
     ap.add_argument("--prefill-row", action="store_true", help="PREFILL at T=8192, eager")
     ap.add_argument("--profile-once", action="store_true", help="calls for ncu (see profile_once)")
+    ap.add_argument(
+        "--wgmma-prefill", nargs="*", help="cuda prefill candidates to time (names or 'all')"
+    )
+    ap.add_argument("--prefill-t", nargs="*", type=int, default=[2048, 8192])
     args = ap.parse_args()
+    if args.wgmma_prefill is not None:
+        every = list(cuda_prefill_candidates())
+        names = every if args.wgmma_prefill in ([], ["all"]) else args.wgmma_prefill
+        rows = cuda_prefill_rows(args.prefill_t, names)
+        out = os.environ.get("OUT")
+        if out:
+            with open(os.path.join(out, "moe_wgmma_prefill.json"), "w") as f:
+                json.dump(rows, f, indent=1)
+        print_cuda_prefill_table(rows)
+        return
     if args.compile_one:
         _compile_config(prefill_variants()[args.compile_one], tokens=64)
         return
@@ -681,6 +693,118 @@ def profile_once() -> None:
         for _ in range(n):
             tmoe.moe_experts(x, tw, ids, *experts, MOE_LIMIT)
         torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------------------------------------
+# wgmma prefill candidates (twelfth session): the cuda wgmma kernels at prefill sizes against
+# Triton's prefill tiles on the same routed batch, whole and split by kernel.
+# ---------------------------------------------------------------------------------------------
+
+
+def cuda_prefill_candidates() -> dict:
+    """name -> config: the baselines (Triton's `PREFILL` and `PREFILL_FRAGMENT`, the cuda TMA
+    decode kernels), then the wgmma kernels on the checkpoint's order (permuted K: auto mode) and
+    on fragment order (batch-invariant mode); names with `frag` run on fragment-order weights."""
+    from dataclasses import replace
+
+    from deepinfer_kernels.cuda import moe_decode as cmd
+    from deepinfer_kernels.triton import moe as tmoe
+
+    p, f = cmd.WGMMA_PREFILL, cmd.WGMMA_PREFILL_FRAGMENT
+    # H200 results per candidate: packages/deepinfer-kernels/NOTES.md, twelfth session (all
+    # but the defaults slower at 8K tokens; 64-token tiles faster at 512-1024, where the TMA
+    # decode kernels are faster still)
+    return {
+        "triton PREFILL": tmoe.PREFILL,
+        "triton PREFILL_FRAGMENT frag": tmoe.PREFILL_FRAGMENT,
+        "cuda TMA_TILE16": cmd.TMA_TILE16,  # auto mode's decode kernels, up to 8 pairs/expert
+        "WGMMA_PREFILL": p,
+        "WGMMA_PREFILL_FRAGMENT frag": f,
+        "pf xs3": replace(p, x_stages=3),
+        "pf xs6": replace(p, x_stages=6),
+        "pf d2": replace(p, depth1=2, depth2=2),
+        "pf w2 d2": replace(p, depth2=2),
+        "pf w2 d3": replace(p, depth2=3),
+        "pf xs5 w2 d2": replace(p, x_stages=5, depth2=2),
+        "frag w2 d2": replace(f, depth2=2),
+        "pf unpinned": replace(p, pinned_loads=False),
+        "pf tail depth 1": replace(p, tail_depth=0),
+        "pf w2 2wg mb2": replace(p, warpgroups2=2, min_blocks2=2),
+        "pf w2 2wg mb2 d2": replace(p, warpgroups2=2, min_blocks2=2, depth2=2),
+        "pf t64 w13 2wg mb2": replace(p, tile_tokens=64, warpgroups1=2, min_blocks1=2),
+        "pf t64 w2 d2": replace(p, tile_tokens=64, depth2=2),
+    }
+
+
+def _kernel_group(name: str) -> str:
+    """The split key of a kernel name (Triton's `_w13_kernel` / `_w2_kernel`, the cuda `moe_w13`
+    / `moe_w2`)."""
+    return "w13" if "w13" in name else "w2" if "w2" in name else "other"
+
+
+def cuda_prefill_rows(ts, names) -> list[dict]:
+    """Each named candidate (`cuda_prefill_candidates`) at each T on one routed batch: ms,
+    TFLOP/s, W1/W3, W2 and other device ms (profiler), and the relative difference to the
+    baseline of its weight order (Triton PREFILL / PREFILL_FRAGMENT; 0 = bitwise)."""
+    from deepinfer_kernels.cuda import moe_decode as cmd
+    from deepinfer_kernels.triton import moe as tmoe
+
+    cands = cuda_prefill_candidates()
+    g, experts, _, frag = _layer_both_orders()
+    rows = []
+    for t in ts:
+        x, tw, ids = moe_routed_inputs(t, 1, g)[0]
+        flops = 6.0 * t * MOE_K * MOE_D * MOE_I
+        base = {}
+        for name in names:
+            cfg = cands[name]
+            on_frag = "frag" in name
+            ws = frag if on_frag else experts
+            mod = tmoe if isinstance(cfg, tmoe.MoeConfig) else cmd
+
+            def fn(mod=mod, ws=ws, cfg=cfg, on_frag=on_frag, args=(x, tw, ids)):
+                return mod.moe_experts(*args, *ws, MOE_LIMIT, config=cfg, fragment_order=on_frag)
+
+            try:
+                out = fn().float()
+                ref = base.setdefault(on_frag, out)
+                diff = ((out - ref).norm() / ref.norm()).item()
+                ms = bench_ms(fn)
+                split = {"w13": 0.0, "w2": 0.0, "other": 0.0}
+                for kname, us in _node_split_us(fn).items():
+                    split[_kernel_group(kname)] += us / 1000.0
+            except Exception as ex:  # a candidate that fails to compile or run: report, go on
+                print(f"{name} T={t}: FAILED {type(ex).__name__}: {str(ex)[:300]}", flush=True)
+                continue
+            rows.append(dict(name=name, t=t, ms=ms, tflops=flops / ms / 1e9, diff=diff, **split))
+            print(f"{name} T={t}: {ms:.3f} ms", flush=True)
+    return rows
+
+
+def print_cuda_prefill_table(rows) -> None:
+    """The `cuda_prefill_rows` table, with each row's speed-up over its weight order's Triton
+    baseline at the same T."""
+    print(f"\n{'candidate':30s} {'T':>6s} {'ms':>8s} {'TF/s':>6s} {'w13':>7s} {'w2':>7s}"
+          f" {'other':>6s} {'vs triton':>9s} {'diff':>8s}")  # fmt: skip
+    for r in rows:
+        frag = "frag" in r["name"]
+        tri = next(
+            (b["ms"] for b in rows if b["t"] == r["t"] and b["name"].startswith("triton")
+             and ("frag" in b["name"]) == frag),
+            float("nan"),
+        )  # fmt: skip
+        print(
+            f"{r['name']:30s} {r['t']:6d} {r['ms']:8.3f} {r['tflops']:6.1f} {r['w13']:7.3f}"
+            f" {r['w2']:7.3f} {r['other']:6.3f} {tri / r['ms']:8.2f}x {r['diff']:8.1e}"
+        )
+
+
+def _layer_both_orders():
+    """(generator seeded 0 for the inputs that follow, experts, bytes per expert, the same
+    experts in fragment order)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    experts, per_expert = moe_layer_weights(g)
+    return g, experts, per_expert, fragment_experts(experts)
 
 
 def fragment_experts(experts):
