@@ -14,6 +14,13 @@ static __device__ __forceinline__ void ldg_stream(u32 (&r)[4], const u8* p) {
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "l"(p));
 }
 
+// A streaming load that ptxas keeps where the source puts it: plain `ld.global` does not pass the
+// CTA's barriers, where it may move `ld.global.nc` next to the load's first use.
+static __device__ __forceinline__ void ldg_stream_pinned(u32 (&r)[4], const u8* p) {
+  asm volatile("ld.global.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "l"(p));
+}
+
 static __device__ __forceinline__ void ldg_shared(u32 (&r)[4], const u8* p) {
   asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "l"(p));

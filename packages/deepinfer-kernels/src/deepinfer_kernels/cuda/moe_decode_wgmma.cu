@@ -79,8 +79,9 @@ static __device__ __forceinline__ u64 x_desc(u32 x_smem) {
 // units, stays below 2**14: shared memory is under 256 KiB).
 static __device__ __forceinline__ u64 x_desc_add(u64 desc, int dj) { return desc + dj * 2 * NB; }
 
-// acc += A (64 x 16, this thread's fragment a) * X^T (16 x 8 TG, descriptor b): token groups
-// 0..TG-1 of acc (a tile's wgmmas cover its tokens rounded up to a variant, see `run`).
+// acc += A (64 x 16, this thread's fragment a) * X^T (16 x 8 TG, descriptor b): the TG token
+// groups of one variant's accumulators (a tile's wgmmas cover its tokens rounded up to a
+// variant, see `run`).
 #define ACC4(q) "+f"(acc[q][0]), "+f"(acc[q][1]), "+f"(acc[q][2]), "+f"(acc[q][3])
 template <int TG>
 static __device__ __forceinline__ void wgmma_step(float (&acc)[TG][4], const u32 (&a)[4], u64 b) {
@@ -279,10 +280,7 @@ struct Stream : StreamState {
       for (int h = 0; h < 2; ++h) {
         if (ok) {
 #if PINNED_LOADS
-          asm volatile("ld.global.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-                       : "=r"(st.w[m][h][0]), "=r"(st.w[m][h][1]), "=r"(st.w[m][h][2]),
-                         "=r"(st.w[m][h][3])
-                       : "l"(w[m] + 8 * h * KB));
+          ldg_stream_pinned(st.w[m][h], w[m] + 8 * h * KB);
           asm volatile("ld.global." SCALE_LOAD " %0, [%1];"
                        : "=r"(st.s[m][h])
                        : "l"(s[m] + 8 * h * KG));
