@@ -59,9 +59,16 @@ static_assert(WG == 1 || WG == 2 || WG == 4, "WG: 1, 2 or 4 warpgroups");
 static_assert(!(FRAGMENT_WEIGHTS && K_PERMUTED), "fragment order or permuted K, not both");
 #define DIRECT_WORDS (FRAGMENT_WEIGHTS || K_PERMUTED)  // each loaded word feeds the thread's slots
 #if K_PERMUTED  // the scale bytes a thread loads per row and K step (see `Step`)
-#define SCALE_LOAD "u8"
+#define SCALE_TYPE "u8"
 #else
-#define SCALE_LOAD "u32"
+#define SCALE_TYPE "u32"
+#endif
+#if PINNED_LOADS  // the weight and scale loads (see PINNED_LOADS above)
+#define LOAD_WEIGHTS ldg_stream_pinned
+#define LOAD_SCALE "ld.global." SCALE_TYPE
+#else
+#define LOAD_WEIGHTS ldg_stream
+#define LOAD_SCALE "ld.global.nc." SCALE_TYPE
 #endif
 static_assert(X_STAGES == 0 || X_STAGES >= 3, "a ring needs 3 stages or more");
 static_assert(TOKG == 1 || TOKG == 2 || TOKG == 4 || TOKG == 8 || TOKG == 16, "TOKG: 1..16");
@@ -279,17 +286,8 @@ struct Stream : StreamState {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         if (ok) {
-#if PINNED_LOADS
-          ldg_stream_pinned(st.w[m][h], w[m] + 8 * h * KB);
-          asm volatile("ld.global." SCALE_LOAD " %0, [%1];"
-                       : "=r"(st.s[m][h])
-                       : "l"(s[m] + 8 * h * KG));
-#else
-          ldg_stream(st.w[m][h], w[m] + 8 * h * KB);
-          asm volatile("ld.global.nc." SCALE_LOAD " %0, [%1];"
-                       : "=r"(st.s[m][h])
-                       : "l"(s[m] + 8 * h * KG));
-#endif
+          LOAD_WEIGHTS(st.w[m][h], w[m] + 8 * h * KB);
+          asm volatile(LOAD_SCALE " %0, [%1];" : "=r"(st.s[m][h]) : "l"(s[m] + 8 * h * KG));
         } else {
           st.w[m][h][0] = st.w[m][h][1] = st.w[m][h][2] = st.w[m][h][3] = 0u;
           st.s[m][h] = 0u;

@@ -127,9 +127,9 @@ def moe_fragment_order_pays(dim: int, inter: int, device: torch.device | str) ->
     `dim` and intermediate size `inter`. True in batch-invariant mode when the cuda tier serves
     MoE on `device` (its wgmma kernels then skip a byte exchange per K step: on the H200 1.13-1.26x
     the auto kernels at T=1..64, and at prefill sizes its wgmma prefill kernels run instead of
-    Triton's tiles, 1.2x faster; NOTES.md, eleventh session). Elsewhere the checkpoint's order is
-    as fast or faster: the mma.sync kernels read only it, the prefill kernels permute K instead,
-    the ref tier un-permutes."""
+    Triton's tiles, 1.13-1.36x faster; NOTES.md, eleventh and twelfth sessions). Elsewhere the
+    checkpoint's order is as fast or faster: the mma.sync kernels read only it, the prefill
+    kernels permute K instead, the ref tier un-permutes."""
     if not REGISTRY.batch_invariant or dim % 128 or inter % 128:
         return False
     device = torch.device(device)
