@@ -335,11 +335,15 @@ def test_moe_ops_prefill_sizes_dispatch():
 
 
 def test_act_fake_quant_bf16_is_exact_dequant():
+    from deepinfer_kernels.cuda.moe_decode import k_permutation
     from deepinfer_kernels.triton import quant as tq
 
     x = torch.randn(33, 1280, device=DEV, generator=_gen(41)).bfloat16()
     q, s = ref_quant.act_quant_fp8(x)
     assert torch.equal(tq.act_fake_quant_bf16(x), quant.act_dequant_fp8(q, s, torch.bfloat16))
+    rows = torch.randint(0, 33, (200,), device=DEV, generator=_gen(42), dtype=torch.int32)
+    gathered = tq.act_fake_quant_bf16(x, rows, permute_k=True)
+    assert torch.equal(gathered, tq.act_fake_quant_bf16(x)[rows.long()][:, k_permutation(1280)])
 
 
 @pytest.mark.parametrize("m", [257, 1000])

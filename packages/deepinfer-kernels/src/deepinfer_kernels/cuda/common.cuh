@@ -71,6 +71,86 @@ static __device__ __forceinline__ void expand8(u32 w, u32 sp, u32 (&o)[4]) {
   o[3] = expand_pair<3>(even, odd, sp);
 }
 
+// TMA and barriers.
+// A CUtensorMap (cuTensorMapEncodeTiled), passed by value as a __grid_constant__ parameter.
+struct __align__(64) TensorMap {
+  u64 v[16];
+};
+
+static __device__ __forceinline__ u32 smem_u32(const void* p) {
+  return (u32)__cvta_generic_to_shared(p);
+}
+
+// A barrier whose phase completes after `count` arrivals (and the copies they expect).
+static __device__ __forceinline__ void mbar_init(u64* bar, u32 count = 1) {
+  asm volatile("mbarrier.init.shared.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count));
+}
+
+// One arrival that also expects `bytes` of copies to land before the phase completes.
+static __device__ __forceinline__ void mbar_expect(u64* bar, u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared.b64 _, [%0], %1;" ::"r"(smem_u32(bar)),
+               "r"(bytes));
+}
+
+static __device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
+  asm volatile(
+      "{\n .reg .pred done;\n WAIT_%=: mbarrier.try_wait.parity.shared.b64 done, [%0], %1;\n"
+      " @!done bra WAIT_%=;\n}\n" ::"r"(smem_u32(bar)),
+      "r"(parity));
+}
+
+// global -> shared, `bytes` (a multiple of 16, both addresses 16-byte aligned), counted on bar.
+static __device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes,
+                                                 u64* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+      ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar))
+      : "memory");
+}
+
+// The box of `map` at (x bytes, y rows) -> shared address dst (128-byte aligned), counted on bar.
+static __device__ __forceinline__ void tma_box(u32 dst, const TensorMap* map, int x, int y,
+                                               u64* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
+      "l"(reinterpret_cast<u64>(map)), "r"(x), "r"(y), "r"(smem_u32(bar))
+      : "memory");
+}
+
+// The box of `map` at (x bytes, y rows) -> dst in every CTA of the cluster in cta_mask (the same
+// shared offset in each), counted on the barrier at bar's offset in each.
+static __device__ __forceinline__ void tma_box_multicast(u32 dst, const TensorMap* map, int x,
+                                                         int y, u64* bar, u16 cta_mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      ".multicast::cluster [%0], [%1, {%2, %3}], [%4], %5;" ::"r"(dst),
+      "l"(reinterpret_cast<u64>(map)), "r"(x), "r"(y), "r"(smem_u32(bar)), "h"(cta_mask)
+      : "memory");
+}
+
+// One arrival on the barrier at shared offset bar of cluster CTA `cta` (release: this CTA's
+// reads before it are done).
+static __device__ __forceinline__ void mbar_arrive_remote(u64* bar, u32 cta) {
+  asm volatile(
+      "{\n .reg .b32 remote;\n mapa.shared::cluster.u32 remote, %0, %1;\n"
+      " mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}" ::"r"(smem_u32(bar)),
+      "r"(cta)
+      : "memory");
+}
+
+// Every thread of every CTA of the cluster gets here before any goes on.
+static __device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n barrier.cluster.wait.acquire.aligned;"
+               ::: "memory");
+}
+
+static __device__ __forceinline__ u32 cluster_rank() {
+  u32 r;
+  asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+
 // bf16(rw * silu(gate) * up) from the fp32 sums, each of gate and up rounded to bf16 first and
 // clamped to V4.1's limit (limit <= 0: none): triton/moe.py's epilogue, instruction for instruction.
 static __device__ __forceinline__ float swiglu_weighted(float gate_acc, float up_acc, float rw,

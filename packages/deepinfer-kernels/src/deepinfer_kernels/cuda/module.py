@@ -33,29 +33,41 @@ TensorMap (by value), None (a null pointer)."""
 
 _TMA_UINT8 = 0  # CUtensorMapDataType: CU_TENSOR_MAP_DATA_TYPE_UINT8
 _TMA_L2_256B = 3  # CUtensorMapL2promotion: CU_TENSOR_MAP_L2_PROMOTION_L2_256B
+_TMA_SWIZZLE_128B = 3  # CUtensorMapSwizzle: CU_TENSOR_MAP_SWIZZLE_128B
 
 
 def tensor_map_2d(
-    address: int, rows: int, row_bytes: int, box_bytes: int, box_rows: int
+    address: int,
+    rows: int,
+    row_bytes: int,
+    box_bytes: int,
+    box_rows: int,
+    *,
+    swizzle_128b: bool = False,
 ) -> TensorMap:
     """A tile-mode TMA descriptor of the contiguous 2-D bytes [rows, row_bytes] at device
     `address` (row_bytes and the address multiples of 16) whose boxes are box_bytes x box_rows
-    (each at most 256; box_bytes a multiple of 16), no swizzle, out-of-bounds bytes read as zero.
-    It holds the address and shape only: valid while that memory is."""
+    (each at most 256; box_bytes a multiple of 16), out-of-bounds bytes read as zero; no swizzle,
+    or with swizzle_128b the 16-byte chunks of each box row land XOR-permuted by the row's
+    shared-memory address bits 7..9 (what wgmma's 128-byte swizzle layout reads; box_bytes at
+    most 128). It holds the address and shape only: valid while that memory is."""
     if row_bytes % 16 or address % 16 or box_bytes % 16:
         raise ValueError(
             f"tensor_map_2d: row bytes {row_bytes}, the address and box bytes {box_bytes} must "
             "be multiples of 16"
         )
-    if not (0 < box_bytes <= 256 and 0 < box_rows <= 256):
-        raise ValueError(f"tensor_map_2d: box {box_bytes} x {box_rows} must be at most 256 x 256")
+    if not (0 < box_bytes <= (128 if swizzle_128b else 256) and 0 < box_rows <= 256):
+        raise ValueError(
+            f"tensor_map_2d: box {box_bytes} x {box_rows} must be at most "
+            f"{128 if swizzle_128b else 256} x 256"
+        )
     m = TensorMap()
     _cu_check(
         _driver().cuTensorMapEncodeTiled(
             ctypes.byref(m.words), _TMA_UINT8, 2, ctypes.c_void_p(address),
             (ctypes.c_uint64 * 2)(row_bytes, rows), (ctypes.c_uint64 * 1)(row_bytes),
             (ctypes.c_uint32 * 2)(box_bytes, box_rows), (ctypes.c_uint32 * 2)(1, 1),
-            0, 0, _TMA_L2_256B, 0,
+            0, _TMA_SWIZZLE_128B if swizzle_128b else 0, _TMA_L2_256B, 0,
         ),
         "cuTensorMapEncodeTiled",
     )  # fmt: skip
@@ -151,6 +163,7 @@ def compile_cubin(
 
 _MAX_DYNAMIC_SHARED_SIZE_BYTES = 8  # CUfunction_attribute
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
+_CLUSTER_DIMENSION = 4  # CUlaunchAttributeID
 
 
 class _LaunchAttribute(ctypes.Structure):
@@ -198,6 +211,7 @@ class Kernel:
         shared_bytes: int = 0,
         *,
         programmatic: bool = False,
+        cluster: int = 1,
     ) -> None:
         """Launch on torch's current stream of the current device. grid: 1 to 3 sizes.
 
@@ -205,7 +219,8 @@ class Kernel:
         serialization): the kernel may start once every CTA of the kernel before it on the
         stream has run `griddepcontrol.launch_dependents` (or ended), so it must run
         `griddepcontrol.wait` before it reads what that kernel writes; CUDA graphs keep it as
-        a programmatic edge."""
+        a programmatic edge. cluster: CTAs per thread-block cluster along x (grid x a multiple
+        of it), which share their shared memory and barriers."""
         if any(g <= 0 for g in grid):
             return  # nothing to do (an empty batch)
         gx, gy, gz = (*grid, 1, 1)[:3]
@@ -227,7 +242,7 @@ class Kernel:
             *(ctypes.cast(ctypes.byref(h), ctypes.c_void_p) for h in holders)
         )
         stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-        if not programmatic:
+        if not programmatic and cluster == 1:
             _cu_check(
                 _driver().cuLaunchKernel(
                     self.function, gx, gy, gz, block, 1, 1, shared_bytes, stream, params, None
@@ -235,15 +250,25 @@ class Kernel:
                 f"launch of {self.name}",
             )
             return
-        attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
-        attr.value[0] = 1
+        attrs = (_LaunchAttribute * 2)()
+        n = 0
+        if programmatic:
+            attrs[n].id = _PROGRAMMATIC_STREAM_SERIALIZATION
+            attrs[n].value[0] = 1
+            n += 1
+        if cluster != 1:
+            if gx % cluster:
+                raise ValueError(f"{self.name}: grid x {gx} is not a multiple of cluster {cluster}")
+            attrs[n].id = _CLUSTER_DIMENSION
+            attrs[n].value[0], attrs[n].value[1], attrs[n].value[2] = cluster, 1, 1
+            n += 1
         config = _LaunchConfig(
             (ctypes.c_uint * 3)(gx, gy, gz), (ctypes.c_uint * 3)(block, 1, 1), shared_bytes,
-            stream, ctypes.pointer(attr), 1,
+            stream, ctypes.cast(attrs, ctypes.POINTER(_LaunchAttribute)), n,
         )  # fmt: skip
         _cu_check(
             _driver().cuLaunchKernelEx(ctypes.byref(config), self.function, params, None),
-            f"programmatic launch of {self.name}",
+            f"launch of {self.name} with attributes",
         )
 
 

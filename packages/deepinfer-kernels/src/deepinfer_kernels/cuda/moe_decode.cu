@@ -186,51 +186,6 @@ static __device__ __forceinline__ void run(Stream& st, const Place& p) {
 #define XSTEP (4 * 64)  // a token's 4 groups of a K step, bf16
 #define SCALE_SMEM ((MATS * ROWS_PER_CTA * KG + 127) / 128 * 128)
 
-// A CUtensorMap (cuTensorMapEncodeTiled), passed by value as a __grid_constant__ parameter.
-struct __align__(64) TensorMap {
-  u64 v[16];
-};
-
-static __device__ __forceinline__ u32 smem_u32(const void* p) {
-  return (u32)__cvta_generic_to_shared(p);
-}
-
-static __device__ __forceinline__ void mbar_init(u64* bar) {
-  asm volatile("mbarrier.init.shared.b64 [%0], 1;" ::"r"(smem_u32(bar)));
-}
-
-// One arrival that also expects `bytes` of copies to land before the phase completes.
-static __device__ __forceinline__ void mbar_expect(u64* bar, u32 bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared.b64 _, [%0], %1;" ::"r"(smem_u32(bar)),
-               "r"(bytes));
-}
-
-static __device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
-  asm volatile(
-      "{\n .reg .pred done;\n WAIT_%=: mbarrier.try_wait.parity.shared.b64 done, [%0], %1;\n"
-      " @!done bra WAIT_%=;\n}\n" ::"r"(smem_u32(bar)),
-      "r"(parity));
-}
-
-// global -> shared, `bytes` (a multiple of 16, both addresses 16-byte aligned), counted on bar.
-static __device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes,
-                                                 u64* bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-      ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar))
-      : "memory");
-}
-
-// The box of `map` at (x bytes, y rows) -> dst (128-byte aligned), counted on bar.
-static __device__ __forceinline__ void tma_box(void* dst, const TensorMap* map, int x, int y,
-                                               u64* bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%2, %3}], [%4];" ::"r"(smem_u32(dst)),
-      "l"(reinterpret_cast<u64>(map)), "r"(x), "r"(y), "r"(smem_u32(bar))
-      : "memory");
-}
-
 static __device__ __forceinline__ void lds128(u32 (&r)[4], const u8* p) {
   asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
@@ -269,7 +224,7 @@ static __device__ __forceinline__ void run_tma(float (&acc)[NA][TOKG][4], const 
       mbar_expect(bar, STAGE_SMEM + p.count * xbytes(i));
 #pragma unroll
       for (int m = 0; m < MATS; ++m)
-        tma_box(ring + (i % DEPTH) * stage_bytes + m * ROWS_PER_CTA * 64, maps[m],
+        tma_box(smem_u32(ring + (i % DEPTH) * stage_bytes + m * ROWS_PER_CTA * 64), maps[m],
                 (p.g_begin + 4 * i) * 16, p.expert * N_DIM + p.row0, bar);
     }
     __syncwarp();  // the expectation first

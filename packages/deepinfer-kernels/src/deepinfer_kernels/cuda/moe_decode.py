@@ -126,7 +126,16 @@ class MoeDecodeWgmmaConfig:
       and half the accumulators' registers free), 1..8, or 0: depth1 / depth2;
     - pinned_loads: the weight and scale loads are plain `ld.global` instead of the
       non-coherent `ld.global.nc`, which ptxas may not move past the step's barrier: it keeps
-      them a step ahead instead of sinking them next to their use to free registers.
+      them a step ahead instead of sinking them next to their use to free registers;
+    - async_weights: the weights and scales go by cp.async into a ring in shared memory (each
+      thread its own words, depth + 1 steps of them) and are read back when their step
+      computes: the loads in flight hold no registers (pinned_loads then has nothing to pin);
+    - x_tma: the activation ring (x_stages) is filled by the tensor-memory accelerator from the
+      routed rows in tile order (W1/W3: gathered before the launch; W2: h as it is), 128-byte
+      swizzled, instead of every thread's cp.async (tiles of 32 tokens or more);
+    - cluster: with x_tma, CTAs per thread-block cluster (1, 2 or 4): neighbouring weight-row
+      blocks of one routing tile, each loading a share of every K step's activations into all
+      of their rings (TMA multicast), so the activations are read 1 / cluster as often.
 
     fragment_weights: w1, w3 and w2 are in `quant.fp4_fragment_order`, which saves each K step the
     byte exchange through shared memory (the same sums: the same bits); WGMMA_FRAGMENT is the
@@ -148,6 +157,9 @@ class MoeDecodeWgmmaConfig:
     x_stages: int = 0
     tail_depth: int = 0
     pinned_loads: bool = False
+    async_weights: bool = False
+    x_tma: bool = False
+    cluster: int = 1
     fragment_weights: bool = False
     permuted_k: bool = False
 
@@ -164,6 +176,24 @@ class MoeDecodeWgmmaConfig:
             ("x_stages", self.x_stages == 0 or 3 <= self.x_stages <= 8, "0 or 3..8"),
             ("tail_depth", 0 <= self.tail_depth <= 8, "0..8"),
             ("pinned_loads", isinstance(self.pinned_loads, bool), "a bool"),
+            (
+                "async_weights",
+                isinstance(self.async_weights, bool)
+                and not (self.async_weights and self.pinned_loads),
+                "a bool, and False with pinned_loads",
+            ),
+            (
+                "x_tma",
+                isinstance(self.x_tma, bool)
+                and not (self.x_tma and (self.x_stages == 0 or self.tile_tokens < 32)),
+                "a bool, and False without x_stages or below 32-token tiles",
+            ),
+            (
+                "cluster",
+                self.cluster in (1, 2, 4)
+                and (self.cluster == 1 or (self.x_tma and self.x_stages >= 4)),
+                "1, 2 or 4, and 1 without x_tma or below 4 x_stages",
+            ),
             ("fragment_weights", isinstance(self.fragment_weights, bool), "a bool"),
             (
                 "permuted_k",
@@ -232,11 +262,6 @@ def k_permutation(k: int) -> torch.Tensor:
     return (torch.arange(0, k, 128)[:, None] + step[None, :]).reshape(-1)
 
 
-@functools.lru_cache(maxsize=8)
-def _k_permutation_on(k: int, device: torch.device) -> torch.Tensor:
-    return k_permutation(k).to(device)
-
-
 Config = MoeDecodeCudaConfig | MoeDecodeWgmmaConfig
 MAX_SHARED = 227 * 1024  # shared memory one CTA may take on sm_90 (static + dynamic)
 
@@ -260,23 +285,34 @@ def _wgmma_shared_bytes(kind: str, k: int, cfg: MoeDecodeWgmmaConfig) -> int:
     """The dynamic shared memory of wgmma kernel `kind` with reduction length k (the .cu's
     DYN_BYTES): the routing tile's bf16 activations, over all of K or x_stages K steps of 128;
     with W1 and W3 on separate warpgroup pairs at least W3's fp32 sums (8 warps x 32 lanes x 4 per
-    8 tokens), which that memory takes to W1's warpgroups afterwards."""
+    8 tokens), which that memory takes to W1's warpgroups afterwards; with async_weights then
+    the weight ring: max(depth, tail_depth) + 1 steps of 20 bytes (16 of weights, 4 of scales)
+    per thread, matrix and row half."""
     x_bytes = (128 * cfg.x_stages if cfg.x_stages else k) * cfg.tile_tokens * 2
     split_gate = kind == "w13" and cfg.warpgroups1 == 4
     w3_sums = 8 * 32 * 4 * 4 * (cfg.tile_tokens // 8) if split_gate else 0
-    return max(x_bytes, w3_sums)
+    ring = 0
+    if cfg.async_weights:
+        depth = cfg.depth1 if kind == "w13" else cfg.depth2
+        threads = 128 * (cfg.warpgroups1 if kind == "w13" else cfg.warpgroups2)
+        slots = max(depth, cfg.tail_depth) + 1
+        ring = slots * _wgmma_mats(kind, cfg) * 2 * threads * 20
+    align = 1024 if cfg.x_tma else 0  # the swizzled stages start on 1024 bytes
+    return max(x_bytes, w3_sums) + ring + align
 
 
 def _wgmma_static_bytes(kind: str, cfg: MoeDecodeWgmmaConfig) -> int:
     """The static shared memory of wgmma kernel `kind` (moe_decode_wgmma.cu), as the cubin
     declares it: each warp's scratch for one K step of packed bytes (none with fragment-order
-    weights), W1/W3's per-warp amax exchange, the tile's token row addresses (128-byte aligned)
-    and the 1 KiB that sm_90 reserves per CTA."""
+    weights), W1/W3's per-warp amax exchange, the tile's token row addresses (with x_tma two
+    barriers per stage instead; 128-byte aligned) and the 1 KiB that sm_90 reserves per CTA."""
     warps = 4 * (cfg.warpgroups1 if kind == "w13" else cfg.warpgroups2)
     mats = _wgmma_mats(kind, cfg)
     amax = warps * cfg.tile_tokens * 4 if kind == "w13" else 0
     scratch = 0 if cfg.fragment_weights or cfg.permuted_k else warps * mats * 2 * 8 * 64
-    return scratch + amax + -(-cfg.tile_tokens * 8 // 128) * 128 + 1024
+    rows = 16 * cfg.x_stages if cfg.x_tma else cfg.tile_tokens * 8
+    rows = -(-rows // 128) * 128
+    return scratch + amax + rows + 1024
 
 
 def _tma_shared_bytes(kind: str, d: int, i: int, cfg: MoeDecodeCudaConfig, x_cap: int) -> int:
@@ -304,6 +340,11 @@ def shape_reason(d: int, i: int, cfg: Config = REGISTER) -> str | None:
         ):
             if n % rows:
                 return f"{name}={n} must be a multiple of {rows} (a CTA's weight rows)"
+            if n // rows % cfg.cluster:
+                return (
+                    f"{name}={n} must be a multiple of {rows * cfg.cluster} (a cluster of "
+                    f"{cfg.cluster} CTAs' weight rows)"
+                )
         for kind, k in (("w13", d), ("w2", i)):
             need = _wgmma_shared_bytes(kind, k, cfg) + _wgmma_static_bytes(kind, cfg)
             if need > MAX_SHARED:
@@ -417,6 +458,7 @@ def defines(kind: str, d: int, i: int, cfg: Config) -> dict[str, int]:
             FRAGMENT_WEIGHTS=int(cfg.fragment_weights), GATED=int(w13),
             K_PERMUTED=int(cfg.permuted_k),
             X_STAGES=cfg.x_stages, PINNED_LOADS=int(cfg.pinned_loads),
+            ASYNC_WEIGHTS=int(cfg.async_weights), X_TMA=int(cfg.x_tma), CLUSTER=cfg.cluster,
         )  # fmt: skip
     return dict(
         shape, RT=cfg.rt1 if w13 else cfg.rt2, TOKG=cfg.tile_tokens // 8,
@@ -457,6 +499,14 @@ def _launch_shape(
 @functools.lru_cache(maxsize=64)
 def _map(address: int, rows: int, row_bytes: int, box_rows: int) -> module.TensorMap:
     return module.tensor_map_2d(address, rows, row_bytes, 64, box_rows)
+
+
+def rows_map(x: torch.Tensor) -> module.TensorMap:
+    """The x_tma kernels' map of contiguous bf16 rows x [rows, K]: boxes of 64 values (128
+    bytes, swizzled) x 32 rows (not cached: x is a fresh tensor per call)."""
+    return module.tensor_map_2d(
+        x.data_ptr(), x.shape[0], x.shape[1] * 2, 128, 32, swizzle_128b=True
+    )
 
 
 def weight_map(w: torch.Tensor, box_rows: int) -> module.TensorMap:
@@ -510,10 +560,11 @@ def moe_experts(
     if t == 0 or topk_ids.shape[1] == 0:
         return out.zero_()
     route = build_routing(topk_weights, topk_ids, e, cfg.tile_tokens)
-    xa = act_fake_quant_bf16(x)
+    # permuted K: the columns in the order the kernels sum K (W1/W3 write h in that order);
+    # x_tma: the routed rows in tile order, for the TMA boxes
+    x_tma = getattr(cfg, "x_tma", False)
     permuted = getattr(cfg, "permuted_k", False)
-    if permuted:  # the columns in the order the kernels sum K (W1/W3 write h in that order)
-        xa = xa.index_select(1, _k_permutation_on(d, x.device))
+    xa = act_fake_quant_bf16(x, route.sorted_token if x_tma else None, permuted)
     p = topk_ids.numel()
     h = torch.empty(p, i, dtype=torch.bfloat16, device=x.device)
     y = torch.empty(p, d, dtype=torch.bfloat16, device=x.device)
@@ -521,7 +572,9 @@ def moe_experts(
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     # TMA kernels: the weight maps first, and room for the tile's token rows (a tile holds at
     # most t tokens) last
-    maps1, maps2, tail, x_cap = (), (), (), None
+    maps1, maps2, tail, x_cap, cluster = (), (), (), None, 1
+    if x_tma:
+        maps1, maps2, cluster = (rows_map(xa),), (rows_map(h),), cfg.cluster
     if getattr(cfg, "tma", False):
         x_cap = min(t, cfg.tile_tokens)
         maps1 = (weight_map(w1, 16 * cfg.rt1), weight_map(w3, 16 * cfg.rt1))
@@ -536,6 +589,7 @@ def moe_experts(
             float(swiglu_limit), float(ACT_AMAX_FLOOR), *tail,
         ),
         shared,
+        cluster=cluster,
     )  # fmt: skip
     ctas, threads, shared = _launch_shape("w2", d, i, cfg, x_cap)
     # from 2 tokens the TMA W2 starts its prologue (barriers, first weight stages, scales) under
@@ -543,6 +597,6 @@ def moe_experts(
     # T=1 1-2% slower; NOTES.md, tenth session)
     _kernel("w2", d, i, cfg, dev).launch(
         (ctas, n_tiles), threads, (*maps2, h, w2, s2, route.tiles, y, *tail), shared,
-        programmatic=bool(tail) and t >= 2,
+        programmatic=bool(tail) and t >= 2, cluster=cluster,
     )  # fmt: skip
     return combine(y, route, out)

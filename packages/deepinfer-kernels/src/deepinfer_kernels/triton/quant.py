@@ -12,19 +12,32 @@ from ..quant import ACT_AMAX_FLOOR
 from ._common import quant_groups_fp8
 
 _GROUPS = 8  # 32-column groups per program in the row-chunked kernels (256 columns)
+_GATHER_GROUPS = 32  # the same for act_fake_quant_bf16's gathered rows (1024 columns)
 
 
 @triton.jit
 def _act_quant_kernel(
-    x_ptr, q_ptr, s_ptr, K, FLOOR: tl.constexpr, WIDTH: tl.constexpr, DEQ_OUT: tl.constexpr
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    K,
+    FLOOR: tl.constexpr,
+    WIDTH: tl.constexpr,
+    DEQ_OUT: tl.constexpr,
+    rows_ptr=None,
+    PERMUTE_K: tl.constexpr = False,
 ):
     row = tl.program_id(0).to(tl.int64)
     col = tl.program_id(1) * WIDTH + tl.arange(0, WIDTH)
     mask = col < K
-    x = tl.load(x_ptr + row * K + col, mask=mask, other=0.0).to(tl.float32)
+    src = row if rows_ptr is None else tl.load(rows_ptr + row).to(tl.int64)
+    x = tl.load(x_ptr + src * K + col, mask=mask, other=0.0).to(tl.float32)
     q, s = quant_groups_fp8(tl.reshape(x, (1, WIDTH)), 1, WIDTH, FLOOR)
     if DEQ_OUT:  # x_fp8 * scale, exact in bf16
         d = tl.reshape(q.to(tl.float32), (1, WIDTH // 32, 32)) * s[:, :, None]
+        if PERMUTE_K:  # value 32t + 4s + 2hi + e of each 128 to slot 16s + 8hi + 2t + e
+            d = tl.reshape(d, (WIDTH // 128, 4, 8, 2, 2))
+            d = tl.permute(d, (0, 2, 3, 1, 4))
         tl.store(q_ptr + row * K + col, tl.reshape(d, (WIDTH,)).to(tl.bfloat16), mask=mask)
     else:
         tl.store(q_ptr + row * K + col, tl.reshape(q, (WIDTH,)), mask=mask)
@@ -52,17 +65,28 @@ def act_quant_fp8(x: torch.Tensor, **_: object) -> tuple[torch.Tensor, torch.Ten
     return q, s
 
 
-def act_fake_quant_bf16(x: torch.Tensor) -> torch.Tensor:
+def act_fake_quant_bf16(
+    x: torch.Tensor, rows: torch.Tensor | None = None, permute_k: bool = False
+) -> torch.Tensor:
     """x [..., K] -> bf16 x_fp8 * scale (the per-32 FP8 quantisation, expanded exactly to bf16):
-    the A operand of the prefill GEMM, which then skips expanding activations per tile."""
+    the A operand of the prefill GEMM, which then skips expanding activations per tile.
+
+    rows [P] (int, of x [T, K]): the result's rows gathered in the same pass, [P, K]; permute_k:
+    its columns in the order `cuda.moe_decode.k_permutation` gives (K a multiple of 128)."""
     x = x.contiguous()
-    out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
-    rows, k = x.numel() // x.shape[-1], x.shape[-1]
-    if rows:
-        width = 32 * _GROUPS
-        _act_quant_kernel[(rows, triton.cdiv(k, width))](
-            x, out, out, k, FLOOR=ACT_AMAX_FLOOR, WIDTH=width, DEQ_OUT=True
-        )
+    k = x.shape[-1]
+    if permute_k and k % 128:
+        raise ValueError(f"act_fake_quant_bf16: permute_k needs K a multiple of 128, got {k}")
+    out = torch.empty(x.shape if rows is None else (rows.shape[0], k), dtype=torch.bfloat16,
+                      device=x.device)  # fmt: skip
+    n = out.numel() // k
+    if n:
+        # gathered rows (k per token): wider programs, fewer of them
+        width = 32 * _GROUPS if rows is None else 32 * _GATHER_GROUPS
+        _act_quant_kernel[(n, triton.cdiv(k, width))](
+            x, out, out, k, FLOOR=ACT_AMAX_FLOOR, WIDTH=width, DEQ_OUT=True, rows_ptr=rows,
+            PERMUTE_K=permute_k,
+        )  # fmt: skip
     return out
 
 
