@@ -454,17 +454,6 @@ def cuda_decode_candidates() -> dict:
         # is WGMMA_FRAGMENT since the eleventh session, 4-5% faster than "mb1 d4" (the old one)
         "cuda inv frag w4 d4": replace(cmd.WGMMA_FRAGMENT, warpgroups1=4, depth1=4),
         "cuda inv frag w4 d6": replace(cmd.WGMMA_FRAGMENT, warpgroups1=4, depth1=6),
-        # weights by cp.async through a ring in shared memory (thirteenth session)
-        "cuda inv frag async": replace(cmd.WGMMA_FRAGMENT, pinned_loads=False, async_weights=True),
-        "cuda inv frag async d5": replace(
-            cmd.WGMMA_FRAGMENT, pinned_loads=False, async_weights=True, depth1=5
-        ),
-        "cuda inv frag async d2 w2 d8": replace(
-            cmd.WGMMA_FRAGMENT, pinned_loads=False, async_weights=True, depth1=2, depth2=8
-        ),
-        "cuda inv frag async w2 2wg": replace(
-            cmd.WGMMA_FRAGMENT, pinned_loads=False, async_weights=True, warpgroups2=2, depth2=4
-        ),
         # measured before (NOTES.md): split1=2 / 5 / 8, 16-token tiles, min_blocks 2 / 4, W2 with
         # 2 row tiles x 4 warps; L2 prefetches, the L2 fetch size and a dependent W2 launch
         # (eighth session, not kept)
@@ -722,54 +711,30 @@ def cuda_prefill_candidates() -> dict:
     from deepinfer_kernels.triton import moe as tmoe
 
     p, f = cmd.WGMMA_PREFILL, cmd.WGMMA_PREFILL_FRAGMENT
-    # H200 results per candidate: packages/deepinfer-kernels/NOTES.md, twelfth session (all
-    # but the defaults slower at 8K tokens; 64-token tiles faster at 512-1024, where the TMA
-    # decode kernels are faster still)
+    # H200 results per candidate: packages/deepinfer-kernels/NOTES.md, thirteenth session (the
+    # TMA-fed defaults 1.22x faster than the copied ring at 8K tokens; 3 stages as fast as 4,
+    # 5-6 slower; weights 1 step ahead 1-2% slower)
     return {
         "triton PREFILL": tmoe.PREFILL,
         "triton PREFILL_FRAGMENT frag": tmoe.PREFILL_FRAGMENT,
-        "cuda TMA_TILE16": cmd.TMA_TILE16,  # auto mode's decode kernels, up to 8 pairs/expert
+        "cuda TMA_TILE16": cmd.TMA_TILE16,  # auto mode's decode kernels, up to 16 pairs/expert
         "WGMMA_PREFILL": p,
         "WGMMA_PREFILL_FRAGMENT frag": f,
         "pf xs3": replace(p, x_stages=3),
+        "pf xs5": replace(p, x_stages=5),
         "pf xs6": replace(p, x_stages=6),
-        "pf d2": replace(p, depth1=2, depth2=2),
-        "pf w2 d2": replace(p, depth2=2),
-        "pf w2 d3": replace(p, depth2=3),
-        "pf xs5 w2 d2": replace(p, x_stages=5, depth2=2),
-        "frag w2 d2": replace(f, depth2=2),
+        "pf d1": replace(p, depth1=1, depth2=1, tail_depth=2),
+        "pf w2 d1": replace(p, depth2=1),
         "pf unpinned": replace(p, pinned_loads=False),
-        "pf tail depth 1": replace(p, tail_depth=0),
         "pf w2 2wg mb2": replace(p, warpgroups2=2, min_blocks2=2),
-        "pf w2 2wg mb2 d2": replace(p, warpgroups2=2, min_blocks2=2, depth2=2),
         "pf t64 w13 2wg mb2": replace(p, tile_tokens=64, warpgroups1=2, min_blocks1=2),
-        "pf t64 w2 d2": replace(p, tile_tokens=64, depth2=2),
-        # weights by cp.async through a ring in shared memory (thirteenth session)
-        "pf async d1": replace(p, pinned_loads=False, async_weights=True),
-        "pf async d2": replace(p, pinned_loads=False, async_weights=True, depth1=2, depth2=2),
-        "pf async d3 t3": replace(
-            p, pinned_loads=False, async_weights=True, depth1=3, depth2=3, tail_depth=3
-        ),
-        "pf async d3 xs3": replace(
-            p, pinned_loads=False, async_weights=True, depth1=3, depth2=3, x_stages=3
-        ),
-        # the activations by TMA from the routed rows in tile order, multicast over a cluster
-        "pf tma": replace(p, x_tma=True),
-        "pf tma c2": replace(p, x_tma=True, cluster=2),
-        "frag tma c2": replace(f, x_tma=True, cluster=2),
-        "pf tma xs3": replace(p, x_tma=True, x_stages=3),
-        "pf tma xs5": replace(p, x_tma=True, x_stages=5),
-        "pf tma xs6": replace(p, x_tma=True, x_stages=6),
-        "pf tma d2": replace(p, x_tma=True, depth1=2, depth2=2),
-        "pf tma w2 d2": replace(p, x_tma=True, depth2=2),
-        "pf tma async": replace(
-            p, x_tma=True, pinned_loads=False, async_weights=True, depth1=2, depth2=2
-        ),
-        "frag tma": replace(f, x_tma=True),
-        "frag tma d2": replace(f, x_tma=True, depth1=2, depth2=2),
-        "pf tma c2 xs5": replace(p, x_tma=True, cluster=2, x_stages=5),
-        "pf tma c2 xs5 d2": replace(p, x_tma=True, cluster=2, x_stages=5, depth1=2, depth2=2),
-        "frag async d2": replace(f, pinned_loads=False, async_weights=True, depth1=2, depth2=2),
+        # the twelfth session's kernels: the activations copied by every thread (cp.async),
+        # weights one step ahead, tails two
+        "pf copy": replace(p, x_tma=False, depth1=1, depth2=1, tail_depth=2),
+        "frag copy": replace(f, x_tma=False, depth1=1, depth2=1, tail_depth=2),
+        # (thirteenth session, not kept; commit 1b87f30 has them: the activations multicast
+        # over a 2-CTA cluster, 1.2x slower; the weights by cp.async through a shared ring, W2
+        # 2-5% faster, W1/W3 6% slower)
     }
 
 

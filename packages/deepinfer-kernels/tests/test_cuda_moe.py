@@ -126,15 +126,11 @@ def test_fragment_weights_must_be_a_bool():
 
 
 FRAGMENT = md.WGMMA_FRAGMENT
-ASYNC_PREFILL = replace(md.WGMMA_PREFILL, pinned_loads=False, async_weights=True, depth1=2)
-ASYNC_PREFILL_FRAGMENT = replace(ASYNC_PREFILL, permuted_k=False, fragment_weights=True)
-ASYNC_FRAGMENT = replace(FRAGMENT, pinned_loads=False, async_weights=True)
-ASYNC_DEFAULT = replace(md.WGMMA_DEFAULT, async_weights=True, tile_tokens=16)
-ASYNC_CONFIGS = [ASYNC_PREFILL, ASYNC_PREFILL_FRAGMENT, ASYNC_FRAGMENT, ASYNC_DEFAULT]
-TMA_PREFILL = replace(md.WGMMA_PREFILL, x_tma=True, depth1=2, depth2=2)
-TMA_PREFILL_FRAGMENT = replace(md.WGMMA_PREFILL_FRAGMENT, x_tma=True, depth1=2, depth2=2)
-TMA_CLUSTER = replace(md.WGMMA_PREFILL, x_tma=True, cluster=2, x_stages=5)
-TMA_CONFIGS = [TMA_PREFILL, TMA_PREFILL_FRAGMENT, TMA_CLUSTER]
+# the twelfth session's prefill kernels: the activations copied by every thread (cp.async), not
+# the TMA; weights a step ahead, tails two
+_COPY = dict(x_tma=False, depth1=1, depth2=1, tail_depth=2)
+COPY_PREFILL = replace(md.WGMMA_PREFILL, **_COPY)
+COPY_PREFILL_FRAGMENT = replace(md.WGMMA_PREFILL_FRAGMENT, **_COPY)
 
 
 def test_shape_reasons():
@@ -286,35 +282,17 @@ def test_k_permutation_gives_each_lane_its_own_group():
         assert perm[slot] == v
 
 
-def test_x_tma_and_cluster_fields():
+def test_x_tma_needs_a_ring_of_32_token_boxes():
     with pytest.raises(ValueError, match="x_tma must be a bool, and False without x_stages"):
         md.MoeDecodeWgmmaConfig(x_tma=True)  # decode tiles: all of K, no ring
     with pytest.raises(ValueError, match="x_tma must be"):
         md.MoeDecodeWgmmaConfig(x_tma=True, x_stages=4, tile_tokens=16)
-    with pytest.raises(ValueError, match="cluster must be 1, 2 or 4, and 1 without x_tma"):
-        md.MoeDecodeWgmmaConfig(cluster=2)
-    with pytest.raises(ValueError, match="cluster must be"):
-        md.MoeDecodeWgmmaConfig(x_tma=True, x_stages=3, tile_tokens=64, cluster=2)
-    cfg = md.MoeDecodeWgmmaConfig(x_tma=True, x_stages=4, tile_tokens=64, cluster=4)
-    assert "a cluster of 4 CTAs' weight rows" in md.shape_reason(5120, 384, cfg)
-
-
-def test_async_weights_take_no_pinned_loads():
-    with pytest.raises(ValueError, match="async_weights must be a bool, and False with pinned"):
-        md.MoeDecodeWgmmaConfig(async_weights=True, pinned_loads=True)
-    with pytest.raises(ValueError, match="async_weights must be a bool"):
-        md.MoeDecodeWgmmaConfig(async_weights=1)
-
-
-def test_async_weights_ring_in_the_shared_memory_model():
-    """The weight ring takes max(depth, tail_depth) + 1 steps of 20 bytes per thread, matrix and
-    row half, past the activations; shape_reason refuses a ring that does not fit."""
-    cfg = replace(md.WGMMA_PREFILL, pinned_loads=False, async_weights=True, depth1=2)
-    plain = md._wgmma_shared_bytes("w13", 5120, md.WGMMA_PREFILL)
-    assert md._wgmma_shared_bytes("w13", 5120, cfg) == plain + 3 * 1 * 2 * 512 * 20
-    assert md._wgmma_shared_bytes("w2", 2304, cfg) == plain + 3 * 1 * 2 * 512 * 20  # tail depth 2
-    assert md.shape_reason(*V41, cfg) is None
-    assert "shared memory" in md.shape_reason(*V41, replace(cfg, depth1=5))
+    with pytest.raises(ValueError, match="x_tma must be"):
+        md.MoeDecodeWgmmaConfig(x_tma=1, x_stages=4, tile_tokens=32)
+    # the swizzled stages start on 1024 bytes: 1 KiB more than the copied ring
+    assert md._wgmma_shared_bytes("w13", 5120, md.WGMMA_PREFILL) == (
+        md._wgmma_shared_bytes("w13", 5120, COPY_PREFILL) + 1024
+    )
 
 
 def test_permuted_k_is_for_auto_mode_on_the_checkpoint_order():
@@ -332,9 +310,8 @@ def test_permuted_k_is_for_auto_mode_on_the_checkpoint_order():
         FRAGMENT,
         md.WGMMA_PREFILL_FRAGMENT,
         md.WGMMA_PREFILL,
-        *ASYNC_CONFIGS,
-        TMA_PREFILL,
-        TMA_PREFILL_FRAGMENT,
+        COPY_PREFILL,
+        COPY_PREFILL_FRAGMENT,
     ],
 )
 @pytest.mark.parametrize("kind", ["w13", "w2"])
@@ -345,8 +322,9 @@ def test_wgmma_kernels_compile_without_local_memory(kind, cfg, tmp_path):
     shared-memory store is left (the byte exchange's; the amax and W3-sum exchanges and the
     tile's row table store words), nor with K permuted."""
     sass = _cuobjdump("-sass", md.cubin(kind, *V41, cfg), tmp_path)
-    # WGMMA_PREFILL's W1/W3 spills one register: a store and a load per two K steps
-    spills = 2 if (cfg, kind) == (md.WGMMA_PREFILL, "w13") else 0
+    # the copied ring's W1/W3 on the checkpoint's order spills one register: a store and a load
+    # per two K steps
+    spills = 2 if (cfg, kind) == (COPY_PREFILL, "w13") else 0
     assert len(re.findall(r"\b(LDL|STL)\b", sass)) <= spills, "the kernel spills to local memory"
     gmma = set(re.findall(r"HGMMA\.64x(\d+)x16\.F32\.BF16 R\d+, R\d+, gdesc", sass))
     n = cfg.tile_tokens
@@ -367,8 +345,8 @@ def test_wgmma_kernels_compile_without_local_memory(kind, cfg, tmp_path):
         FRAGMENT,
         md.WGMMA_PREFILL,
         md.WGMMA_PREFILL_FRAGMENT,
-        *ASYNC_CONFIGS,
-        *TMA_CONFIGS,
+        COPY_PREFILL,
+        COPY_PREFILL_FRAGMENT,
     ],
 )
 @pytest.mark.parametrize("kind", ["w13", "w2"])
@@ -388,9 +366,8 @@ def test_wgmma_kernels_keep_their_wgmmas_in_flight(kind, cfg):
         FRAGMENT,
         md.WGMMA_PREFILL,
         md.WGMMA_PREFILL_FRAGMENT,
-        *ASYNC_CONFIGS,
-        TMA_PREFILL,
-        TMA_PREFILL_FRAGMENT,  # (a cluster's rows are more than these dims)
+        COPY_PREFILL,
+        COPY_PREFILL_FRAGMENT,
     ],
 )
 def test_wgmma_kernels_compile_at_the_smallest_dims_they_take(cfg):
@@ -413,8 +390,7 @@ def test_wgmma_kernels_compile_at_the_smallest_dims_they_take(cfg):
         FRAGMENT,
         md.WGMMA_PREFILL_FRAGMENT,
         md.WGMMA_PREFILL,
-        ASYNC_PREFILL,
-        *TMA_CONFIGS,
+        COPY_PREFILL,
         md.MoeDecodeWgmmaConfig(
             tile_tokens=64,
             min_blocks1=1,
@@ -483,7 +459,6 @@ def _inputs(*args, **kw):
         (16, *V41, 384, 6, md.REGISTER),
         (1, 256, 128, 16, 4, md.WGMMA_DEFAULT),
         (37, 256, 128, 32, 6, md.MoeDecodeWgmmaConfig(tile_tokens=16, depth1=2, depth2=7)),
-        (37, 256, 128, 32, 6, ASYNC_DEFAULT),
         (16, *V41, 384, 6, md.WGMMA_DEFAULT),
     ],
 )
@@ -558,19 +533,16 @@ def test_wgmma_prefill_tiles_give_the_triton_prefill_bits(t, d, i, e, k):
         md.MoeDecodeWgmmaConfig(tile_tokens=64, warpgroups1=4, warpgroups2=1, row_sets2=2,
                                 x_stages=3, **ring),
         md.MoeDecodeWgmmaConfig(tile_tokens=32, warpgroups1=1, warpgroups2=4, x_stages=5, **ring),
-        replace(md.WGMMA_PREFILL_FRAGMENT, fragment_weights=False, pinned_loads=False,
-                async_weights=True, depth1=2),
-        md.MoeDecodeWgmmaConfig(tile_tokens=64, warpgroups1=2, warpgroups2=1, x_stages=3,
-                                async_weights=True, **ring),
+        replace(md.WGMMA_PREFILL_FRAGMENT, fragment_weights=False),
         md.MoeDecodeWgmmaConfig(tile_tokens=64, warpgroups1=4, warpgroups2=2, row_sets2=2,
                                 x_stages=3, x_tma=True, **ring),
-        md.MoeDecodeWgmmaConfig(tile_tokens=32, warpgroups1=1, warpgroups2=1, x_stages=4,
-                                x_tma=True, cluster=2, **ring),
+        md.MoeDecodeWgmmaConfig(tile_tokens=32, warpgroups1=1, warpgroups2=1, x_stages=5,
+                                x_tma=True, **ring),
     ):  # fmt: skip
         assert torch.equal(
             md.moe_experts(x, tw, ids, w1, s1, w3, s3, w2, s2, 10.0, config=cfg), want
         )
-    for cfg in (md.WGMMA_PREFILL_FRAGMENT, ASYNC_PREFILL_FRAGMENT, TMA_PREFILL_FRAGMENT):
+    for cfg in (md.WGMMA_PREFILL_FRAGMENT, COPY_PREFILL_FRAGMENT):
         got = md.moe_experts(x, tw, ids, *frag, 10.0, config=cfg, fragment_order=True)
         assert torch.equal(got, want)
 
@@ -593,9 +565,8 @@ def test_permuted_k_prefill_is_close_to_ref_and_batch_independent(t, d, i, e, k)
     for lo, hi in ((0, t // 2), (t // 3, t)):
         part = md.moe_experts(x[lo:hi], tw[lo:hi], ids[lo:hi], *ws, 10.0, config=md.WGMMA_PREFILL)
         assert torch.equal(part, got[lo:hi])
-    # weights by cp.async through shared memory, activations by TMA: the same sums
-    for cfg in (ASYNC_PREFILL, *TMA_CONFIGS[::2]):
-        assert torch.equal(md.moe_experts(x, tw, ids, *ws, 10.0, config=cfg), got)
+    # the activations copied by every thread instead of the TMA: the same sums
+    assert torch.equal(md.moe_experts(x, tw, ids, *ws, 10.0, config=COPY_PREFILL), got)
 
 
 @needs_hopper
@@ -614,11 +585,7 @@ def test_fragment_order_weights_give_the_same_bits(t, d, i, e, k):
     frag = (f(w1), s1, f(w3), s3, f(w2), s2)
     want = md.moe_experts(x, tw, ids, *ws, 10.0, batch_invariant=True)
     inv = dict(batch_invariant=True, fragment_order=True)
-    for cfg in (
-        FRAGMENT,
-        ASYNC_FRAGMENT,
-        replace(md.WGMMA_DEFAULT, fragment_weights=True, tile_tokens=16),
-    ):
+    for cfg in (FRAGMENT, replace(md.WGMMA_DEFAULT, fragment_weights=True, tile_tokens=16)):
         assert torch.equal(md.moe_experts(x, tw, ids, *frag, 10.0, config=cfg, **inv), want)
     for cfg in (tmoe.PREFILL, tmoe.DECODE_WGMMA, tmoe.DECODE):
         on_frag = replace(cfg, fragment_weights=True)

@@ -1,6 +1,7 @@
-// What the hand-written decode kernels share: integer types, the global loads they use, bf16
-// rounding, the exact FP4 expansion, the SwiGLU and FP8 steps of the MoE epilogue, a CTA's
-// routing tile, the warp-order sum of a CTA's K split and the register-ring K loop.
+// What the hand-written MoE kernels share: integer types, the global loads they use, bf16
+// rounding, the exact FP4 expansion, TMA copies and their barriers, the SwiGLU and FP8 steps of
+// the MoE epilogue, a CTA's routing tile, the warp-order sum of a CTA's K split and the
+// register-ring K loop.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -71,7 +72,8 @@ static __device__ __forceinline__ void expand8(u32 w, u32 sp, u32 (&o)[4]) {
   o[3] = expand_pair<3>(even, odd, sp);
 }
 
-// TMA and barriers.
+// TMA copies and the barriers that count them.
+
 // A CUtensorMap (cuTensorMapEncodeTiled), passed by value as a __grid_constant__ parameter.
 struct __align__(64) TensorMap {
   u64 v[16];
@@ -81,9 +83,8 @@ static __device__ __forceinline__ u32 smem_u32(const void* p) {
   return (u32)__cvta_generic_to_shared(p);
 }
 
-// A barrier whose phase completes after `count` arrivals (and the copies they expect).
-static __device__ __forceinline__ void mbar_init(u64* bar, u32 count = 1) {
-  asm volatile("mbarrier.init.shared.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count));
+static __device__ __forceinline__ void mbar_init(u64* bar) {
+  asm volatile("mbarrier.init.shared.b64 [%0], 1;" ::"r"(smem_u32(bar)));
 }
 
 // One arrival that also expects `bytes` of copies to land before the phase completes.
@@ -116,39 +117,6 @@ static __device__ __forceinline__ void tma_box(u32 dst, const TensorMap* map, in
       " [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
       "l"(reinterpret_cast<u64>(map)), "r"(x), "r"(y), "r"(smem_u32(bar))
       : "memory");
-}
-
-// The box of `map` at (x bytes, y rows) -> dst in every CTA of the cluster in cta_mask (the same
-// shared offset in each), counted on the barrier at bar's offset in each.
-static __device__ __forceinline__ void tma_box_multicast(u32 dst, const TensorMap* map, int x,
-                                                         int y, u64* bar, u16 cta_mask) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-      ".multicast::cluster [%0], [%1, {%2, %3}], [%4], %5;" ::"r"(dst),
-      "l"(reinterpret_cast<u64>(map)), "r"(x), "r"(y), "r"(smem_u32(bar)), "h"(cta_mask)
-      : "memory");
-}
-
-// One arrival on the barrier at shared offset bar of cluster CTA `cta` (release: this CTA's
-// reads before it are done).
-static __device__ __forceinline__ void mbar_arrive_remote(u64* bar, u32 cta) {
-  asm volatile(
-      "{\n .reg .b32 remote;\n mapa.shared::cluster.u32 remote, %0, %1;\n"
-      " mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}" ::"r"(smem_u32(bar)),
-      "r"(cta)
-      : "memory");
-}
-
-// Every thread of every CTA of the cluster gets here before any goes on.
-static __device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n barrier.cluster.wait.acquire.aligned;"
-               ::: "memory");
-}
-
-static __device__ __forceinline__ u32 cluster_rank() {
-  u32 r;
-  asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
 }
 
 // bf16(rw * silu(gate) * up) from the fp32 sums, each of gate and up rounded to bf16 first and

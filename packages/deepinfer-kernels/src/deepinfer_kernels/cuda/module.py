@@ -163,7 +163,6 @@ def compile_cubin(
 
 _MAX_DYNAMIC_SHARED_SIZE_BYTES = 8  # CUfunction_attribute
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
-_CLUSTER_DIMENSION = 4  # CUlaunchAttributeID
 
 
 class _LaunchAttribute(ctypes.Structure):
@@ -211,7 +210,6 @@ class Kernel:
         shared_bytes: int = 0,
         *,
         programmatic: bool = False,
-        cluster: int = 1,
     ) -> None:
         """Launch on torch's current stream of the current device. grid: 1 to 3 sizes.
 
@@ -219,8 +217,7 @@ class Kernel:
         serialization): the kernel may start once every CTA of the kernel before it on the
         stream has run `griddepcontrol.launch_dependents` (or ended), so it must run
         `griddepcontrol.wait` before it reads what that kernel writes; CUDA graphs keep it as
-        a programmatic edge. cluster: CTAs per thread-block cluster along x (grid x a multiple
-        of it), which share their shared memory and barriers."""
+        a programmatic edge."""
         if any(g <= 0 for g in grid):
             return  # nothing to do (an empty batch)
         gx, gy, gz = (*grid, 1, 1)[:3]
@@ -242,7 +239,7 @@ class Kernel:
             *(ctypes.cast(ctypes.byref(h), ctypes.c_void_p) for h in holders)
         )
         stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-        if not programmatic and cluster == 1:
+        if not programmatic:
             _cu_check(
                 _driver().cuLaunchKernel(
                     self.function, gx, gy, gz, block, 1, 1, shared_bytes, stream, params, None
@@ -250,25 +247,15 @@ class Kernel:
                 f"launch of {self.name}",
             )
             return
-        attrs = (_LaunchAttribute * 2)()
-        n = 0
-        if programmatic:
-            attrs[n].id = _PROGRAMMATIC_STREAM_SERIALIZATION
-            attrs[n].value[0] = 1
-            n += 1
-        if cluster != 1:
-            if gx % cluster:
-                raise ValueError(f"{self.name}: grid x {gx} is not a multiple of cluster {cluster}")
-            attrs[n].id = _CLUSTER_DIMENSION
-            attrs[n].value[0], attrs[n].value[1], attrs[n].value[2] = cluster, 1, 1
-            n += 1
+        attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+        attr.value[0] = 1
         config = _LaunchConfig(
             (ctypes.c_uint * 3)(gx, gy, gz), (ctypes.c_uint * 3)(block, 1, 1), shared_bytes,
-            stream, ctypes.cast(attrs, ctypes.POINTER(_LaunchAttribute)), n,
+            stream, ctypes.pointer(attr), 1,
         )  # fmt: skip
         _cu_check(
             _driver().cuLaunchKernelEx(ctypes.byref(config), self.function, params, None),
-            f"launch of {self.name} with attributes",
+            f"programmatic launch of {self.name}",
         )
 
 

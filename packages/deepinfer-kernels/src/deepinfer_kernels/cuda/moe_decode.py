@@ -2,7 +2,7 @@
 (`moe_decode.cu`), the fastest at decode sizes, and wgmma (`moe_decode_wgmma.cu`), whose fp32
 sums are those of the Triton tier's prefill tiles, so that a routed row's bits do not depend on
 the batch or on which path (decode or prefill) ran it: batch-invariant mode's decode kernels, and
-with 128-token routing tiles streamed through shared memory the prefill kernels
+with 128-token routing tiles that the TMA streams through shared memory the prefill kernels
 (WGMMA_PREFILL_FRAGMENT on fragment-order weights; outside batch-invariant mode WGMMA_PREFILL on
 the checkpoint's order, which sums K in a permuted order instead of exchanging bytes: auto
 mode's kernels above WGMMA_PREFILL_PAIRS_PER_EXPERT routed pairs per expert). The
@@ -127,15 +127,9 @@ class MoeDecodeWgmmaConfig:
     - pinned_loads: the weight and scale loads are plain `ld.global` instead of the
       non-coherent `ld.global.nc`, which ptxas may not move past the step's barrier: it keeps
       them a step ahead instead of sinking them next to their use to free registers;
-    - async_weights: the weights and scales go by cp.async into a ring in shared memory (each
-      thread its own words, depth + 1 steps of them) and are read back when their step
-      computes: the loads in flight hold no registers (pinned_loads then has nothing to pin);
-    - x_tma: the activation ring (x_stages) is filled by the tensor-memory accelerator from the
-      routed rows in tile order (W1/W3: gathered before the launch; W2: h as it is), 128-byte
-      swizzled, instead of every thread's cp.async (tiles of 32 tokens or more);
-    - cluster: with x_tma, CTAs per thread-block cluster (1, 2 or 4): neighbouring weight-row
-      blocks of one routing tile, each loading a share of every K step's activations into all
-      of their rings (TMA multicast), so the activations are read 1 / cluster as often.
+    - x_tma: one thread fills the activation ring (x_stages) by the tensor-memory accelerator
+      from the routed rows in tile order (W1/W3: gathered as they are quantised; W2: h as it
+      is), 128-byte swizzled, instead of every thread's cp.async (tiles of 32 tokens or more).
 
     fragment_weights: w1, w3 and w2 are in `quant.fp4_fragment_order`, which saves each K step the
     byte exchange through shared memory (the same sums: the same bits); WGMMA_FRAGMENT is the
@@ -157,9 +151,7 @@ class MoeDecodeWgmmaConfig:
     x_stages: int = 0
     tail_depth: int = 0
     pinned_loads: bool = False
-    async_weights: bool = False
     x_tma: bool = False
-    cluster: int = 1
     fragment_weights: bool = False
     permuted_k: bool = False
 
@@ -177,22 +169,10 @@ class MoeDecodeWgmmaConfig:
             ("tail_depth", 0 <= self.tail_depth <= 8, "0..8"),
             ("pinned_loads", isinstance(self.pinned_loads, bool), "a bool"),
             (
-                "async_weights",
-                isinstance(self.async_weights, bool)
-                and not (self.async_weights and self.pinned_loads),
-                "a bool, and False with pinned_loads",
-            ),
-            (
                 "x_tma",
                 isinstance(self.x_tma, bool)
                 and not (self.x_tma and (self.x_stages == 0 or self.tile_tokens < 32)),
                 "a bool, and False without x_stages or below 32-token tiles",
-            ),
-            (
-                "cluster",
-                self.cluster in (1, 2, 4)
-                and (self.cluster == 1 or (self.x_tma and self.x_stages >= 4)),
-                "1, 2 or 4, and 1 without x_tma or below 4 x_stages",
             ),
             ("fragment_weights", isinstance(self.fragment_weights, bool), "a bool"),
             (
@@ -215,22 +195,21 @@ registers). H200, 8-routing chained graphs: 1.13 / 1.26 / 1.21x the TMA mma.sync
 1 / 16 / 64, 4-5% faster than with both matrices on 2 warpgroups (NOTES.md, eleventh session);
 pinned loads 0-3% faster (twelfth session)."""
 WGMMA_PREFILL_FRAGMENT = MoeDecodeWgmmaConfig(
-    tile_tokens=128, depth1=1, depth2=1, min_blocks1=1, min_blocks2=1, warpgroups1=4,
-    warpgroups2=4, x_stages=4, tail_depth=2, pinned_loads=True, fragment_weights=True,
+    tile_tokens=128, depth1=2, depth2=2, min_blocks1=1, min_blocks2=1, warpgroups1=4,
+    warpgroups2=4, x_stages=4, pinned_loads=True, x_tma=True, fragment_weights=True,
 )  # fmt: skip
 """Prefill-sized routing on fragment-order weights: 128-token tiles (the wgmmas of a tail tile
-cover its tokens rounded up to 32, loading 2 K steps ahead), 4 warpgroups (W1 on two, W3 on two),
-the activations through a ring of 4 K steps, pinned loads. H200, one V4.1 layer: see NOTES.md,
-twelfth session (1.2-1.3x Triton's PREFILL_FRAGMENT from 4K tokens)."""
+cover its tokens rounded up to 32), 4 warpgroups (W1 on two, W3 on two), weights loaded 2 K
+steps ahead (pinned loads), the activations by TMA through a ring of 4 K steps. H200, one V4.1
+layer: see NOTES.md, thirteenth session (1.5x Triton's PREFILL_FRAGMENT at 8K tokens)."""
 WGMMA_PREFILL = replace(WGMMA_PREFILL_FRAGMENT, fragment_weights=False, permuted_k=True)
 """Auto mode's prefill (the checkpoint's order outside batch-invariant mode): the fragment
 schedule with K permuted instead of the byte exchange. H200, one V4.1 layer: see NOTES.md,
-twelfth session (1.1-1.25x Triton's PREFILL from 1K tokens)."""
+thirteenth session (8.35 ms, 417 TFLOP/s at 8K tokens; 1.5x Triton's PREFILL)."""
 WGMMA_PREFILL_PAIRS_PER_EXPERT = 16
 """Auto mode: up to this many routed pairs per expert the TMA decode kernels run, above it
-WGMMA_PREFILL (H200, one V4.1 layer: TMA_TILE16 4.3 / 6.0 ms, WGMMA_PREFILL 4.8 / 4.9 ms at 16 /
-24 pairs per expert; both faster than Triton's PREFILL, 5.9 / 5.6 ms; NOTES.md, twelfth
-session)."""
+WGMMA_PREFILL (H200, one V4.1 layer: TMA_TILE16 3.4 / 4.3 / 5.9 ms, WGMMA_PREFILL 4.2 / 4.2 /
+4.4 ms at 12 / 16 / 24 pairs per expert; NOTES.md, thirteenth session)."""
 WGMMA_ROWS = 64  # weight rows per warpgroup (its M)
 PREFILL_PAIRS_PER_EXPERT = 8
 """Routing with more (token, slot) pairs than this per expert is prefill-sized: batch-invariant
@@ -285,20 +264,12 @@ def _wgmma_shared_bytes(kind: str, k: int, cfg: MoeDecodeWgmmaConfig) -> int:
     """The dynamic shared memory of wgmma kernel `kind` with reduction length k (the .cu's
     DYN_BYTES): the routing tile's bf16 activations, over all of K or x_stages K steps of 128;
     with W1 and W3 on separate warpgroup pairs at least W3's fp32 sums (8 warps x 32 lanes x 4 per
-    8 tokens), which that memory takes to W1's warpgroups afterwards; with async_weights then
-    the weight ring: max(depth, tail_depth) + 1 steps of 20 bytes (16 of weights, 4 of scales)
-    per thread, matrix and row half."""
+    8 tokens), which that memory takes to W1's warpgroups afterwards; with x_tma 1 KiB more,
+    to start the swizzled stages on 1024 bytes."""
     x_bytes = (128 * cfg.x_stages if cfg.x_stages else k) * cfg.tile_tokens * 2
     split_gate = kind == "w13" and cfg.warpgroups1 == 4
     w3_sums = 8 * 32 * 4 * 4 * (cfg.tile_tokens // 8) if split_gate else 0
-    ring = 0
-    if cfg.async_weights:
-        depth = cfg.depth1 if kind == "w13" else cfg.depth2
-        threads = 128 * (cfg.warpgroups1 if kind == "w13" else cfg.warpgroups2)
-        slots = max(depth, cfg.tail_depth) + 1
-        ring = slots * _wgmma_mats(kind, cfg) * 2 * threads * 20
-    align = 1024 if cfg.x_tma else 0  # the swizzled stages start on 1024 bytes
-    return max(x_bytes, w3_sums) + ring + align
+    return max(x_bytes, w3_sums) + (1024 if cfg.x_tma else 0)
 
 
 def _wgmma_static_bytes(kind: str, cfg: MoeDecodeWgmmaConfig) -> int:
@@ -340,11 +311,6 @@ def shape_reason(d: int, i: int, cfg: Config = REGISTER) -> str | None:
         ):
             if n % rows:
                 return f"{name}={n} must be a multiple of {rows} (a CTA's weight rows)"
-            if n // rows % cfg.cluster:
-                return (
-                    f"{name}={n} must be a multiple of {rows * cfg.cluster} (a cluster of "
-                    f"{cfg.cluster} CTAs' weight rows)"
-                )
         for kind, k in (("w13", d), ("w2", i)):
             need = _wgmma_shared_bytes(kind, k, cfg) + _wgmma_static_bytes(kind, cfg)
             if need > MAX_SHARED:
@@ -458,7 +424,7 @@ def defines(kind: str, d: int, i: int, cfg: Config) -> dict[str, int]:
             FRAGMENT_WEIGHTS=int(cfg.fragment_weights), GATED=int(w13),
             K_PERMUTED=int(cfg.permuted_k),
             X_STAGES=cfg.x_stages, PINNED_LOADS=int(cfg.pinned_loads),
-            ASYNC_WEIGHTS=int(cfg.async_weights), X_TMA=int(cfg.x_tma), CLUSTER=cfg.cluster,
+            X_TMA=int(cfg.x_tma),
         )  # fmt: skip
     return dict(
         shape, RT=cfg.rt1 if w13 else cfg.rt2, TOKG=cfg.tile_tokens // 8,
@@ -572,9 +538,9 @@ def moe_experts(
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     # TMA kernels: the weight maps first, and room for the tile's token rows (a tile holds at
     # most t tokens) last
-    maps1, maps2, tail, x_cap, cluster = (), (), (), None, 1
+    maps1, maps2, tail, x_cap = (), (), (), None
     if x_tma:
-        maps1, maps2, cluster = (rows_map(xa),), (rows_map(h),), cfg.cluster
+        maps1, maps2 = (rows_map(xa),), (rows_map(h),)
     if getattr(cfg, "tma", False):
         x_cap = min(t, cfg.tile_tokens)
         maps1 = (weight_map(w1, 16 * cfg.rt1), weight_map(w3, 16 * cfg.rt1))
@@ -589,7 +555,6 @@ def moe_experts(
             float(swiglu_limit), float(ACT_AMAX_FLOOR), *tail,
         ),
         shared,
-        cluster=cluster,
     )  # fmt: skip
     ctas, threads, shared = _launch_shape("w2", d, i, cfg, x_cap)
     # from 2 tokens the TMA W2 starts its prologue (barriers, first weight stages, scales) under
@@ -597,6 +562,6 @@ def moe_experts(
     # T=1 1-2% slower; NOTES.md, tenth session)
     _kernel("w2", d, i, cfg, dev).launch(
         (ctas, n_tiles), threads, (*maps2, h, w2, s2, route.tiles, y, *tail), shared,
-        programmatic=bool(tail) and t >= 2, cluster=cluster,
+        programmatic=bool(tail) and t >= 2,
     )  # fmt: skip
     return combine(y, route, out)

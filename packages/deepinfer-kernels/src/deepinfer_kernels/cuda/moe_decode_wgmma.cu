@@ -20,10 +20,9 @@
 // The routing tile's activations reach shared memory in wgmma's K-major layout by cp.async:
 // all of K before the first step (X_STAGES = 0: a decode tile of 8-16 tokens), or a ring of
 // X_STAGES K steps that the whole CTA refills X_STAGES - 2 steps ahead (prefill tiles). With
-// X_TMA the ring is filled by the tensor-memory accelerator instead, from the routed rows laid
-// out in tile order (boxes of 32 rows x 64 values, 128-byte swizzle); with CLUSTER > 1 the
-// CTAs of a cluster (the same routing tile, neighbouring weight rows) each load a share of a
-// step's boxes into all of their rings (multicast), which divides the activations' reads.
+// X_TMA one thread fills the ring by the tensor-memory accelerator instead, from the routed
+// rows laid out in tile order (boxes of 32 rows x 64 values, 128-byte swizzle): no copy
+// instructions in the other threads' K loop.
 //
 // Constants (-D): K_DIM (reduction length), N_DIM (weight rows per expert), GATED (1: W1 and W3
 // fused with SwiGLU, MATS = 2; 0: W2, MATS sets of 64 WG rows per CTA), TOKG (8-token groups per
@@ -32,10 +31,7 @@
 // TAIL_DEPTH (the same for the tail variants, see `run`), X_STAGES (above), FRAGMENT_WEIGHTS (1:
 // the weights' bytes are in fragment order, above), K_PERMUTED (1: the permuted K order, above),
 // PINNED_LOADS (1: plain loads of weights and scales, which ptxas keeps ahead of the step's
-// barrier; 0: non-coherent ones, which it may sink next to their use), X_TMA and CLUSTER
-// (above: 1 and 1 CTA, 2 or 4), ASYNC_WEIGHTS (1: the
-// weights and scales reach a per-thread ring in shared memory by cp.async, `depth` steps ahead,
-// and are read back when their step computes: loads in flight that hold no registers).
+// barrier; 0: non-coherent ones, which it may sink next to their use), X_TMA (above).
 
 #include "common.cuh"
 
@@ -61,35 +57,18 @@
 #define X_REGION_BYTES (X_BYTES > W3_SUM_BYTES ? X_BYTES : W3_SUM_BYTES)
 #if X_TMA
 #define X_ALIGN 1024  // the 128-byte swizzle's pattern repeats every 1024 bytes: stages start on it
-// In a cluster, a stage freed at step j is refilled at step j + 1, when the other CTAs have most
-// likely freed it too (X_LAG): the thread that issues the boxes rarely waits for them.
-#define X_LAG (CLUSTER > 1 ? 1 : 0)
-static_assert(X_AHEAD > X_LAG, "X_TMA with CLUSTER > 1: 4 stages or more");
 static_assert(X_STAGES >= 3 && TOKG >= 4, "X_TMA: a ring of 32-row boxes");
-static_assert(CLUSTER == 1 || CLUSTER == 2 || CLUSTER == 4, "CLUSTER: 1, 2 or 4 CTAs");
 #else
 #define X_ALIGN 0
-static_assert(CLUSTER == 1, "the cluster shares TMA boxes: CLUSTER > 1 needs X_TMA");
 #endif
-#if ASYNC_WEIGHTS
-// The weight ring, past the activations: W_SLOTS steps of [MATS][2 row halves][THREADS] 16-byte
-// weight words, then [MATS][2][THREADS] 4-byte scale words (each thread reads back only what it
-// copied: no barrier; consecutive threads, consecutive words: no bank conflict). A variant that
-// loads D steps ahead writes step j + D's slot while step j computes: D + 1 slots at least.
-#define W_SLOTS ((DEPTH > TAIL_DEPTH ? DEPTH : TAIL_DEPTH) + 1)
-#define W_WORDS_BYTES (MATS * 2 * THREADS * 16)
-#define W_SLOT_BYTES (MATS * 2 * THREADS * 20)
-#define DYN_BYTES (X_REGION_BYTES + W_SLOTS * W_SLOT_BYTES + X_ALIGN)
-#else
 #define DYN_BYTES (X_REGION_BYTES + X_ALIGN)
-#endif
 
 static_assert(GATED ? MATS == (SPLIT_GATE ? 1 : 2) : (MATS == 1 || MATS == 2),
               "W1/W3: MATS 2 (1 on 4 warpgroups); W2: 1 or 2 row sets");
 static_assert(WG == 1 || WG == 2 || WG == 4, "WG: 1, 2 or 4 warpgroups");
 static_assert(!(FRAGMENT_WEIGHTS && K_PERMUTED), "fragment order or permuted K, not both");
 #define DIRECT_WORDS (FRAGMENT_WEIGHTS || K_PERMUTED)  // each loaded word feeds the thread's slots
-#if K_PERMUTED && !ASYNC_WEIGHTS  // the scale bytes a thread loads per row and K step (`Step`)
+#if K_PERMUTED  // the scale bytes a thread loads per row and K step (see `Step`)
 #define SCALE_TYPE "u8"
 #else
 #define SCALE_TYPE "u32"
@@ -209,17 +188,10 @@ static __device__ __forceinline__ void wgmma_step(float (&acc)[TG][4], const u32
 // g + 8) the 16 packed bytes of group t (the quad loads the row's 64 bytes, each byte once) and
 // the 4 groups' scale bytes (one word, the same in the whole quad; with K_PERMUTED the scale
 // byte of the thread's own group t only, which spares a register for the byte's selector).
-// With ASYNC_WEIGHTS they wait in the weight ring: the step is its slot's byte offset there.
-#if ASYNC_WEIGHTS
-struct Step {
-  u32 slot;
-};
-#else
 struct Step {
   u32 w[MATS][2][4];
   u32 s[MATS][2];
 };
-#endif
 
 // Each warp's shared scratch for one step's packed bytes: [matrix][row half][g][4 groups][4
 // words], group c's 16 bytes stored byte-transposed (word j holds byte j of each of its 4
@@ -308,30 +280,16 @@ struct StreamState {
   const TensorMap* xmap;  // the routed rows [rows, K_DIM] bf16, tile order
   int x_row;              // the tile's first row there
   u64* x_full;            // per stage: its boxes have landed
-  u64* x_empty;           // per stage: every CTA of the cluster is done with it
-  u32 rank;               // this CTA's place in the cluster
 
-  // (one thread) K step j's boxes into its stage: this CTA's share (every CLUSTER-th of the 2 x
-  // cols / 32 boxes), to every CTA of the cluster once all of them have freed the stage; the
-  // stage's full barrier expects all of them.
+  // (one thread) K step j's 2 x cols / 32 boxes into its stage, counted on its barrier.
   __device__ __forceinline__ void issue_x(int j) const {
     const int s = j % X_STAGES;
-    if (CLUSTER > 1 && j >= X_STAGES) mbar_wait(&x_empty[s], (j / X_STAGES - 1) & 1);
     mbar_expect(&x_full[s], cols * 256);
     const u32 stage = x_stage(x_base, j);
-    for (int b = rank; b < 2 * (cols / 32); b += CLUSTER) {
-      const u32 dst = stage + (b & 1) * NB * 128 + (b >> 1) * 4096;
-      const int x = j * 256 + (b & 1) * 128, y = x_row + 32 * (b >> 1);
-      if (CLUSTER > 1)
-        tma_box_multicast(dst, xmap, x, y, &x_full[s], (1 << CLUSTER) - 1);
-      else
-        tma_box(dst, xmap, x, y, &x_full[s]);
-    }
+    for (int b = 0; b < 2 * (cols / 32); ++b)
+      tma_box(stage + (b & 1) * NB * 128 + (b >> 1) * 4096, xmap, j * 256 + (b & 1) * 128,
+              x_row + 32 * (b >> 1), &x_full[s]);
   }
-#endif
-#if ASYNC_WEIGHTS
-  u32 wring, sring;  // this thread's weight and scale words in the ring's first slot
-  int load_slot = 0;  // the slot the next load fills
 #endif
 };
 
@@ -342,8 +300,6 @@ struct StreamState {
 template <int TG>
 struct Stream : StreamState {
   typedef ::Step Step;
-  // steps loaded ahead: a tail variant (at most half the tile) does less work per step
-  static constexpr int kDepth = 2 * TG <= TOKG ? TAIL_DEPTH : DEPTH;
   float acc[MATS][TG][4];
 
   __device__ __forceinline__ explicit Stream(const StreamState& st) : StreamState(st) {
@@ -365,26 +321,7 @@ struct Stream : StreamState {
     }
   }
 
-  __device__ __forceinline__ void load(Step& st, bool ok) {
-#if ASYNC_WEIGHTS
-    // one cp.async group per step, empty past the end, so that compute's wait counts hold
-    st.slot = load_slot * W_SLOT_BYTES;
-    load_slot = load_slot + 1 == W_SLOTS ? 0 : load_slot + 1;
-#pragma unroll
-    for (int m = 0; m < MATS; ++m)
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-        if (ok) {
-          const int i = (m * 2 + h) * THREADS;
-          asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(wring + st.slot + 16 * i),
-                       "l"(w[m] + 8 * h * KB)
-                       : "memory");
-          asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(sring + st.slot + 4 * i),
-                       "l"(s[m] + 8 * h * KG)
-                       : "memory");
-        }
-    asm volatile("cp.async.commit_group;" ::: "memory");
-#else
+  __device__ __forceinline__ void load(Step& st, bool ok) const {
 #pragma unroll
     for (int m = 0; m < MATS; ++m)
 #pragma unroll
@@ -397,55 +334,23 @@ struct Stream : StreamState {
           st.s[m][h] = 0u;
         }
       }
-#endif
   }
 
-#if ASYNC_WEIGHTS
-  // Step st's words from the ring (complete: compute waited for their cp.async group); with
-  // K_PERMUTED the scale byte of the thread's own group t, into the low byte.
-  __device__ __forceinline__ void read_back(const Step& st, u32 (&w)[MATS][2][4],
-                                            u32 (&sc)[MATS][2]) const {
-#pragma unroll
-    for (int m = 0; m < MATS; ++m)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int i = (m * 2 + h) * THREADS;
-        asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
-                     : "=r"(w[m][h][0]), "=r"(w[m][h][1]), "=r"(w[m][h][2]), "=r"(w[m][h][3])
-                     : "r"(wring + st.slot + 16 * i)
-                     : "memory");
-        if (K_PERMUTED)
-          asm volatile("ld.shared.u8 %0, [%1];" : "=r"(sc[m][h]) : "r"(sring + st.slot + 4 * i + t)
-                       : "memory");
-        else
-          asm volatile("ld.shared.u32 %0, [%1];" : "=r"(sc[m][h]) : "r"(sring + st.slot + 4 * i)
-                       : "memory");
-      }
-  }
-#endif
 
   __device__ __forceinline__ void compute(const Step& st) {
 #if X_TMA
     // this step's boxes have landed; past the barrier every warpgroup has waited for its wgmmas
-    // of step - 2, so that stage takes step + X_AHEAD: freed here in every CTA of the cluster,
-    // then its boxes go out (one thread; here, not between this step's wgmmas, where ptxas
-    // would serialize them: C7513)
+    // of step - 2, so that stage takes step + X_AHEAD: its boxes go out here (one thread; not
+    // between this step's wgmmas, where ptxas would serialize them: C7513)
     mbar_wait(&x_full[step % X_STAGES], (step / X_STAGES) & 1);
     __syncthreads();
-    const int freed = step + X_AHEAD;
-    if (CLUSTER > 1 && threadIdx.x == 0 && freed < STEPS && freed >= X_STAGES)
-      for (u32 r = 0; r < CLUSTER; ++r) mbar_arrive_remote(&x_empty[freed % X_STAGES], r);
-    if (threadIdx.x == 0 && freed - X_LAG < STEPS) issue_x(freed - X_LAG);
-    if (ASYNC_WEIGHTS) asm volatile("cp.async.wait_group %0;" ::"n"(kDepth) : "memory");
+    if (threadIdx.x == 0 && step + X_AHEAD < STEPS) issue_x(step + X_AHEAD);
 #elif X_STAGES
     // this step's copies (X_AHEAD - 1 later groups may be in flight), visible to wgmma (the
     // async proxy) in every thread's; past the barrier every warpgroup has waited for its
     // wgmmas of step - 2, so that stage takes step + X_AHEAD: its copies go out a quarter per
     // scale group below, one cp.async group (empty past the end)
-    // (with ASYNC_WEIGHTS each load commits a group: step j's weights have kDepth groups after
-    // them here, its activations X_AHEAD - 1)
-    asm volatile("cp.async.wait_group %0;\n fence.proxy.async.shared::cta;" ::"n"(
-                     ASYNC_WEIGHTS && kDepth < X_AHEAD - 1 ? kDepth : X_AHEAD - 1)
+    asm volatile("cp.async.wait_group %0;\n fence.proxy.async.shared::cta;" ::"n"(X_AHEAD - 1)
                  : "memory");
     __syncthreads();
     const bool refill = step + X_AHEAD < STEPS;
@@ -455,16 +360,7 @@ struct Stream : StreamState {
       // all of K's copies, then visible to wgmma (the async proxy)
       asm volatile("cp.async.wait_all;\n fence.proxy.async.shared::cta;" ::: "memory");
       __syncthreads();
-    } else if (ASYNC_WEIGHTS) {
-      asm volatile("cp.async.wait_group %0;" ::"n"(kDepth) : "memory");  // this step's weights
     }
-#endif
-#if ASYNC_WEIGHTS
-    u32 words[MATS][2][4], scales[MATS][2];
-    read_back(st, words, scales);
-#else
-    const auto& words = st.w;
-    const auto& scales = st.s;
 #endif
     const u64 desc = x_desc(x_stage(x_base, step));
 #if !DIRECT_WORDS
@@ -474,7 +370,7 @@ struct Stream : StreamState {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         u32 tw[4];
-        transpose_bytes(words[m][h], tw);
+        transpose_bytes(st.w[m][h], tw);
         asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" ::"r"(scratch_at(scratch, m, h, g, t)),
                      "r"(tw[0]), "r"(tw[1]), "r"(tw[2]), "r"(tw[3])
                      : "memory");
@@ -485,7 +381,7 @@ struct Stream : StreamState {
 #pragma unroll
     for (int m = 0; m < MATS; ++m)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) sw[m][h] = scales[m][h] + 0x7E7E7E7Eu;
+      for (int h = 0; h < 2; ++h) sw[m][h] = st.s[m][h] + 0x7E7E7E7Eu;
 #pragma unroll
     for (int c = 0; c < 4; ++c) {  // group c: k16 steps 2c and 2c + 1
 #if X_TMA
@@ -493,7 +389,7 @@ struct Stream : StreamState {
       if (refill)
         copy_x_step(refill_stage, srcs, cols, step + X_AHEAD, c * X_COPIES / 4,
                     (c + 1) * X_COPIES / 4);
-      if (c == 3 && !ASYNC_WEIGHTS) asm volatile("cp.async.commit_group;" ::: "memory");
+      if (c == 3) asm volatile("cp.async.commit_group;" ::: "memory");
 #endif
       u32 a[MATS][2][4];  // [matrix][k16 step][fragment]
 #pragma unroll
@@ -502,7 +398,7 @@ struct Stream : StreamState {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
 #if DIRECT_WORDS
-          const u32 mine = words[m][h][c];  // bytes t, 4+t, 8+t, 12+t of group c (K_PERMUTED:
+          const u32 mine = st.w[m][h][c];  // bytes t, 4+t, 8+t, 12+t of group c (K_PERMUTED:
                                            // bytes 4c..4c+3 of group t)
 #else
           u32 mine;  // bytes t, 4+t, 8+t, 12+t of the group
@@ -553,16 +449,6 @@ static __device__ __forceinline__ Place place(const int* tiles) {
 // (from 64-token tiles: the tokens rounded up to 32, so a tail tile does not pay for a full
 // one), start the copies of the first K steps (all of K, or the ring's first X_AHEAD, one
 // cp.async group each) and aim the stream at them.
-// The lane roles, and the weight ring's place past the activations' (ASYNC_WEIGHTS).
-static __device__ __forceinline__ void finish_start(StreamState& st, const Place& p) {
-  st.g = p.g;
-  st.t = p.t;
-#if ASYNC_WEIGHTS
-  st.wring = st.x_base + X_REGION_BYTES + 16 * threadIdx.x;
-  st.sring = st.x_base + X_REGION_BYTES + W_WORDS_BYTES + 4 * threadIdx.x;
-#endif
-}
-
 template <typename RowOf>
 static __device__ __forceinline__ void start(StreamState& st, const Place& p, u8* x_smem,
                                              u64* srcs, const u8* x, RowOf row_of) {
@@ -581,36 +467,30 @@ static __device__ __forceinline__ void start(StreamState& st, const Place& p, u8
 #else
   for (int j = 0; j < STEPS; ++j) copy_x_step(x_stage(st.x_base, j), srcs, st.cols, j);
 #endif
-  finish_start(st, p);
+  st.g = p.g;
+  st.t = p.t;
 }
 
 #if X_TMA
-// `start` for the TMA ring: the tile's tokens are rows x_row.. of xmap; the stage barriers are
-// set up in every CTA of the cluster before any box goes out, then the first X_AHEAD steps.
+// `start` for the TMA ring: the tile's tokens are rows x_row.. of xmap; the stage barriers,
+// then the first X_AHEAD steps' boxes.
 static __device__ __forceinline__ void start_tma(StreamState& st, const Place& p, u8* x_smem,
                                                  const TensorMap* xmap, int x_row) {
-  __shared__ __align__(8) u64 full[X_STAGES], empty[X_STAGES];
+  __shared__ __align__(8) u64 full[X_STAGES];
   if (threadIdx.x == 0) {
-    for (int s = 0; s < X_STAGES; ++s) {
-      mbar_init(&full[s]);
-      mbar_init(&empty[s], CLUSTER);
-    }
+    for (int s = 0; s < X_STAGES; ++s) mbar_init(&full[s]);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  if (CLUSTER > 1)
-    cluster_sync();
-  else
-    __syncthreads();
+  __syncthreads();
   st.x_full = full;
-  st.x_empty = empty;
   st.xmap = xmap;
   st.x_row = x_row;
-  st.rank = CLUSTER > 1 ? cluster_rank() : 0;
   st.x_base = (smem_u32(x_smem) + X_ALIGN - 1) & ~(u32)(X_ALIGN - 1);
   st.cols = min(NB, (p.count + 31) / 32 * 32);
   if (threadIdx.x == 0)
-    for (int j = 0; j < X_AHEAD - X_LAG && j < STEPS; ++j) st.issue_x(j);
-  finish_start(st, p);
+    for (int j = 0; j < X_AHEAD && j < STEPS; ++j) st.issue_x(j);
+  st.g = p.g;
+  st.t = p.t;
 }
 #endif
 
@@ -620,7 +500,7 @@ static __device__ __forceinline__ void aim(StreamState& st, int m, const Place& 
                                            const u8* s, int warp_row) {
   const u64 row = (u64)p.expert * N_DIM + p.row0 + warp_row + p.g;
   st.w[m] = w + row * KB + 16 * p.t;
-  st.s[m] = s + row * KG + (K_PERMUTED && !ASYNC_WEIGHTS ? p.t : 0);
+  st.s[m] = s + row * KG + (K_PERMUTED ? p.t : 0);
 }
 
 // acc[m][q]: the sums (as in `Stream`) of the variant that covers TG token groups; zeros past.
@@ -630,7 +510,7 @@ static __device__ __forceinline__ void run_variant(const StreamState& state,
                                                    float (&acc)[MATS][TOKG][4]) {
   static_assert(TG <= TOKG, "a variant covers at most the tile's tokens");
   Stream<TG> st(state);
-  ring_loop<Stream<TG>::kDepth>(st, STEPS);
+  ring_loop<(2 * TG <= TOKG ? TAIL_DEPTH : DEPTH)>(st, STEPS);
   asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
 #pragma unroll
   for (int m = 0; m < MATS; ++m)
@@ -687,6 +567,9 @@ moe_w13(
         u16* __restrict__ h,                      // [P, N_DIM] bf16
         float limit, float amax_floor) {
   extern __shared__ __align__(128) u8 x_tile[];
+#if !X_TMA
+  __shared__ __align__(128) u64 srcs[NB];
+#endif
   __shared__ float half_amax[4 * WG][NB];  // each warp's amax per token over its 16 rows
   const Place p = place(tiles);
   if (p.expert < 0) return;
@@ -696,7 +579,6 @@ moe_w13(
 #if X_TMA
   start_tma(st, p, x_tile, &x_map, p.first);
 #else
-  __shared__ __align__(128) u64 srcs[NB];
   start(st, p, x_tile, srcs, xa, [&](int n) { return sorted_token[p.first + n]; });
 #endif
 #if SPLIT_GATE
@@ -762,9 +644,6 @@ moe_w13(
         h[(u64)(p.first + n) * N_DIM + h_column(row)] = fp8_round_trip(v[q][c1][r], sc);
       }
     }
-#if CLUSTER > 1
-  cluster_sync();  // no CTA leaves while another may still signal its barriers
-#endif
 }
 
 #else
@@ -781,6 +660,9 @@ moe_w2(
        const int* __restrict__ tiles,                         // [tiles, 3]
        u16* __restrict__ y) {                                 // [P, N_DIM] bf16
   extern __shared__ __align__(128) u8 x_tile[];
+#if !X_TMA
+  __shared__ __align__(128) u64 srcs[NB];
+#endif
   const Place p = place(tiles);
   if (p.expert < 0) return;
   float acc[MATS][TOKG][4];
@@ -789,7 +671,6 @@ moe_w2(
 #if X_TMA
   start_tma(st, p, x_tile, &x_map, p.first);
 #else
-  __shared__ __align__(128) u64 srcs[NB];
   start(st, p, x_tile, srcs, h, [&](int n) { return p.first + n; });
 #endif
 #pragma unroll
@@ -807,9 +688,6 @@ moe_w2(
           y[(u64)(p.first + n) * N_DIM + row] = bf16_bits(acc[m][q][c]);
         }
       }
-#if CLUSTER > 1
-  cluster_sync();
-#endif
 }
 
 #endif
