@@ -193,6 +193,7 @@ struct Step {
   u32 s[MATS][2];
 };
 
+#if !DIRECT_WORDS
 // Each warp's shared scratch for one step's packed bytes: [matrix][row half][g][4 groups][4
 // words], group c's 16 bytes stored byte-transposed (word j holds byte j of each of its 4
 // words: bytes j, 4+j, 8+j, 12+j, the fragment slots of thread t = j) in 16-byte slot
@@ -215,6 +216,7 @@ static __device__ __forceinline__ void transpose_bytes(const u32 (&w)[4], u32 (&
   asm("prmt.b32 %0, %1, %2, 0x5410;" : "=r"(o[2]) : "r"(a1), "r"(a3));
   asm("prmt.b32 %0, %1, %2, 0x7632;" : "=r"(o[3]) : "r"(a1), "r"(a3));
 }
+#endif
 
 // `scale_pair` of byte c of a word of 4 UE8M0 scale bytes that each had 126 added (no carry
 // for bytes up to 128, the range scale_pair is finite for): the byte into bits 8..15 and 24..31
@@ -225,6 +227,7 @@ static __device__ __forceinline__ u32 scale_pair_of(u32 sw126, int c) {
   return b >> 1;
 }
 
+#if !X_TMA
 #define X_COPIES ((16 * NB + THREADS - 1) / THREADS)  // 16-byte copies per thread and K step
 
 // Token n's row of the activations as `copy_x_step` reads it: the row's address, with bit 0 set
@@ -255,6 +258,7 @@ static __device__ __forceinline__ void copy_x_step(u32 stage, const u64* srcs, i
                  : "memory");
   }
 }
+#endif
 
 // The shared address of K step j's stage.
 static __device__ __forceinline__ u32 x_stage(u32 x_base, int j) {
@@ -336,7 +340,6 @@ struct Stream : StreamState {
       }
   }
 
-
   __device__ __forceinline__ void compute(const Step& st) {
 #if X_TMA
     // this step's boxes have landed; past the barrier every warpgroup has waited for its wgmmas
@@ -384,8 +387,7 @@ struct Stream : StreamState {
       for (int h = 0; h < 2; ++h) sw[m][h] = st.s[m][h] + 0x7E7E7E7Eu;
 #pragma unroll
     for (int c = 0; c < 4; ++c) {  // group c: k16 steps 2c and 2c + 1
-#if X_TMA
-#elif X_STAGES
+#if X_STAGES && !X_TMA
       if (refill)
         copy_x_step(refill_stage, srcs, cols, step + X_AHEAD, c * X_COPIES / 4,
                     (c + 1) * X_COPIES / 4);
