@@ -730,6 +730,9 @@ def cuda_prefill_candidates() -> dict:
         "pf t64 w13 2wg mb2": replace(p, tile_tokens=64, warpgroups1=2, min_blocks1=2),
         # the twelfth session's kernels: the activations copied by every thread (cp.async),
         # weights one step ahead, tails two
+        # batch-invariant mode on the checkpoint's order could run this (the byte exchange; the
+        # prefill tiles' bits, tested) instead of Triton's PREFILL: not timed yet
+        "inv exchange": replace(f, fragment_weights=False),
         "pf copy": replace(p, x_tma=False, depth1=1, depth2=1, tail_depth=2),
         "frag copy": replace(f, x_tma=False, depth1=1, depth2=1, tail_depth=2),
         # (thirteenth session, not kept; commit 1b87f30 has them: the activations multicast

@@ -275,13 +275,13 @@ def _wgmma_shared_bytes(kind: str, k: int, cfg: MoeDecodeWgmmaConfig) -> int:
 def _wgmma_static_bytes(kind: str, cfg: MoeDecodeWgmmaConfig) -> int:
     """The static shared memory of wgmma kernel `kind` (moe_decode_wgmma.cu), as the cubin
     declares it: each warp's scratch for one K step of packed bytes (none with fragment-order
-    weights), W1/W3's per-warp amax exchange, the tile's token row addresses (with x_tma two
-    barriers per stage instead; 128-byte aligned) and the 1 KiB that sm_90 reserves per CTA."""
+    weights), W1/W3's per-warp amax exchange, the tile's token row addresses (with x_tma a
+    barrier per stage instead; 128-byte aligned) and the 1 KiB that sm_90 reserves per CTA."""
     warps = 4 * (cfg.warpgroups1 if kind == "w13" else cfg.warpgroups2)
     mats = _wgmma_mats(kind, cfg)
     amax = warps * cfg.tile_tokens * 4 if kind == "w13" else 0
     scratch = 0 if cfg.fragment_weights or cfg.permuted_k else warps * mats * 2 * 8 * 64
-    rows = 16 * cfg.x_stages if cfg.x_tma else cfg.tile_tokens * 8
+    rows = 8 * cfg.x_stages if cfg.x_tma else cfg.tile_tokens * 8
     rows = -(-rows // 128) * 128
     return scratch + amax + rows + 1024
 
