@@ -515,8 +515,9 @@ def test_wgmma_rows_are_the_triton_prefill_tiles_bits(t, d, i, e, k):
 @pytest.mark.parametrize(("t", "d", "i", "e", "k"), [(300, 512, 256, 16, 6), (1000, *V41, 384, 6)])
 def test_wgmma_prefill_tiles_give_the_triton_prefill_bits(t, d, i, e, k):
     """Prefill tiles (up to 128 tokens; tail tiles on narrower wgmmas) streamed through a ring
-    of K steps, on 1, 2 or 4 warpgroups (W1/W3 split over warpgroup pairs), W2 with 1 or 2 row
-    sets, either byte order: every routed row bitwise the Triton tier's prefill tiles."""
+    of K steps (copied by every thread, or by the TMA from the routed rows in tile order), on 1,
+    2 or 4 warpgroups (W1/W3 split over warpgroup pairs), W2 with 1 or 2 row sets, either byte
+    order: every routed row bitwise the Triton tier's prefill tiles."""
     from deepinfer_kernels.quant import fp4_fragment_order as f
     from deepinfer_kernels.triton import moe as tmoe
 
