@@ -131,6 +131,15 @@ FRAGMENT = md.WGMMA_FRAGMENT
 _COPY = dict(x_tma=False, depth1=1, depth2=1, tail_depth=2)
 COPY_PREFILL = replace(md.WGMMA_PREFILL, **_COPY)
 COPY_PREFILL_FRAGMENT = replace(md.WGMMA_PREFILL_FRAGMENT, **_COPY)
+# every default wgmma config, and the copied-ring prefill kernels
+WGMMA_CONFIGS = [
+    md.WGMMA_DEFAULT,
+    FRAGMENT,
+    md.WGMMA_PREFILL,
+    md.WGMMA_PREFILL_FRAGMENT,
+    COPY_PREFILL,
+    COPY_PREFILL_FRAGMENT,
+]
 
 
 def test_shape_reasons():
@@ -303,17 +312,7 @@ def test_permuted_k_is_for_auto_mode_on_the_checkpoint_order():
 
 
 @needs_nvrtc
-@pytest.mark.parametrize(
-    "cfg",
-    [
-        md.WGMMA_DEFAULT,
-        FRAGMENT,
-        md.WGMMA_PREFILL_FRAGMENT,
-        md.WGMMA_PREFILL,
-        COPY_PREFILL,
-        COPY_PREFILL_FRAGMENT,
-    ],
-)
+@pytest.mark.parametrize("cfg", WGMMA_CONFIGS)
 @pytest.mark.parametrize("kind", ["w13", "w2"])
 def test_wgmma_kernels_compile_without_local_memory(kind, cfg, tmp_path):
     """The wgmma kernels compile for sm_90a (NVRTC on CPU) at V4.1's dims; with cuobjdump: no
@@ -338,17 +337,7 @@ def test_wgmma_kernels_compile_without_local_memory(kind, cfg, tmp_path):
 
 
 @needs_nvrtc
-@pytest.mark.parametrize(
-    "cfg",
-    [
-        md.WGMMA_DEFAULT,
-        FRAGMENT,
-        md.WGMMA_PREFILL,
-        md.WGMMA_PREFILL_FRAGMENT,
-        COPY_PREFILL,
-        COPY_PREFILL_FRAGMENT,
-    ],
-)
+@pytest.mark.parametrize("cfg", WGMMA_CONFIGS)
 @pytest.mark.parametrize("kind", ["w13", "w2"])
 def test_wgmma_kernels_keep_their_wgmmas_in_flight(kind, cfg):
     """ptxas does not serialize the wgmmas (its C751x remarks in NVRTC's log, such as C7515: an
@@ -359,17 +348,7 @@ def test_wgmma_kernels_keep_their_wgmmas_in_flight(kind, cfg):
 
 
 @needs_nvrtc
-@pytest.mark.parametrize(
-    "cfg",
-    [
-        md.WGMMA_DEFAULT,
-        FRAGMENT,
-        md.WGMMA_PREFILL,
-        md.WGMMA_PREFILL_FRAGMENT,
-        COPY_PREFILL,
-        COPY_PREFILL_FRAGMENT,
-    ],
-)
+@pytest.mark.parametrize("cfg", WGMMA_CONFIGS)
 def test_wgmma_kernels_compile_at_the_smallest_dims_they_take(cfg):
     """Every small (D, I) that shape_reason lets through compiles, down to one K step: with W1
     and W3 on separate warpgroups the dynamic shared memory then holds W3's sums, not the
