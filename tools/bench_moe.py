@@ -454,6 +454,9 @@ def cuda_decode_candidates() -> dict:
         # is WGMMA_FRAGMENT since the eleventh session, 4-5% faster than "mb1 d4" (the old one)
         "cuda inv frag w4 d4": replace(cmd.WGMMA_FRAGMENT, warpgroups1=4, depth1=4),
         "cuda inv frag w4 d6": replace(cmd.WGMMA_FRAGMENT, warpgroups1=4, depth1=6),
+        # one wgmma group in flight while the next one's weights expand (see "pf g2")
+        "cuda inv g2": replace(cmd.WGMMA_DEFAULT, wgmma_groups=2),
+        "cuda inv frag g2": replace(cmd.WGMMA_FRAGMENT, wgmma_groups=2),
         # measured before (NOTES.md): split1=2 / 5 / 8, 16-token tiles, min_blocks 2 / 4, W2 with
         # 2 row tiles x 4 warps; L2 prefetches, the L2 fetch size and a dependent W2 launch
         # (eighth session, not kept)
@@ -728,13 +731,21 @@ def cuda_prefill_candidates() -> dict:
         "pf unpinned": replace(p, pinned_loads=False),
         "pf w2 2wg mb2": replace(p, warpgroups2=2, min_blocks2=2),
         "pf t64 w13 2wg mb2": replace(p, tile_tokens=64, warpgroups1=2, min_blocks1=2),
+        # batch-invariant mode's prefill on the checkpoint's order (the byte exchange; the
+        # prefill tiles' bits): 1.11x WGMMA_PREFILL's time at 8K tokens (fourteenth session)
+        "WGMMA_PREFILL_EXCHANGE": cmd.WGMMA_PREFILL_EXCHANGE,
         # the twelfth session's kernels: the activations copied by every thread (cp.async),
-        # weights one step ahead, tails two
-        # batch-invariant mode on the checkpoint's order could run this (the byte exchange; the
-        # prefill tiles' bits, tested) instead of Triton's PREFILL: not timed yet
-        "inv exchange": replace(f, fragment_weights=False),
-        "pf copy": replace(p, x_tma=False, depth1=1, depth2=1, tail_depth=2),
-        "frag copy": replace(f, x_tma=False, depth1=1, depth2=1, tail_depth=2),
+        # weights one step ahead, tails two, no wgmma group in flight
+        "pf copy": replace(p, x_tma=False, depth1=1, depth2=1, tail_depth=2, wgmma_groups=1),
+        "frag copy": replace(f, x_tma=False, depth1=1, depth2=1, tail_depth=2, wgmma_groups=1),
+        # PTX's `wgmma.wait_group 1` compiles to a wait for every group (ptxas reuses the
+        # fragments' registers): the defaults' `wait_group 2` keeps one group in flight, 2-4%
+        # faster at 2K-8K tokens (fourteenth session)
+        "pf g1": replace(p, wgmma_groups=1),
+        "frag g1": replace(f, wgmma_groups=1),
+        "exchange g1": replace(cmd.WGMMA_PREFILL_EXCHANGE, wgmma_groups=1),
+        # W2 on 2 warpgroups at one CTA per SM (144 registers): W2 1.24x slower at 8K tokens
+        "pf w2 2wg": replace(p, warpgroups2=2),
         # (thirteenth session, not kept; commit 1b87f30 has them: the activations multicast
         # over a 2-CTA cluster, 1.2x slower; the weights by cp.async through a shared ring, W2
         # 2-5% faster, W1/W3 6% slower)

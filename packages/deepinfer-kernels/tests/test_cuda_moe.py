@@ -127,8 +127,8 @@ def test_fragment_weights_must_be_a_bool():
 
 FRAGMENT = md.WGMMA_FRAGMENT
 # the twelfth session's prefill kernels: the activations copied by every thread (cp.async), not
-# the TMA; weights a step ahead, tails two
-_COPY = dict(x_tma=False, depth1=1, depth2=1, tail_depth=2)
+# the TMA; weights a step ahead, tails two; no wgmma group in flight while the next expands
+_COPY = dict(x_tma=False, depth1=1, depth2=1, tail_depth=2, wgmma_groups=1)
 COPY_PREFILL = replace(md.WGMMA_PREFILL, **_COPY)
 COPY_PREFILL_FRAGMENT = replace(md.WGMMA_PREFILL_FRAGMENT, **_COPY)
 # every default wgmma config, and the copied-ring prefill kernels
@@ -137,6 +137,7 @@ WGMMA_CONFIGS = [
     FRAGMENT,
     md.WGMMA_PREFILL,
     md.WGMMA_PREFILL_FRAGMENT,
+    md.WGMMA_PREFILL_EXCHANGE,
     COPY_PREFILL,
     COPY_PREFILL_FRAGMENT,
 ]
@@ -160,6 +161,7 @@ def test_default_kernels_by_mode_and_size():
     assert md.pick_config(True, False, 1) == md.WGMMA_DEFAULT
     assert md.pick_config(True, True, 1) == md.WGMMA_FRAGMENT
     assert md.pick_config(True, True, 8192, prefill=True) == md.WGMMA_PREFILL_FRAGMENT
+    assert md.pick_config(True, False, 8192, prefill=True) == md.WGMMA_PREFILL_EXCHANGE
     assert md.pick_config(False, False, 8192, prefill=True) == md.WGMMA_PREFILL
     assert md.prefill_sized(8 * 384 + 1, 384) and not md.prefill_sized(8 * 384, 384)
     # auto mode keeps the TMA decode kernels up to 16 pairs per expert
@@ -187,11 +189,12 @@ def test_supports_reasons():
     )
     assert "bfloat16" in moe_experts_cuda_supports(*_cpu_call(dtype=torch.float32))
     prefill = _cpu_call(t=200, d=256, i=128, e=8, k=2)  # 50 pairs per expert
-    assert "prefill-sized" in moe_experts_cuda_supports(*prefill, batch_invariant=True)
-    assert moe_experts_cuda_supports(*prefill) == "input on cpu"  # WGMMA_PREFILL
+    # batch-invariant mode: WGMMA_PREFILL_EXCHANGE; auto mode: WGMMA_PREFILL
+    assert moe_experts_cuda_supports(*prefill, batch_invariant=True) == "input on cpu"
+    assert moe_experts_cuda_supports(*prefill) == "input on cpu"
     few = _cpu_call(t=40, d=256, i=128, e=8, k=2)  # 10 pairs per expert: the TMA kernels
     assert moe_experts_cuda_supports(*few) == "input on cpu"
-    assert "prefill-sized" in moe_experts_cuda_supports(*few, batch_invariant=True)
+    assert moe_experts_cuda_supports(*few, batch_invariant=True) == "input on cpu"
     assert "multiples of 128" in moe_experts_cuda_supports(*_cpu_call(t=200, e=8, k=2))
     # prefill-sized routing on fragment-order weights: the wgmma prefill kernels (W2: 256 rows
     # per CTA)
@@ -199,6 +202,8 @@ def test_supports_reasons():
     assert moe_experts_cuda_supports(*prefill, **inv) == "input on cpu"
     narrow = _cpu_call(t=40, d=128, i=128, e=8, k=2)
     assert "D=128 must be a multiple of 256" in moe_experts_cuda_supports(*narrow, **inv)
+    why = moe_experts_cuda_supports(*narrow, batch_invariant=True)
+    assert "D=128 must be a multiple of 256" in why
     assert moe_experts_cuda_supports(*args) == "input on cpu"
     x, tw, ids, w1, s1, w3, s3, w2, s2, limit = args
     assert "s3 is torch.float32" in moe_experts_cuda_supports(
@@ -324,6 +329,8 @@ def test_wgmma_kernels_compile_without_local_memory(kind, cfg, tmp_path):
     # the copied ring's W1/W3 on the checkpoint's order spills one register: a store and a load
     # per two K steps
     spills = 2 if (cfg, kind) == (COPY_PREFILL, "w13") else 0
+    # the byte exchange with a wgmma group in flight spills 16 bytes in both kernels
+    spills = 8 if cfg == md.WGMMA_PREFILL_EXCHANGE else spills
     assert len(re.findall(r"\b(LDL|STL)\b", sass)) <= spills, "the kernel spills to local memory"
     gmma = set(re.findall(r"HGMMA\.64x(\d+)x16\.F32\.BF16 R\d+, R\d+, gdesc", sass))
     n = cfg.tile_tokens
@@ -506,6 +513,8 @@ def test_wgmma_prefill_tiles_give_the_triton_prefill_bits(t, d, i, e, k):
     assert torch.equal(
         md.moe_experts(x, tw, ids, *frag, 10.0, batch_invariant=True, fragment_order=True), want
     )
+    ws = (w1, s1, w3, s3, w2, s2)
+    assert torch.equal(md.moe_experts(x, tw, ids, *ws, 10.0, batch_invariant=True), want)
     ring = dict(min_blocks1=1, min_blocks2=1, depth1=1, depth2=1)
     for cfg in (
         md.MoeDecodeWgmmaConfig(tile_tokens=128, warpgroups1=2, warpgroups2=2, row_sets2=2,
@@ -513,7 +522,8 @@ def test_wgmma_prefill_tiles_give_the_triton_prefill_bits(t, d, i, e, k):
         md.MoeDecodeWgmmaConfig(tile_tokens=64, warpgroups1=4, warpgroups2=1, row_sets2=2,
                                 x_stages=3, **ring),
         md.MoeDecodeWgmmaConfig(tile_tokens=32, warpgroups1=1, warpgroups2=4, x_stages=5, **ring),
-        replace(md.WGMMA_PREFILL_FRAGMENT, fragment_weights=False),
+        md.WGMMA_PREFILL_EXCHANGE,
+        replace(md.WGMMA_PREFILL_EXCHANGE, wgmma_groups=1),
         md.MoeDecodeWgmmaConfig(tile_tokens=64, warpgroups1=4, warpgroups2=2, row_sets2=2,
                                 x_stages=3, x_tma=True, **ring),
         md.MoeDecodeWgmmaConfig(tile_tokens=32, warpgroups1=1, warpgroups2=1, x_stages=5,
@@ -579,10 +589,9 @@ def test_fragment_order_weights_give_the_same_bits(t, d, i, e, k):
 @needs_hopper
 @pytest.mark.parametrize("fragment_order", [False, True])
 def test_ops_rows_do_not_change_across_the_decode_prefill_switch(fragment_order):
-    """Batch-invariant mode through the registry: the whole batch is prefill-sized (the Triton
-    tier, or on fragment-order weights this tier's prefill kernels), its slices decode-sized
-    (this tier's wgmma kernels); every row is bitwise the same, and the same on fragment-order
-    weights as on the checkpoint's order."""
+    """Batch-invariant mode through the registry: the whole batch is prefill-sized (this tier's
+    prefill kernels), its slices decode-sized (this tier's wgmma decode kernels); every row is
+    bitwise the same, and the same on fragment-order weights as on the checkpoint's order."""
     from deepinfer_kernels import REGISTRY, ops
     from deepinfer_kernels.quant import fp4_fragment_order as f
 
@@ -591,10 +600,7 @@ def test_ops_rows_do_not_change_across_the_decode_prefill_switch(fragment_order)
     order = dict(fragment_order=fragment_order)
     with REGISTRY.batch_invariant_mode():
         inv = dict(batch_invariant=True, **order)
-        # prefill-sized: the Triton tiles on the checkpoint's order, the wgmma prefill kernels
-        # on fragment order
-        want = "cuda" if fragment_order else "triton"
-        assert REGISTRY.resolve("moe_experts", x, tw, ids, *ws, 10.0, **inv).tier == want
+        assert REGISTRY.resolve("moe_experts", x, tw, ids, *ws, 10.0, **inv).tier == "cuda"
         full = ops.moe_experts(x, tw, ids, *ws, 10.0, **order)
         checkpoint = ops.moe_experts(x, tw, ids, w1, s1, w3, s3, w2, s2, 10.0)
         assert torch.equal(full, checkpoint)
@@ -651,7 +657,7 @@ def test_cuda_graph_replay_on_new_routing():
 def test_registry_routes_decode_sizes_here():
     """Decode-sized bf16 calls run this tier in both modes (batch-invariant: the wgmma kernels,
     bitwise the Triton tier's invariant rows); prefill-sized ones run this tier's wgmma prefill
-    kernels, and in batch-invariant mode (checkpoint order) the Triton tier."""
+    kernels in both modes."""
     from deepinfer_kernels import REGISTRY, ops
     from deepinfer_kernels.triton import moe as tmoe
 
@@ -668,4 +674,4 @@ def test_registry_routes_decode_sizes_here():
     xp, twp, idsp, *_ = _inputs(200, 256, 128, 8, 2, seed=32)
     assert REGISTRY.resolve("moe_experts", xp, twp, idsp, *ws, 10.0).tier == "cuda"
     inv = REGISTRY.resolve("moe_experts", xp, twp, idsp, *ws, 10.0, batch_invariant=True)
-    assert inv.tier == "triton"
+    assert inv.tier == "cuda"

@@ -3,9 +3,10 @@
 sums are those of the Triton tier's prefill tiles, so that a routed row's bits do not depend on
 the batch or on which path (decode or prefill) ran it: batch-invariant mode's decode kernels, and
 with 128-token routing tiles that the TMA streams through shared memory the prefill kernels
-(WGMMA_PREFILL_FRAGMENT on fragment-order weights; outside batch-invariant mode WGMMA_PREFILL on
-the checkpoint's order, which sums K in a permuted order instead of exchanging bytes: auto
-mode's kernels above WGMMA_PREFILL_PAIRS_PER_EXPERT routed pairs per expert). The
+(WGMMA_PREFILL_FRAGMENT on fragment-order weights, WGMMA_PREFILL_EXCHANGE on the checkpoint's
+order; outside batch-invariant mode WGMMA_PREFILL on the checkpoint's order, which sums K in a
+permuted order instead of exchanging bytes: auto mode's kernels above
+WGMMA_PREFILL_PAIRS_PER_EXPERT routed pairs per expert). The
 mma.sync pair loads its weights through shared memory from the tensor-memory accelerator (TMA,
 TMA_TILE16: the default) or straight into registers (REGISTER: for weights the TMA cannot copy):
 the same sums either way. From 2 tokens the TMA W2 is a programmatic dependent launch of W1/W3:
@@ -129,7 +130,9 @@ class MoeDecodeWgmmaConfig:
       them a step ahead instead of sinking them next to their use to free registers;
     - x_tma: one thread fills the activation ring (x_stages) by the tensor-memory accelerator
       from the routed rows in tile order (W1/W3: gathered as they are quantised; W2: h as it
-      is), 128-byte swizzled, instead of every thread's cp.async (tiles of 32 tokens or more).
+      is), 128-byte swizzled, instead of every thread's cp.async (tiles of 32 tokens or more);
+    - wgmma_groups: wgmma groups (a K step's quarter each) a warpgroup keeps in flight while it
+      expands the next group's weights: 1 or 2 (2 keeps one more group's weight fragments live).
 
     fragment_weights: w1, w3 and w2 are in `quant.fp4_fragment_order`, which saves each K step the
     byte exchange through shared memory (the same sums: the same bits); WGMMA_FRAGMENT is the
@@ -152,6 +155,7 @@ class MoeDecodeWgmmaConfig:
     tail_depth: int = 0
     pinned_loads: bool = False
     x_tma: bool = False
+    wgmma_groups: int = 1
     fragment_weights: bool = False
     permuted_k: bool = False
 
@@ -174,6 +178,7 @@ class MoeDecodeWgmmaConfig:
                 and not (self.x_tma and (self.x_stages == 0 or self.tile_tokens < 32)),
                 "a bool, and False without x_stages or below 32-token tiles",
             ),
+            ("wgmma_groups", self.wgmma_groups in (1, 2), "1 or 2"),
             ("fragment_weights", isinstance(self.fragment_weights, bool), "a bool"),
             (
                 "permuted_k",
@@ -196,16 +201,24 @@ registers). H200, 8-routing chained graphs: 1.13 / 1.26 / 1.21x the TMA mma.sync
 pinned loads 0-3% faster (twelfth session)."""
 WGMMA_PREFILL_FRAGMENT = MoeDecodeWgmmaConfig(
     tile_tokens=128, depth1=2, depth2=2, min_blocks1=1, min_blocks2=1, warpgroups1=4,
-    warpgroups2=4, x_stages=4, pinned_loads=True, x_tma=True, fragment_weights=True,
+    warpgroups2=4, x_stages=4, pinned_loads=True, x_tma=True, wgmma_groups=2,
+    fragment_weights=True,
 )  # fmt: skip
 """Prefill-sized routing on fragment-order weights: 128-token tiles (the wgmmas of a tail tile
 cover its tokens rounded up to 32), 4 warpgroups (W1 on two, W3 on two), weights loaded 2 K
-steps ahead (pinned loads), the activations by TMA through a ring of 4 K steps. H200, one V4.1
-layer: see NOTES.md, thirteenth session (1.5x Triton's PREFILL_FRAGMENT at 8K tokens)."""
+steps ahead (pinned loads), the activations by TMA through a ring of 4 K steps, one wgmma group
+in flight while the next expands. H200, one V4.1 layer: see NOTES.md, thirteenth and fourteenth
+sessions (1.5x Triton's PREFILL_FRAGMENT at 8K tokens; the group in flight 4% faster)."""
 WGMMA_PREFILL = replace(WGMMA_PREFILL_FRAGMENT, fragment_weights=False, permuted_k=True)
 """Auto mode's prefill (the checkpoint's order outside batch-invariant mode): the fragment
 schedule with K permuted instead of the byte exchange. H200, one V4.1 layer: see NOTES.md,
-thirteenth session (8.35 ms, 417 TFLOP/s at 8K tokens; 1.5x Triton's PREFILL)."""
+fourteenth session (8.66 ms, 402 TFLOP/s at 8K tokens in a run where Triton's PREFILL took
+13.19: 1.52x)."""
+WGMMA_PREFILL_EXCHANGE = replace(WGMMA_PREFILL_FRAGMENT, fragment_weights=False)
+"""Batch-invariant mode's prefill on the checkpoint's order: the fragment schedule with the byte
+exchange per K step (the prefill tiles' sums; it spills 16 bytes). H200, one V4.1 layer, 8K
+tokens: 1.11x WGMMA_PREFILL's time (fourteenth session; Triton's PREFILL, which ran here before,
+1.5x)."""
 WGMMA_PREFILL_PAIRS_PER_EXPERT = 16
 """Auto mode: up to this many routed pairs per expert the TMA decode kernels run, above it
 WGMMA_PREFILL (H200, one V4.1 layer: TMA_TILE16 3.4 / 4.3 / 5.9 ms, WGMMA_PREFILL 4.2 / 4.2 /
@@ -362,12 +375,11 @@ def pick_config(
 ) -> Config:
     """The kernels that a call of `tokens` tokens runs when it names no config; aligned: its
     weights and scales are 16-byte aligned (the TMA and the wgmma prefill kernels need it);
-    prefill: its routing runs the prefill kernels (`prefill_kernels`; batch-invariant mode takes
-    prefill-sized routing here on fragment-order weights only)."""
+    prefill: its routing runs the prefill kernels (`prefill_kernels`)."""
     if fragment_order:
         return WGMMA_PREFILL_FRAGMENT if prefill else WGMMA_FRAGMENT
     if batch_invariant:
-        return WGMMA_DEFAULT
+        return WGMMA_PREFILL_EXCHANGE if prefill else WGMMA_DEFAULT
     if prefill:
         return WGMMA_PREFILL
     if not aligned:
@@ -424,7 +436,7 @@ def defines(kind: str, d: int, i: int, cfg: Config) -> dict[str, int]:
             FRAGMENT_WEIGHTS=int(cfg.fragment_weights), GATED=int(w13),
             K_PERMUTED=int(cfg.permuted_k),
             X_STAGES=cfg.x_stages, PINNED_LOADS=int(cfg.pinned_loads),
-            X_TMA=int(cfg.x_tma),
+            X_TMA=int(cfg.x_tma), WGMMA_GROUPS=cfg.wgmma_groups,
         )  # fmt: skip
     return dict(
         shape, RT=cfg.rt1 if w13 else cfg.rt2, TOKG=cfg.tile_tokens // 8,
@@ -500,7 +512,8 @@ def moe_experts(
     """Routed FP4 experts (see the module docstring). x [T, D] bf16; topk_weights [T, k] fp32;
     topk_ids [T, k] (< 0: skipped); w1/w3 [E, I, D/2] int8 + s1/s3 [E, I, D/32] e8m0; w2
     [E, D, I/2] + s2 [E, D, I/32] -> [T, D] bf16. batch_invariant: the wgmma kernels (config: a
-    MoeDecodeWgmmaConfig, default WGMMA_DEFAULT); otherwise at decode sizes the mma.sync ones
+    MoeDecodeWgmmaConfig, default WGMMA_DEFAULT, or WGMMA_PREFILL_EXCHANGE for prefill-sized
+    routing); otherwise at decode sizes the mma.sync ones
     fed by the TMA (TMA up to TMA_TILE8_TOKENS tokens, else TMA_TILE16; REGISTER for unaligned
     weights: the same bits), above WGMMA_PREFILL_PAIRS_PER_EXPERT routed pairs per expert the
     wgmma ones with K permuted (WGMMA_PREFILL), or whichever kernels `config` names.

@@ -421,7 +421,7 @@ struct Stream : StreamState {
         for (int m = 0; m < MATS; ++m)
           wgmma_step<TG>(acc[m], a[m][k], x_desc_add(desc, 2 * c + k));
       asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-      asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+      asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(WGMMA_GROUPS - 1) : "memory");
     }
     ++step;
   }

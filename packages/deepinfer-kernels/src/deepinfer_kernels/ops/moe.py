@@ -54,8 +54,8 @@ REGISTRY.register(
             "bf16; auto mode up to 16 routed pairs per expert: mma.sync kernels fed by the TMA "
             "(8-token tiles up to 256 tokens, then 16; register-fed for unaligned weights), "
             "above: wgmma kernels on 128-token tiles, K permuted; batch-invariant mode: wgmma "
-            "kernels with the Triton prefill tiles' bits, decode-sized routing (pairs <= 8 x "
-            "experts) on either weight order, prefill-sized on fragment-order weights only"
+            "kernels with the Triton prefill tiles' bits on either weight order (128-token "
+            "tiles above 8 pairs per expert)"
         ),
     )
 )
@@ -94,11 +94,9 @@ def moe_experts_cuda_supports(
 ) -> str | None:  # fmt: skip
     """Why the cuda experts (`cuda/moe_decode.py`) cannot run these arguments, or None: bf16 with
     UE8M0 scales; any routing in auto mode (the TMA decode kernels, then the wgmma prefill
-    kernels); batch-invariant mode: the wgmma kernels, whose dims must be multiples of 128, for
-    prefill-sized routing on fragment-order weights only (Triton's tiles on the checkpoint's
-    order); fragment-order weights: those kernels only."""
+    kernels); batch-invariant mode: the wgmma kernels, whose dims must be multiples of 128;
+    fragment-order weights: those kernels only."""
     from ..cuda.moe_decode import (
-        PREFILL_PAIRS_PER_EXPERT,
         aligned,
         call_reason,
         order_reason,
@@ -107,11 +105,6 @@ def moe_experts_cuda_supports(
     )
 
     prefill = prefill_kernels(topk_ids.numel(), w1.shape[0], batch_invariant)
-    if prefill and batch_invariant and not fragment_order:
-        return (
-            f"prefill-sized routing (pairs > {PREFILL_PAIRS_PER_EXPERT} x experts) in "
-            "batch-invariant mode on the checkpoint's byte order"
-        )
     why = order_reason(batch_invariant, None, fragment_order)
     if why is not None:
         return why
@@ -126,8 +119,8 @@ def moe_fragment_order_pays(dim: int, inter: int, device: torch.device | str) ->
     (pass `fragment_order=True`) than on the checkpoint's byte order, for experts of hidden size
     `dim` and intermediate size `inter`. True in batch-invariant mode when the cuda tier serves
     MoE on `device` (its wgmma kernels then skip a byte exchange per K step: on the H200 1.13-1.26x
-    the auto kernels at T=1..64, and at prefill sizes its wgmma prefill kernels run instead of
-    Triton's tiles, 1.13-1.36x faster; NOTES.md, eleventh and twelfth sessions). Elsewhere the
+    the auto kernels at T=1..64; at 8K tokens its prefill kernels 1.08x faster than with the
+    exchange; NOTES.md, eleventh and fourteenth sessions). Elsewhere the
     checkpoint's order is as fast or faster: the mma.sync kernels read only it, the prefill
     kernels permute K instead, the ref tier un-permutes."""
     if not REGISTRY.batch_invariant or dim % 128 or inter % 128:
