@@ -744,6 +744,16 @@ def cuda_prefill_candidates() -> dict:
         "pf g1": replace(p, wgmma_groups=1),
         "frag g1": replace(f, wgmma_groups=1),
         "exchange g1": replace(cmd.WGMMA_PREFILL_EXCHANGE, wgmma_groups=1),
+        # 160-token tiles (`wide_tiles`, what auto and batch-invariant mode run where
+        # `wide_tiles_pay`): at 8K tokens of uniform routing an expert holds 128 +- 11 pairs, so
+        # 128-token tiles take a second pass over half the experts' weights. H200: 1.12x faster
+        # at 8K tokens, 0.99-1.06x at 16K, 5-10% slower at 2K-6K and 12K (fourteenth session)
+        "pf wide": cmd.wide_tiles(p),
+        "frag wide": cmd.wide_tiles(f),
+        "exchange wide": cmd.wide_tiles(cmd.WGMMA_PREFILL_EXCHANGE),
+        # on the 128-token tiles' schedule (weights 2 steps ahead, a group in flight) it spills
+        # (55 local loads and stores): 6% slower than `wide_tiles` at 8K-16K tokens
+        "pf t160 d2 g2": replace(p, tile_tokens=160),
         # W2 on 2 warpgroups at one CTA per SM (144 registers): W2 1.24x slower at 8K tokens
         "pf w2 2wg": replace(p, warpgroups2=2),
         # (thirteenth session, not kept; commit 1b87f30 has them: the activations multicast

@@ -138,6 +138,9 @@ WGMMA_CONFIGS = [
     md.WGMMA_PREFILL,
     md.WGMMA_PREFILL_FRAGMENT,
     md.WGMMA_PREFILL_EXCHANGE,
+    md.wide_tiles(md.WGMMA_PREFILL),
+    md.wide_tiles(md.WGMMA_PREFILL_FRAGMENT),
+    md.wide_tiles(md.WGMMA_PREFILL_EXCHANGE),
     COPY_PREFILL,
     COPY_PREFILL_FRAGMENT,
 ]
@@ -162,6 +165,17 @@ def test_default_kernels_by_mode_and_size():
     assert md.pick_config(True, True, 1) == md.WGMMA_FRAGMENT
     assert md.pick_config(True, True, 8192, prefill=True) == md.WGMMA_PREFILL_FRAGMENT
     assert md.pick_config(True, False, 8192, prefill=True) == md.WGMMA_PREFILL_EXCHANGE
+    # 160-token tiles where an expert's pairs (mean + 2 sd of uniform routing) take fewer tiles
+    for per_expert, wide in ((32, False), (96, False), (128, True), (192, False), (256, True)):
+        assert md.wide_tiles_pay(per_expert) == wide
+        for inv, frag, cfg in (
+            (False, False, md.WGMMA_PREFILL),
+            (True, False, md.WGMMA_PREFILL_EXCHANGE),
+            (True, True, md.WGMMA_PREFILL_FRAGMENT),
+        ):
+            got = md.pick_config(inv, frag, 8192, prefill=True, pairs_per_expert=per_expert)
+            assert got == (md.wide_tiles(cfg) if wide else cfg)
+    assert md.wide_tiles(md.WGMMA_PREFILL).tile_tokens == md.WIDE_TILE_TOKENS == 160
     assert md.pick_config(False, False, 8192, prefill=True) == md.WGMMA_PREFILL
     assert md.prefill_sized(8 * 384 + 1, 384) and not md.prefill_sized(8 * 384, 384)
     # auto mode keeps the TMA decode kernels up to 16 pairs per expert
@@ -329,12 +343,18 @@ def test_wgmma_kernels_compile_without_local_memory(kind, cfg, tmp_path):
     # the copied ring's W1/W3 on the checkpoint's order spills one register: a store and a load
     # per two K steps
     spills = 2 if (cfg, kind) == (COPY_PREFILL, "w13") else 0
-    # the byte exchange with a wgmma group in flight spills 16 bytes in both kernels
+    # the byte exchange spills a little: with a wgmma group in flight 16 bytes in both kernels,
+    # on 160-token tiles a register or two
     spills = 8 if cfg == md.WGMMA_PREFILL_EXCHANGE else spills
+    spills = 3 if cfg == md.wide_tiles(md.WGMMA_PREFILL_EXCHANGE) else spills
     assert len(re.findall(r"\b(LDL|STL)\b", sass)) <= spills, "the kernel spills to local memory"
     gmma = set(re.findall(r"HGMMA\.64x(\d+)x16\.F32\.BF16 R\d+, R\d+, gdesc", sass))
     n = cfg.tile_tokens
     assert gmma == ({str(v) for v in range(32, n + 1, 32)} if n >= 64 else {str(n)})
+    # ptxas keeps wgmma_groups - 1 groups in flight while the next one's weights expand (PTX's
+    # `wait_group 1` compiles to a wait for every group: the next group reuses the registers)
+    waits = set(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x\d)", sass))
+    assert waits == ({"0x0", "0x1"} if cfg.wgmma_groups == 2 else {"0x0"})
     assert "HMMA" not in sass.replace("HGMMA", "")
     stores = re.findall(r"\bSTS(\.\w+)*", sass)
     if cfg.fragment_weights or cfg.permuted_k:
@@ -524,6 +544,7 @@ def test_wgmma_prefill_tiles_give_the_triton_prefill_bits(t, d, i, e, k):
         md.MoeDecodeWgmmaConfig(tile_tokens=32, warpgroups1=1, warpgroups2=4, x_stages=5, **ring),
         md.WGMMA_PREFILL_EXCHANGE,
         replace(md.WGMMA_PREFILL_EXCHANGE, wgmma_groups=1),
+        md.wide_tiles(md.WGMMA_PREFILL_EXCHANGE),
         md.MoeDecodeWgmmaConfig(tile_tokens=64, warpgroups1=4, warpgroups2=2, row_sets2=2,
                                 x_stages=3, x_tma=True, **ring),
         md.MoeDecodeWgmmaConfig(tile_tokens=32, warpgroups1=1, warpgroups2=1, x_stages=5,
@@ -532,7 +553,11 @@ def test_wgmma_prefill_tiles_give_the_triton_prefill_bits(t, d, i, e, k):
         assert torch.equal(
             md.moe_experts(x, tw, ids, w1, s1, w3, s3, w2, s2, 10.0, config=cfg), want
         )
-    for cfg in (md.WGMMA_PREFILL_FRAGMENT, COPY_PREFILL_FRAGMENT):
+    for cfg in (
+        md.WGMMA_PREFILL_FRAGMENT,
+        COPY_PREFILL_FRAGMENT,
+        md.wide_tiles(md.WGMMA_PREFILL_FRAGMENT),
+    ):
         got = md.moe_experts(x, tw, ids, *frag, 10.0, config=cfg, fragment_order=True)
         assert torch.equal(got, want)
 
@@ -555,8 +580,10 @@ def test_permuted_k_prefill_is_close_to_ref_and_batch_independent(t, d, i, e, k)
     for lo, hi in ((0, t // 2), (t // 3, t)):
         part = md.moe_experts(x[lo:hi], tw[lo:hi], ids[lo:hi], *ws, 10.0, config=md.WGMMA_PREFILL)
         assert torch.equal(part, got[lo:hi])
-    # the activations copied by every thread instead of the TMA: the same sums
-    assert torch.equal(md.moe_experts(x, tw, ids, *ws, 10.0, config=COPY_PREFILL), got)
+    # the activations copied by every thread instead of the TMA, or 160-token tiles: the same
+    # sums
+    for cfg in (COPY_PREFILL, md.wide_tiles(md.WGMMA_PREFILL)):
+        assert torch.equal(md.moe_experts(x, tw, ids, *ws, 10.0, config=cfg), got)
 
 
 @needs_hopper

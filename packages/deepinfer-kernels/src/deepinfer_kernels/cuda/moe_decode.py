@@ -2,7 +2,7 @@
 (`moe_decode.cu`), the fastest at decode sizes, and wgmma (`moe_decode_wgmma.cu`), whose fp32
 sums are those of the Triton tier's prefill tiles, so that a routed row's bits do not depend on
 the batch or on which path (decode or prefill) ran it: batch-invariant mode's decode kernels, and
-with 128-token routing tiles that the TMA streams through shared memory the prefill kernels
+with 128- or 160-token routing tiles that the TMA streams through shared memory the prefill kernels
 (WGMMA_PREFILL_FRAGMENT on fragment-order weights, WGMMA_PREFILL_EXCHANGE on the checkpoint's
 order; outside batch-invariant mode WGMMA_PREFILL on the checkpoint's order, which sums K in a
 permuted order instead of exchanging bytes: auto mode's kernels above
@@ -20,13 +20,14 @@ summed per token in fp32 in routing order. Only the fp32 summation order differs
 reference (mma.sync: K split across SPLIT warps, summed in warp order; wgmma: one chain of k16
 steps over all of K, in order).
 
-Routing (`triton.moe.build_routing`, 8- to 128-row tiles), the activation quantisation and the final
+Routing (`triton.moe.build_routing`, 8- to 160-row tiles), the activation quantisation and the final
 combine are the Triton tier's kernels; the two GEMMs are CUDA C++ compiled at first use by NVRTC.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -109,8 +110,8 @@ TMA_TILE8_TOKENS = 256
 @dataclass(frozen=True)
 class MoeDecodeWgmmaConfig:
     """The wgmma kernels' knobs (none changes a sum):
-    - tile_tokens: routed rows per routing tile (8, 16, 32, 64 or 128: the wgmma's N; from 64,
-      a tile's wgmmas cover its tokens rounded up to 32);
+    - tile_tokens: routed rows per routing tile (8, 16, 32, 64, 128 or 160: the wgmma's N; from
+      64, a tile's wgmmas cover its tokens rounded up to 32);
     - depth1 / depth2: K steps (128 values) whose weight loads are in flight while one
       computes (1..8);
     - min_blocks1 / min_blocks2: the CTAs per SM the register allocation must allow (1..8);
@@ -161,7 +162,11 @@ class MoeDecodeWgmmaConfig:
 
     def __post_init__(self) -> None:
         checks = (
-            ("tile_tokens", self.tile_tokens in (8, 16, 32, 64, 128), "8, 16, 32, 64 or 128"),
+            (
+                "tile_tokens",
+                self.tile_tokens in (8, 16, 32, 64, 128, 160),
+                "8, 16, 32, 64, 128 or 160",
+            ),
             ("depth1", 1 <= self.depth1 <= 8, "1..8"),
             ("depth2", 1 <= self.depth2 <= 8, "1..8"),
             ("min_blocks1", 1 <= self.min_blocks1 <= 8, "1..8"),
@@ -219,6 +224,29 @@ WGMMA_PREFILL_EXCHANGE = replace(WGMMA_PREFILL_FRAGMENT, fragment_weights=False)
 exchange per K step (the prefill tiles' sums; it spills 16 bytes). H200, one V4.1 layer, 8K
 tokens: 1.11x WGMMA_PREFILL's time (fourteenth session; Triton's PREFILL, which ran here before,
 1.5x)."""
+WIDE_TILE_TOKENS = 160
+
+
+def wide_tiles(cfg: MoeDecodeWgmmaConfig) -> MoeDecodeWgmmaConfig:
+    """Prefill config cfg on 160-token routing tiles (wgmma N up to 160): weights loaded one K
+    step ahead (tails two), no wgmma group in flight while the next expands, which is what fits
+    the 4-warpgroup kernels' 128 registers (the same sums: the same bits)."""
+    return replace(
+        cfg, tile_tokens=WIDE_TILE_TOKENS, depth1=1, depth2=1, tail_depth=2, wgmma_groups=1
+    )
+
+
+def wide_tiles_pay(pairs_per_expert: float) -> bool:
+    """Whether routing with this many (token, slot) pairs per expert on average runs faster on
+    160-token routing tiles (`wide_tiles`) than on 128-token ones: each tile is one pass over its
+    expert's weights, and an expert with the mean plus two standard deviations of uniform routing
+    (m + 2 sqrt(m) pairs) takes fewer wide tiles. H200, one V4.1 layer (NOTES.md, fourteenth
+    session): at 128 pairs per expert (8K tokens) 1.12x faster, at 256 0.99-1.06x; at 32-96 and
+    192, where the tile count is the same, 5-10% slower (the shallower schedule)."""
+    reach = pairs_per_expert + 2.0 * math.sqrt(max(pairs_per_expert, 0.0))
+    return math.ceil(reach / WIDE_TILE_TOKENS) < math.ceil(reach / 128)
+
+
 WGMMA_PREFILL_PAIRS_PER_EXPERT = 16
 """Auto mode: up to this many routed pairs per expert the TMA decode kernels run, above it
 WGMMA_PREFILL (H200, one V4.1 layer: TMA_TILE16 3.4 / 4.3 / 5.9 ms, WGMMA_PREFILL 4.2 / 4.2 /
@@ -372,16 +400,22 @@ def pick_config(
     tokens: int,
     aligned: bool = True,
     prefill: bool = False,
+    pairs_per_expert: float = 0.0,
 ) -> Config:
     """The kernels that a call of `tokens` tokens runs when it names no config; aligned: its
     weights and scales are 16-byte aligned (the TMA and the wgmma prefill kernels need it);
-    prefill: its routing runs the prefill kernels (`prefill_kernels`)."""
-    if fragment_order:
-        return WGMMA_PREFILL_FRAGMENT if prefill else WGMMA_FRAGMENT
-    if batch_invariant:
-        return WGMMA_PREFILL_EXCHANGE if prefill else WGMMA_DEFAULT
+    prefill: its routing runs the prefill kernels (`prefill_kernels`), on 160-token tiles where
+    `wide_tiles_pay(pairs_per_expert)`."""
     if prefill:
-        return WGMMA_PREFILL
+        if fragment_order:
+            cfg = WGMMA_PREFILL_FRAGMENT
+        else:
+            cfg = WGMMA_PREFILL_EXCHANGE if batch_invariant else WGMMA_PREFILL
+        return wide_tiles(cfg) if wide_tiles_pay(pairs_per_expert) else cfg
+    if fragment_order:
+        return WGMMA_FRAGMENT
+    if batch_invariant:
+        return WGMMA_DEFAULT
     if not aligned:
         return REGISTER
     return TMA if tokens <= TMA_TILE8_TOKENS else TMA_TILE16
@@ -516,7 +550,8 @@ def moe_experts(
     routing); otherwise at decode sizes the mma.sync ones
     fed by the TMA (TMA up to TMA_TILE8_TOKENS tokens, else TMA_TILE16; REGISTER for unaligned
     weights: the same bits), above WGMMA_PREFILL_PAIRS_PER_EXPERT routed pairs per expert the
-    wgmma ones with K permuted (WGMMA_PREFILL), or whichever kernels `config` names.
+    wgmma ones with K permuted (WGMMA_PREFILL; on 160-token tiles where `wide_tiles_pay`), or
+    whichever kernels `config` names.
     fragment_order: w1, w3, w2 are in `quant.fp4_fragment_order`, which only the wgmma kernels
     read (default WGMMA_FRAGMENT, or WGMMA_PREFILL_FRAGMENT for prefill-sized routing; a config
     must then have fragment_weights)."""
@@ -531,7 +566,10 @@ def moe_experts(
     w1, s1, w3, s3, w2, s2 = (v.contiguous() for v in (w1, s1, w3, s3, w2, s2))
     prefill = prefill_kernels(topk_ids.numel(), e, batch_invariant)
     ws = (w1, s1, w3, s3, w2, s2)
-    cfg = config or pick_config(batch_invariant, fragment_order, t, aligned(*ws), prefill)
+    per_expert = topk_ids.numel() / e
+    cfg = config or pick_config(
+        batch_invariant, fragment_order, t, aligned(*ws), prefill, per_expert
+    )
     why = call_reason(x, {"w1": w1, "w3": w3, "w2": w2}, {"s1": s1, "s3": s3, "s2": s2}, cfg)
     if why is not None:
         raise ValueError(f"cuda moe_experts: {why}")

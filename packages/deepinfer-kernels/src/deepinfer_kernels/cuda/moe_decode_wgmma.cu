@@ -81,7 +81,8 @@ static_assert(!(FRAGMENT_WEIGHTS && K_PERMUTED), "fragment order or permuted K, 
 #define LOAD_SCALE "ld.global.nc." SCALE_TYPE
 #endif
 static_assert(X_STAGES == 0 || X_STAGES >= 3, "a ring needs 3 stages or more");
-static_assert(TOKG == 1 || TOKG == 2 || TOKG == 4 || TOKG == 8 || TOKG == 16, "TOKG: 1..16");
+static_assert(TOKG == 1 || TOKG == 2 || TOKG == 4 || TOKG == 8 || TOKG == 16 || TOKG == 20,
+              "TOKG: 1, 2, 4, 8, 16 or 20");
 
 #if X_TMA
 // wgmma's matrix descriptor of a K step's first k16 step (at shared address x_smem, 1024-byte
@@ -178,8 +179,24 @@ static __device__ __forceinline__ void wgmma_step(float (&acc)[TG][4], const u32
           ACC4(8), ACC4(9), ACC4(10), ACC4(11),
           ACC4(12), ACC4(13), ACC4(14), ACC4(15)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
+  } else if constexpr (TG == 20) {
+    asm volatile(
+        "{.reg .pred p;\n setp.ne.b32 p, %85, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n160k16.f32.bf16.bf16 {"
+        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+        "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+        "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,"
+        "%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79}, "
+        "{%80,%81,%82,%83}, %84, p, 1, 1, 0;}"
+        : ACC4(0), ACC4(1), ACC4(2), ACC4(3),
+          ACC4(4), ACC4(5), ACC4(6), ACC4(7),
+          ACC4(8), ACC4(9), ACC4(10), ACC4(11),
+          ACC4(12), ACC4(13), ACC4(14), ACC4(15),
+          ACC4(16), ACC4(17), ACC4(18), ACC4(19)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
   } else {
-    static_assert(TG != TG, "TG must be 1, 2, 4, 8, 12 or 16");
+    static_assert(TG != TG, "TG must be 1, 2, 4, 8, 12, 16 or 20");
   }
 }
 #undef ACC4
@@ -530,11 +547,13 @@ static __device__ __forceinline__ void run(const StreamState& st, float (&acc)[M
     run_variant<4>(st, acc);
   } else if (TOKG == 8 || st.cols <= 64) {
     run_variant<8>(st, acc);
-  } else if constexpr (TOKG == 16) {
+  } else if constexpr (TOKG >= 16) {
     if (st.cols <= 96)
       run_variant<12>(st, acc);
-    else
+    else if (TOKG == 16 || st.cols <= 128)
       run_variant<16>(st, acc);
+    else if constexpr (TOKG == 20)
+      run_variant<20>(st, acc);
   }
 }
 

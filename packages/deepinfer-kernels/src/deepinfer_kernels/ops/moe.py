@@ -53,9 +53,9 @@ REGISTRY.register(
         routing=(
             "bf16; auto mode up to 16 routed pairs per expert: mma.sync kernels fed by the TMA "
             "(8-token tiles up to 256 tokens, then 16; register-fed for unaligned weights), "
-            "above: wgmma kernels on 128-token tiles, K permuted; batch-invariant mode: wgmma "
-            "kernels with the Triton prefill tiles' bits on either weight order (128-token "
-            "tiles above 8 pairs per expert)"
+            "above: wgmma kernels on 128- or 160-token tiles, K permuted; batch-invariant "
+            "mode: wgmma kernels with the Triton prefill tiles' bits on either weight order "
+            "(128- or 160-token tiles above 8 pairs per expert)"
         ),
     )
 )
@@ -109,7 +109,10 @@ def moe_experts_cuda_supports(
     if why is not None:
         return why
     ws = (w1, s1, w3, s3, w2, s2)
-    cfg = pick_config(batch_invariant, fragment_order, x.shape[0], aligned(*ws), prefill)
+    per_expert = topk_ids.numel() / w1.shape[0]
+    cfg = pick_config(
+        batch_invariant, fragment_order, x.shape[0], aligned(*ws), prefill, per_expert
+    )
     weights = {"w1": w1, "w3": w3, "w2": w2}
     return call_reason(x, weights, {"s1": s1, "s3": s3, "s2": s2}, cfg)
 
