@@ -732,7 +732,7 @@ def cuda_prefill_candidates() -> dict:
         "pf w2 2wg mb2": replace(p, warpgroups2=2, min_blocks2=2),
         "pf t64 w13 2wg mb2": replace(p, tile_tokens=64, warpgroups1=2, min_blocks1=2),
         # batch-invariant mode's prefill on the checkpoint's order (the byte exchange; the
-        # prefill tiles' bits): 1.11x WGMMA_PREFILL's time at 8K tokens (fourteenth session)
+        # prefill tiles' bits): 1.09-1.11x WGMMA_PREFILL's time at 8K tokens (fourteenth session)
         "WGMMA_PREFILL_EXCHANGE": cmd.WGMMA_PREFILL_EXCHANGE,
         # the twelfth session's kernels: the activations copied by every thread (cp.async),
         # weights one step ahead, tails two, no wgmma group in flight
@@ -747,7 +747,7 @@ def cuda_prefill_candidates() -> dict:
         # 160-token tiles (`wide_tiles`, what auto and batch-invariant mode run where
         # `wide_tiles_pay`): at 8K tokens of uniform routing an expert holds 128 +- 11 pairs, so
         # 128-token tiles take a second pass over half the experts' weights. H200: 1.12x faster
-        # at 8K tokens, 0.99-1.06x at 16K, 5-10% slower at 2K-6K and 12K (fourteenth session)
+        # at 8K tokens, 0.99-1.06x at 16K, 3-10% slower at 2K-6K and 12K (fourteenth session)
         "pf wide": cmd.wide_tiles(p),
         "frag wide": cmd.wide_tiles(f),
         "exchange wide": cmd.wide_tiles(cmd.WGMMA_PREFILL_EXCHANGE),

@@ -217,13 +217,13 @@ sessions (1.5x Triton's PREFILL_FRAGMENT at 8K tokens; the group in flight 4% fa
 WGMMA_PREFILL = replace(WGMMA_PREFILL_FRAGMENT, fragment_weights=False, permuted_k=True)
 """Auto mode's prefill (the checkpoint's order outside batch-invariant mode): the fragment
 schedule with K permuted instead of the byte exchange. H200, one V4.1 layer: see NOTES.md,
-fourteenth session (8.66 ms, 402 TFLOP/s at 8K tokens in a run where Triton's PREFILL took
-13.19: 1.52x)."""
+fourteenth session (8.50 ms, 410 TFLOP/s at 8K tokens, 1.53x Triton's PREFILL in the same run;
+on `wide_tiles`, which auto mode runs there, 7.70 ms, 452 TFLOP/s)."""
 WGMMA_PREFILL_EXCHANGE = replace(WGMMA_PREFILL_FRAGMENT, fragment_weights=False)
 """Batch-invariant mode's prefill on the checkpoint's order: the fragment schedule with the byte
 exchange per K step (the prefill tiles' sums; it spills 16 bytes). H200, one V4.1 layer, 8K
-tokens: 1.11x WGMMA_PREFILL's time (fourteenth session; Triton's PREFILL, which ran here before,
-1.5x)."""
+tokens: 1.09-1.11x WGMMA_PREFILL's time, on `wide_tiles` 1.06-1.08x (fourteenth session;
+Triton's PREFILL, which ran here before, 1.5x)."""
 WIDE_TILE_TOKENS = 160
 
 
@@ -242,7 +242,7 @@ def wide_tiles_pay(pairs_per_expert: float) -> bool:
     expert's weights, and an expert with the mean plus two standard deviations of uniform routing
     (m + 2 sqrt(m) pairs) takes fewer wide tiles. H200, one V4.1 layer (NOTES.md, fourteenth
     session): at 128 pairs per expert (8K tokens) 1.12x faster, at 256 0.99-1.06x; at 32-96 and
-    192, where the tile count is the same, 5-10% slower (the shallower schedule)."""
+    192, where the tile count is the same, 3-10% slower (the shallower schedule)."""
     reach = pairs_per_expert + 2.0 * math.sqrt(max(pairs_per_expert, 0.0))
     return math.ceil(reach / WIDE_TILE_TOKENS) < math.ceil(reach / 128)
 

@@ -122,7 +122,7 @@ def moe_fragment_order_pays(dim: int, inter: int, device: torch.device | str) ->
     (pass `fragment_order=True`) than on the checkpoint's byte order, for experts of hidden size
     `dim` and intermediate size `inter`. True in batch-invariant mode when the cuda tier serves
     MoE on `device` (its wgmma kernels then skip a byte exchange per K step: on the H200 1.13-1.26x
-    the auto kernels at T=1..64; at 8K tokens its prefill kernels 1.08x faster than with the
+    the auto kernels at T=1..64; at 8K tokens its prefill kernels 1.04-1.06x faster than with the
     exchange; NOTES.md, eleventh and fourteenth sessions). Elsewhere the
     checkpoint's order is as fast or faster: the mma.sync kernels read only it, the prefill
     kernels permute K instead, the ref tier un-permutes."""
