@@ -454,7 +454,8 @@ def cuda_decode_candidates() -> dict:
         # is WGMMA_FRAGMENT since the eleventh session, 4-5% faster than "mb1 d4" (the old one)
         "cuda inv frag w4 d4": replace(cmd.WGMMA_FRAGMENT, warpgroups1=4, depth1=4),
         "cuda inv frag w4 d6": replace(cmd.WGMMA_FRAGMENT, warpgroups1=4, depth1=6),
-        # one wgmma group in flight while the next one's weights expand (see "pf g2")
+        # one wgmma group in flight while the next one's weights expand (see "pf g1"): chained
+        # harness T=1 2% faster, T=16 7% slower, T=64 / 256 the same (fourteenth session)
         "cuda inv g2": replace(cmd.WGMMA_DEFAULT, wgmma_groups=2),
         "cuda inv frag g2": replace(cmd.WGMMA_FRAGMENT, wgmma_groups=2),
         # measured before (NOTES.md): split1=2 / 5 / 8, 16-token tiles, min_blocks 2 / 4, W2 with

@@ -547,11 +547,11 @@ def moe_experts(
     topk_ids [T, k] (< 0: skipped); w1/w3 [E, I, D/2] int8 + s1/s3 [E, I, D/32] e8m0; w2
     [E, D, I/2] + s2 [E, D, I/32] -> [T, D] bf16. batch_invariant: the wgmma kernels (config: a
     MoeDecodeWgmmaConfig, default WGMMA_DEFAULT, or WGMMA_PREFILL_EXCHANGE for prefill-sized
-    routing); otherwise at decode sizes the mma.sync ones
-    fed by the TMA (TMA up to TMA_TILE8_TOKENS tokens, else TMA_TILE16; REGISTER for unaligned
-    weights: the same bits), above WGMMA_PREFILL_PAIRS_PER_EXPERT routed pairs per expert the
-    wgmma ones with K permuted (WGMMA_PREFILL; on 160-token tiles where `wide_tiles_pay`), or
-    whichever kernels `config` names.
+    routing); otherwise at decode sizes the mma.sync ones fed by the TMA (TMA up to
+    TMA_TILE8_TOKENS tokens, else TMA_TILE16; REGISTER for unaligned weights: the same bits),
+    above WGMMA_PREFILL_PAIRS_PER_EXPERT routed pairs per expert the wgmma ones with K permuted
+    (WGMMA_PREFILL; on 160-token tiles where `wide_tiles_pay`), or whichever kernels `config`
+    names.
     fragment_order: w1, w3, w2 are in `quant.fp4_fragment_order`, which only the wgmma kernels
     read (default WGMMA_FRAGMENT, or WGMMA_PREFILL_FRAGMENT for prefill-sized routing; a config
     must then have fragment_weights)."""
