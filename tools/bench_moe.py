@@ -755,6 +755,18 @@ def cuda_prefill_candidates() -> dict:
         # on the 128-token tiles' schedule (weights 2 steps ahead, a group in flight) it spills
         # (55 local loads and stores): 6% slower than `wide_tiles` at 8K-16K tokens
         "pf t160 d2 g2": replace(p, tile_tokens=160),
+        # the weights by TMA through the activations' ring (`w_tma`; fourteenth session:
+        # compiled without spills, 118-128 registers, not yet run on a GPU): no weight bytes in
+        # flight in registers, so 160-token tiles fit the 128-token schedule (3 stages)
+        "pf wt": replace(p, w_tma=True),
+        "frag wt": replace(f, w_tma=True),
+        "exchange wt": replace(cmd.WGMMA_PREFILL_EXCHANGE, w_tma=True),
+        "pf wt xs3": replace(p, w_tma=True, x_stages=3),
+        "pf wt t160 xs3": replace(p, w_tma=True, tile_tokens=160, x_stages=3),
+        "frag wt t160 xs3": replace(f, w_tma=True, tile_tokens=160, x_stages=3),
+        "exchange wt t160 xs3": replace(
+            cmd.WGMMA_PREFILL_EXCHANGE, w_tma=True, tile_tokens=160, x_stages=3
+        ),
         # W2 on 2 warpgroups at one CTA per SM (144 registers): W2 1.24x slower at 8K tokens
         "pf w2 2wg": replace(p, warpgroups2=2),
         # (thirteenth session, not kept; commit 1b87f30 has them: the activations multicast

@@ -131,6 +131,10 @@ FRAGMENT = md.WGMMA_FRAGMENT
 _COPY = dict(x_tma=False, depth1=1, depth2=1, tail_depth=2, wgmma_groups=1)
 COPY_PREFILL = replace(md.WGMMA_PREFILL, **_COPY)
 COPY_PREFILL_FRAGMENT = replace(md.WGMMA_PREFILL_FRAGMENT, **_COPY)
+# the weights through the TMA ring too (fourteenth session: compiled, first GPU run pending), on
+# 128-token tiles, and on 160-token tiles with the 128-token schedule in 3 stages
+W_TMA = replace(md.WGMMA_PREFILL, w_tma=True)
+W_TMA_WIDE = replace(md.WGMMA_PREFILL_EXCHANGE, w_tma=True, tile_tokens=160, x_stages=3)
 # every default wgmma config, and the copied-ring prefill kernels
 WGMMA_CONFIGS = [
     md.WGMMA_DEFAULT,
@@ -141,6 +145,9 @@ WGMMA_CONFIGS = [
     md.wide_tiles(md.WGMMA_PREFILL),
     md.wide_tiles(md.WGMMA_PREFILL_FRAGMENT),
     md.wide_tiles(md.WGMMA_PREFILL_EXCHANGE),
+    W_TMA,
+    W_TMA_WIDE,
+    replace(md.WGMMA_PREFILL_FRAGMENT, w_tma=True),
     COPY_PREFILL,
     COPY_PREFILL_FRAGMENT,
 ]
@@ -321,6 +328,22 @@ def test_x_tma_needs_a_ring_of_32_token_boxes():
     assert md._wgmma_shared_bytes("w13", 5120, md.WGMMA_PREFILL) == (
         md._wgmma_shared_bytes("w13", 5120, COPY_PREFILL) + 1024
     )
+
+
+def test_w_tma_takes_the_weights_through_the_activation_ring():
+    with pytest.raises(ValueError, match="w_tma must be a bool, and False without x_tma"):
+        replace(COPY_PREFILL, w_tma=True)
+    with pytest.raises(ValueError, match="w_tma must be"):
+        replace(md.WGMMA_PREFILL, w_tma=1)
+    # per stage 64 bytes of each weight row of the CTA: W1/W3 128 rows of each, W2 256 rows
+    for kind, k in (("w13", 5120), ("w2", 2304)):
+        grown = md._wgmma_shared_bytes(kind, k, W_TMA) - md._wgmma_shared_bytes(
+            kind, k, md.WGMMA_PREFILL
+        )
+        assert grown == 4 * 256 * 64
+    # 160-token tiles in 4 stages do not fit with the weights, in 3 they do
+    assert "over" in md.shape_reason(*V41, replace(W_TMA_WIDE, x_stages=4))
+    assert md.shape_reason(*V41, W_TMA_WIDE) is None
 
 
 def test_permuted_k_is_for_auto_mode_on_the_checkpoint_order():
@@ -545,6 +568,8 @@ def test_wgmma_prefill_tiles_give_the_triton_prefill_bits(t, d, i, e, k):
         md.WGMMA_PREFILL_EXCHANGE,
         replace(md.WGMMA_PREFILL_EXCHANGE, wgmma_groups=1),
         md.wide_tiles(md.WGMMA_PREFILL_EXCHANGE),
+        replace(md.WGMMA_PREFILL_EXCHANGE, w_tma=True),
+        W_TMA_WIDE,
         md.MoeDecodeWgmmaConfig(tile_tokens=64, warpgroups1=4, warpgroups2=2, row_sets2=2,
                                 x_stages=3, x_tma=True, **ring),
         md.MoeDecodeWgmmaConfig(tile_tokens=32, warpgroups1=1, warpgroups2=1, x_stages=5,
@@ -557,6 +582,7 @@ def test_wgmma_prefill_tiles_give_the_triton_prefill_bits(t, d, i, e, k):
         md.WGMMA_PREFILL_FRAGMENT,
         COPY_PREFILL_FRAGMENT,
         md.wide_tiles(md.WGMMA_PREFILL_FRAGMENT),
+        replace(md.WGMMA_PREFILL_FRAGMENT, w_tma=True),
     ):
         got = md.moe_experts(x, tw, ids, *frag, 10.0, config=cfg, fragment_order=True)
         assert torch.equal(got, want)
@@ -580,9 +606,9 @@ def test_permuted_k_prefill_is_close_to_ref_and_batch_independent(t, d, i, e, k)
     for lo, hi in ((0, t // 2), (t // 3, t)):
         part = md.moe_experts(x[lo:hi], tw[lo:hi], ids[lo:hi], *ws, 10.0, config=md.WGMMA_PREFILL)
         assert torch.equal(part, got[lo:hi])
-    # the activations copied by every thread instead of the TMA, or 160-token tiles: the same
-    # sums
-    for cfg in (COPY_PREFILL, md.wide_tiles(md.WGMMA_PREFILL)):
+    # the activations copied by every thread instead of the TMA, 160-token tiles, the weights by
+    # TMA: the same sums
+    for cfg in (COPY_PREFILL, md.wide_tiles(md.WGMMA_PREFILL), W_TMA):
         assert torch.equal(md.moe_experts(x, tw, ids, *ws, 10.0, config=cfg), got)
 
 

@@ -133,7 +133,11 @@ class MoeDecodeWgmmaConfig:
       from the routed rows in tile order (W1/W3: gathered as they are quantised; W2: h as it
       is), 128-byte swizzled, instead of every thread's cp.async (tiles of 32 tokens or more);
     - wgmma_groups: wgmma groups (a K step's quarter each) a warpgroup keeps in flight while it
-      expands the next group's weights: 1 or 2 (2 keeps one more group's weight fragments live).
+      expands the next group's weights: 1 or 2 (2 keeps one more group's weight fragments live);
+    - w_tma: the weights' packed bytes come through the activation ring too, one TMA box of a
+      row set's rows per matrix and K step, x_stages - 2 steps ahead, instead of each thread's
+      loads depth1 / depth2 steps ahead (which then apply to the scale bytes only): no weight
+      bytes in flight in registers (needs x_tma).
 
     fragment_weights: w1, w3 and w2 are in `quant.fp4_fragment_order`, which saves each K step the
     byte exchange through shared memory (the same sums: the same bits); WGMMA_FRAGMENT is the
@@ -157,6 +161,7 @@ class MoeDecodeWgmmaConfig:
     pinned_loads: bool = False
     x_tma: bool = False
     wgmma_groups: int = 1
+    w_tma: bool = False
     fragment_weights: bool = False
     permuted_k: bool = False
 
@@ -184,6 +189,11 @@ class MoeDecodeWgmmaConfig:
                 "a bool, and False without x_stages or below 32-token tiles",
             ),
             ("wgmma_groups", self.wgmma_groups in (1, 2), "1 or 2"),
+            (
+                "w_tma",
+                isinstance(self.w_tma, bool) and not (self.w_tma and not self.x_tma),
+                "a bool, and False without x_tma",
+            ),
             ("fragment_weights", isinstance(self.fragment_weights, bool), "a bool"),
             (
                 "permuted_k",
@@ -305,12 +315,15 @@ def _wgmma_shared_bytes(kind: str, k: int, cfg: MoeDecodeWgmmaConfig) -> int:
     """The dynamic shared memory of wgmma kernel `kind` with reduction length k (the .cu's
     DYN_BYTES): the routing tile's bf16 activations, over all of K or x_stages K steps of 128;
     with W1 and W3 on separate warpgroup pairs at least W3's fp32 sums (8 warps x 32 lanes x 4 per
-    8 tokens), which that memory takes to W1's warpgroups afterwards; with x_tma 1 KiB more,
-    to start the swizzled stages on 1024 bytes."""
+    8 tokens), which that memory takes to W1's warpgroups afterwards; with w_tma each stage's
+    weight boxes (64 bytes per row of the CTA's); with x_tma 1 KiB more, to start the swizzled
+    stages on 1024 bytes."""
     x_bytes = (128 * cfg.x_stages if cfg.x_stages else k) * cfg.tile_tokens * 2
     split_gate = kind == "w13" and cfg.warpgroups1 == 4
     w3_sums = 8 * 32 * 4 * 4 * (cfg.tile_tokens // 8) if split_gate else 0
-    return max(x_bytes, w3_sums) + (1024 if cfg.x_tma else 0)
+    w_rows = _wgmma_rows(kind, cfg) * (2 if kind == "w13" else 1)
+    w_bytes = cfg.x_stages * w_rows * 64 if cfg.w_tma else 0
+    return max(x_bytes, w3_sums) + w_bytes + (1024 if cfg.x_tma else 0)
 
 
 def _wgmma_static_bytes(kind: str, cfg: MoeDecodeWgmmaConfig) -> int:
@@ -357,7 +370,8 @@ def shape_reason(d: int, i: int, cfg: Config = REGISTER) -> str | None:
             if need > MAX_SHARED:
                 return (
                     f"the {kind} kernel needs {need} bytes of shared memory (a "
-                    f"{cfg.tile_tokens}-token tile of K={k} activations), over {MAX_SHARED}"
+                    f"{cfg.tile_tokens}-token tile of K={k} activations"
+                    f"{', the weight boxes' if cfg.w_tma else ''}), over {MAX_SHARED}"
                 )
         return None
     if i % (16 * cfg.rt1):
@@ -470,7 +484,7 @@ def defines(kind: str, d: int, i: int, cfg: Config) -> dict[str, int]:
             FRAGMENT_WEIGHTS=int(cfg.fragment_weights), GATED=int(w13),
             K_PERMUTED=int(cfg.permuted_k),
             X_STAGES=cfg.x_stages, PINNED_LOADS=int(cfg.pinned_loads),
-            X_TMA=int(cfg.x_tma), WGMMA_GROUPS=cfg.wgmma_groups,
+            X_TMA=int(cfg.x_tma), WGMMA_GROUPS=cfg.wgmma_groups, W_TMA=int(cfg.w_tma),
         )  # fmt: skip
     return dict(
         shape, RT=cfg.rt1 if w13 else cfg.rt2, TOKG=cfg.tile_tokens // 8,
@@ -592,6 +606,10 @@ def moe_experts(
     maps1, maps2, tail, x_cap = (), (), (), None
     if x_tma:
         maps1, maps2 = (rows_map(xa),), (rows_map(h),)
+    if getattr(cfg, "w_tma", False):  # one box per matrix (W2: per row set) and K step
+        rows1 = _wgmma_rows("w13", cfg)
+        maps1 += (weight_map(w1, rows1), weight_map(w3, rows1))
+        maps2 += (weight_map(w2, WGMMA_ROWS * cfg.warpgroups2),)
     if getattr(cfg, "tma", False):
         x_cap = min(t, cfg.tile_tokens)
         maps1 = (weight_map(w1, 16 * cfg.rt1), weight_map(w3, 16 * cfg.rt1))

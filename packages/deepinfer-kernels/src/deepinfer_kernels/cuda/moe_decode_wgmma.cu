@@ -61,7 +61,18 @@ static_assert(X_STAGES >= 3 && TOKG >= 4, "X_TMA: a ring of 32-row boxes");
 #else
 #define X_ALIGN 0
 #endif
-#define DYN_BYTES (X_REGION_BYTES + X_ALIGN)
+// With W_TMA the weights' packed bytes of each K step come through the ring too (after the
+// activations' region): per stage one box of a row set's 64-byte rows per weight matrix (W1/W3:
+// W1's, then W3's; W2: its row sets), each thread reading its rows from there.
+#define W_SETS (GATED ? 2 : MATS)  // boxes per K step
+#define W_SET_ROWS (GATED ? 64 * (SPLIT_GATE ? 2 : WG) : 64 * WG)
+#if W_TMA
+static_assert(X_TMA, "W_TMA: the weights come with the activations' boxes");
+#define W_STEP_BYTES (W_SETS * W_SET_ROWS * 64)
+#else
+#define W_STEP_BYTES 0
+#endif
+#define DYN_BYTES (X_REGION_BYTES + X_STAGES * W_STEP_BYTES + X_ALIGN)
 
 static_assert(GATED ? MATS == (SPLIT_GATE ? 1 : 2) : (MATS == 1 || MATS == 2),
               "W1/W3: MATS 2 (1 on 4 warpgroups); W2: 1 or 2 row sets");
@@ -206,7 +217,9 @@ static __device__ __forceinline__ void wgmma_step(float (&acc)[TG][4], const u32
 // the 4 groups' scale bytes (one word, the same in the whole quad; with K_PERMUTED the scale
 // byte of the thread's own group t only, which spares a register for the byte's selector).
 struct Step {
+#if !W_TMA
   u32 w[MATS][2][4];
+#endif
   u32 s[MATS][2];
 };
 
@@ -301,15 +314,32 @@ struct StreamState {
   const TensorMap* xmap;  // the routed rows [rows, K_DIM] bf16, tile order
   int x_row;              // the tile's first row there
   u64* x_full;            // per stage: its boxes have landed
+#if W_TMA
+  const TensorMap* wmap[W_SETS];  // the weight matrices' rows [E N, K / 2] (W2: one map twice)
+  int w_y[W_SETS];                // each row set's first row there
+  int w_row[MATS];                // the thread's row g of set m in a stage's weights
+#endif
 
-  // (one thread) K step j's 2 x cols / 32 boxes into its stage, counted on its barrier.
+  // (one thread) K step j's 2 x cols / 32 boxes into its stage (with W_TMA and its weight
+  // boxes), counted on its barrier.
   __device__ __forceinline__ void issue_x(int j) const {
     const int s = j % X_STAGES;
-    mbar_expect(&x_full[s], cols * 256);
+    mbar_expect(&x_full[s], cols * 256 + W_STEP_BYTES);
     const u32 stage = x_stage(x_base, j);
     for (int b = 0; b < 2 * (cols / 32); ++b)
       tma_box(stage + (b & 1) * NB * 128 + (b >> 1) * 4096, xmap, j * 256 + (b & 1) * 128,
               x_row + 32 * (b >> 1), &x_full[s]);
+#if W_TMA
+#pragma unroll
+    for (int m = 0; m < W_SETS; ++m)
+      tma_box(w_stage(j) + m * W_SET_ROWS * 64, wmap[m], j * 64, w_y[m], &x_full[s]);
+#endif
+  }
+#endif
+#if W_TMA
+  // The shared address of K step j's weight boxes (past the activations' region).
+  __device__ __forceinline__ u32 w_stage(int j) const {
+    return x_base + X_REGION_BYTES + (j % X_STAGES) * W_STEP_BYTES;
   }
 #endif
 };
@@ -348,10 +378,14 @@ struct Stream : StreamState {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         if (ok) {
+#if !W_TMA
           LOAD_WEIGHTS(st.w[m][h], w[m] + 8 * h * KB);
+#endif
           asm volatile(LOAD_SCALE " %0, [%1];" : "=r"(st.s[m][h]) : "l"(s[m] + 8 * h * KG));
         } else {
+#if !W_TMA
           st.w[m][h][0] = st.w[m][h][1] = st.w[m][h][2] = st.w[m][h][3] = 0u;
+#endif
           st.s[m][h] = 0u;
         }
       }
@@ -383,6 +417,19 @@ struct Stream : StreamState {
     }
 #endif
     const u64 desc = x_desc(x_stage(x_base, step));
+#if W_TMA
+    u32 words[MATS][2][4];  // this step's packed bytes of rows g, g + 8 of each set, from its stage
+#pragma unroll
+    for (int m = 0; m < MATS; ++m)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(words[m][h][0]), "=r"(words[m][h][1]), "=r"(words[m][h][2]),
+                       "=r"(words[m][h][3])
+                     : "r"(w_stage(step) + (w_row[m] + 8 * h) * 64 + 16 * t));
+#else
+    const u32(&words)[MATS][2][4] = st.w;
+#endif
 #if !DIRECT_WORDS
     __syncwarp();  // the last step's scratch reads are done
 #pragma unroll
@@ -390,7 +437,7 @@ struct Stream : StreamState {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         u32 tw[4];
-        transpose_bytes(st.w[m][h], tw);
+        transpose_bytes(words[m][h], tw);
         asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" ::"r"(scratch_at(scratch, m, h, g, t)),
                      "r"(tw[0]), "r"(tw[1]), "r"(tw[2]), "r"(tw[3])
                      : "memory");
@@ -417,7 +464,7 @@ struct Stream : StreamState {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
 #if DIRECT_WORDS
-          const u32 mine = st.w[m][h][c];  // bytes t, 4+t, 8+t, 12+t of group c (K_PERMUTED:
+          const u32 mine = words[m][h][c];  // bytes t, 4+t, 8+t, 12+t of group c (K_PERMUTED:
                                            // bytes 4c..4c+3 of group t)
 #else
           u32 mine;  // bytes t, 4+t, 8+t, 12+t of the group
@@ -514,12 +561,16 @@ static __device__ __forceinline__ void start_tma(StreamState& st, const Place& p
 #endif
 
 // The stream's weight and scale pointers for row set m (w, s: its [E, N, K/2] and [E, N, K/32]),
-// whose warp's 16 rows start `warp_row` rows past the CTA's first.
+// whose warp's 16 rows start `warp_row` rows past the CTA's first, and `w_row` rows into a
+// stage's weight boxes (W_TMA).
 static __device__ __forceinline__ void aim(StreamState& st, int m, const Place& p, const u8* w,
-                                           const u8* s, int warp_row) {
+                                           const u8* s, int warp_row, int w_row) {
   const u64 row = (u64)p.expert * N_DIM + p.row0 + warp_row + p.g;
   st.w[m] = w + row * KB + 16 * p.t;
   st.s[m] = s + row * KG + (K_PERMUTED ? p.t : 0);
+#if W_TMA
+  st.w_row[m] = w_row + p.g;
+#endif
 }
 
 // acc[m][q]: the sums (as in `Stream`) of the variant that covers TG token groups; zeros past.
@@ -579,6 +630,10 @@ moe_w13(
         // the routed rows xa[sorted_token] [P, K_DIM] in tile order (xa, sorted_token unused)
         const __grid_constant__ TensorMap x_map,
 #endif
+#if W_TMA
+        // w1's and w3's rows [E N, K / 2] (w1, w3 unused)
+        const __grid_constant__ TensorMap w1_map, const __grid_constant__ TensorMap w3_map,
+#endif
         const u8* __restrict__ xa,  // [T, K_DIM] bf16: FP8 activations expanded exactly
         const u8* __restrict__ w1, const u8* __restrict__ s1,  // [E, N, K/2], [E, N, K/32]
         const u8* __restrict__ w3, const u8* __restrict__ s3,
@@ -597,6 +652,11 @@ moe_w13(
   float acc[MATS][TOKG][4];
   StreamState st;
   give_scratch(st, p.warp);
+#if W_TMA
+  st.wmap[0] = &w1_map;
+  st.wmap[1] = &w3_map;
+  st.w_y[0] = st.w_y[1] = p.expert * N_DIM + p.row0;
+#endif
 #if X_TMA
   start_tma(st, p, x_tile, &x_map, p.first);
 #else
@@ -605,7 +665,8 @@ moe_w13(
 #if SPLIT_GATE
   const bool up_half = p.warp >= 8;  // warpgroups 2-3: W3
   const int warp_row = 16 * (p.warp & 7);
-  aim(st, 0, p, up_half ? w3 : w1, up_half ? s3 : s1, warp_row);
+  aim(st, 0, p, up_half ? w3 : w1, up_half ? s3 : s1, warp_row,
+      (up_half ? W_SET_ROWS : 0) + warp_row);
   run(st, acc);
   // W3's sums to warpgroups 0-1 through the activations' memory (every wgmma is done past the
   // barrier)
@@ -624,8 +685,8 @@ moe_w13(
 #else
   const bool up_half = false;
   const int warp_row = 16 * p.warp;
-  aim(st, 0, p, w1, s1, warp_row);
-  aim(st, 1, p, w3, s3, warp_row);
+  aim(st, 0, p, w1, s1, warp_row, warp_row);
+  aim(st, 1, p, w3, s3, warp_row, W_SET_ROWS + warp_row);
   run(st, acc);
   const auto up_at = [&](int q, int c) { return acc[1][q][c]; };
 #endif
@@ -676,6 +737,9 @@ moe_w2(
 #if X_TMA
        const __grid_constant__ TensorMap x_map,  // h's rows (h unused)
 #endif
+#if W_TMA
+       const __grid_constant__ TensorMap w2_map,  // w2's rows [E N, K / 2] (w2 unused)
+#endif
        const u8* __restrict__ h,                              // [P, K_DIM] bf16
        const u8* __restrict__ w2, const u8* __restrict__ s2,  // [E, N, K/2], [E, N, K/32]
        const int* __restrict__ tiles,                         // [tiles, 3]
@@ -689,13 +753,23 @@ moe_w2(
   float acc[MATS][TOKG][4];
   StreamState st;
   give_scratch(st, p.warp);
+#if W_TMA
+#pragma unroll
+  for (int m = 0; m < MATS; ++m) {
+    st.wmap[m] = &w2_map;
+    st.w_y[m] = p.expert * N_DIM + p.row0 + m * W_SET_ROWS;
+  }
+#endif
 #if X_TMA
   start_tma(st, p, x_tile, &x_map, p.first);
 #else
   start(st, p, x_tile, srcs, h, [&](int n) { return p.first + n; });
 #endif
 #pragma unroll
-  for (int m = 0; m < MATS; ++m) aim(st, m, p, w2, s2, m * 64 * WG + 16 * p.warp);
+  for (int m = 0; m < MATS; ++m) {
+    const int warp_row = m * W_SET_ROWS + 16 * p.warp;
+    aim(st, m, p, w2, s2, warp_row, warp_row);
+  }
   run(st, acc);
 #pragma unroll
   for (int m = 0; m < MATS; ++m)
