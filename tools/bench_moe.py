@@ -762,6 +762,9 @@ def cuda_prefill_candidates() -> dict:
         "frag wt": replace(f, w_tma=True),
         "exchange wt": replace(cmd.WGMMA_PREFILL_EXCHANGE, w_tma=True),
         "pf wt xs3": replace(p, w_tma=True, x_stages=3),
+        # two groups in flight: 128 registers without spills only with w_tma
+        "pf wt g3": replace(p, w_tma=True, wgmma_groups=3),
+        "frag wt g3": replace(f, w_tma=True, wgmma_groups=3),
         "pf wt t160 xs3": replace(p, w_tma=True, tile_tokens=160, x_stages=3),
         "frag wt t160 xs3": replace(f, w_tma=True, tile_tokens=160, x_stages=3),
         "exchange wt t160 xs3": replace(

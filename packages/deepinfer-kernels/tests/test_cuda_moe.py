@@ -147,6 +147,7 @@ WGMMA_CONFIGS = [
     md.wide_tiles(md.WGMMA_PREFILL_EXCHANGE),
     W_TMA,
     W_TMA_WIDE,
+    replace(W_TMA, wgmma_groups=3),
     replace(md.WGMMA_PREFILL_FRAGMENT, w_tma=True),
     COPY_PREFILL,
     COPY_PREFILL_FRAGMENT,
@@ -330,6 +331,19 @@ def test_x_tma_needs_a_ring_of_32_token_boxes():
     )
 
 
+def test_wgmma_groups_in_flight_are_1_to_3():
+    assert replace(md.WGMMA_PREFILL, wgmma_groups=3).wgmma_groups == 3
+    for bad in (0, 4):
+        with pytest.raises(ValueError, match="wgmma_groups must be 1, 2 or 3"):
+            replace(md.WGMMA_PREFILL, wgmma_groups=bad)
+    # every int knob refuses floats and bools (they would reach the compile-time constants)
+    for field, bad in (("wgmma_groups", 2.0), ("depth1", True), ("tile_tokens", 128.0)):
+        with pytest.raises(ValueError, match=f"{field} must be an int"):
+            replace(md.WGMMA_PREFILL, **{field: bad})
+    with pytest.raises(ValueError, match=r"MoeDecodeCudaConfig\.depth must be an int"):
+        md.MoeDecodeCudaConfig(depth=2.0)
+
+
 def test_w_tma_takes_the_weights_through_the_activation_ring():
     with pytest.raises(ValueError, match="w_tma must be a bool, and False without x_tma"):
         replace(COPY_PREFILL, w_tma=True)
@@ -377,7 +391,7 @@ def test_wgmma_kernels_compile_without_local_memory(kind, cfg, tmp_path):
     # ptxas keeps wgmma_groups - 1 groups in flight while the next one's weights expand (PTX's
     # `wait_group 1` compiles to a wait for every group: the next group reuses the registers)
     waits = set(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x\d)", sass))
-    assert waits == ({"0x0", "0x1"} if cfg.wgmma_groups == 2 else {"0x0"})
+    assert waits == {"0x0", f"0x{cfg.wgmma_groups - 1}"}
     assert "HMMA" not in sass.replace("HGMMA", "")
     stores = re.findall(r"\bSTS(\.\w+)*", sass)
     if cfg.fragment_weights or cfg.permuted_k:
@@ -608,7 +622,12 @@ def test_permuted_k_prefill_is_close_to_ref_and_batch_independent(t, d, i, e, k)
         assert torch.equal(part, got[lo:hi])
     # the activations copied by every thread instead of the TMA, 160-token tiles, the weights by
     # TMA: the same sums
-    for cfg in (COPY_PREFILL, md.wide_tiles(md.WGMMA_PREFILL), W_TMA):
+    for cfg in (
+        COPY_PREFILL,
+        md.wide_tiles(md.WGMMA_PREFILL),
+        W_TMA,
+        replace(W_TMA, wgmma_groups=3),
+    ):
         assert torch.equal(md.moe_experts(x, tw, ids, *ws, 10.0, config=cfg), got)
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -42,7 +42,13 @@ ARCH = "sm_90a"
 
 
 def _check_fields(cfg: object, checks: tuple[tuple[str, bool, str], ...]) -> None:
-    """Raise ValueError naming the first field of cfg whose check (name, ok, allowed) fails."""
+    """Raise ValueError naming the first int field of cfg that holds another type (a float or a
+    bool would reach the kernels' compile-time constants), then the first field whose check
+    (name, ok, allowed) fails."""
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.type == "int" and type(value) is not int:
+            raise ValueError(f"{type(cfg).__name__}.{f.name} must be an int, got {value!r}")
     for name, ok, allowed in checks:
         if not ok:
             raise ValueError(
@@ -133,11 +139,13 @@ class MoeDecodeWgmmaConfig:
       from the routed rows in tile order (W1/W3: gathered as they are quantised; W2: h as it
       is), 128-byte swizzled, instead of every thread's cp.async (tiles of 32 tokens or more);
     - wgmma_groups: wgmma groups (a K step's quarter each) a warpgroup keeps in flight while it
-      expands the next group's weights: 1 or 2 (2 keeps one more group's weight fragments live);
+      expands the next group's weights: 1..3 (each keeps one more group's weight fragments
+      live; 3 fits 128 registers with w_tma only);
     - w_tma: the weights' packed bytes come through the activation ring too, one TMA box of a
       row set's rows per matrix and K step, x_stages - 2 steps ahead, instead of each thread's
       loads depth1 / depth2 steps ahead (which then apply to the scale bytes only): no weight
-      bytes in flight in registers (needs x_tma).
+      bytes in flight in registers (needs x_tma; fourteenth session: compiled, not yet run on
+      a GPU).
 
     fragment_weights: w1, w3 and w2 are in `quant.fp4_fragment_order`, which saves each K step the
     byte exchange through shared memory (the same sums: the same bits); WGMMA_FRAGMENT is the
@@ -188,7 +196,7 @@ class MoeDecodeWgmmaConfig:
                 and not (self.x_tma and (self.x_stages == 0 or self.tile_tokens < 32)),
                 "a bool, and False without x_stages or below 32-token tiles",
             ),
-            ("wgmma_groups", self.wgmma_groups in (1, 2), "1 or 2"),
+            ("wgmma_groups", self.wgmma_groups in (1, 2, 3), "1, 2 or 3"),
             (
                 "w_tma",
                 isinstance(self.w_tma, bool) and not (self.w_tma and not self.x_tma),
