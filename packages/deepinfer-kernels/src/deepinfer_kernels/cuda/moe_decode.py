@@ -443,6 +443,22 @@ def pick_config(
     return TMA if tokens <= TMA_TILE8_TOKENS else TMA_TILE16
 
 
+def default_config(
+    batch_invariant: bool,
+    fragment_order: bool,
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    weights: tuple[torch.Tensor, ...],
+) -> Config:
+    """`pick_config` for a call on x [T, D] routed by topk_ids [T, k] with weights (w1, s1, w3,
+    s3, w2, s2): whether its routing runs the prefill kernels, and its pairs per expert."""
+    pairs, experts = topk_ids.numel(), weights[0].shape[0]
+    prefill = prefill_kernels(pairs, experts, batch_invariant)
+    return pick_config(
+        batch_invariant, fragment_order, x.shape[0], aligned(*weights), prefill, pairs / experts
+    )
+
+
 def aligned(*tensors: torch.Tensor) -> bool:
     """Whether every tensor starts on a 16-byte boundary (what the TMA kernels copy in bulk)."""
     return all(t.data_ptr() % 16 == 0 for t in tensors)
@@ -586,12 +602,8 @@ def moe_experts(
     t, d = x.shape
     e, i = w1.shape[0], w1.shape[1]
     w1, s1, w3, s3, w2, s2 = (v.contiguous() for v in (w1, s1, w3, s3, w2, s2))
-    prefill = prefill_kernels(topk_ids.numel(), e, batch_invariant)
     ws = (w1, s1, w3, s3, w2, s2)
-    per_expert = topk_ids.numel() / e
-    cfg = config or pick_config(
-        batch_invariant, fragment_order, t, aligned(*ws), prefill, per_expert
-    )
+    cfg = config or default_config(batch_invariant, fragment_order, x, topk_ids, ws)
     why = call_reason(x, {"w1": w1, "w3": w3, "w2": w2}, {"s1": s1, "s3": s3, "s2": s2}, cfg)
     if why is not None:
         raise ValueError(f"cuda moe_experts: {why}")

@@ -42,7 +42,9 @@
 // W1/W3 on 4 warpgroups: W1 on warpgroups 0-1 and W3 on 2-3, so that a thread holds one
 // matrix's sums (MATS = 1) and 4 warpgroups fit an SM's registers; the epilogue pairs them
 #define SPLIT_GATE (GATED && WG == 4)
-#define ROWS_PER_CTA (GATED ? 64 * (SPLIT_GATE ? 2 : WG) : 64 * WG * MATS)
+// Weight rows of one matrix (W1/W3) or one row set (W2) per CTA; W2 has MATS row sets
+#define W_SET_ROWS (GATED ? 64 * (SPLIT_GATE ? 2 : WG) : 64 * WG)
+#define ROWS_PER_CTA (GATED ? W_SET_ROWS : W_SET_ROWS * MATS)
 #define STEPS (KG / 4)  // K steps of 128 values
 #define X_STEP_BYTES (NB * 256)  // one K step of the tile's activations
 #if X_STAGES
@@ -65,7 +67,6 @@ static_assert(X_STAGES >= 3 && TOKG >= 4, "X_TMA: a ring of 32-row boxes");
 // activations' region): per stage one box of a row set's 64-byte rows per weight matrix (W1/W3:
 // W1's, then W3's; W2: its row sets), each thread reading its rows from there.
 #define W_SETS (GATED ? 2 : MATS)  // boxes per K step
-#define W_SET_ROWS (GATED ? 64 * (SPLIT_GATE ? 2 : WG) : 64 * WG)
 #if W_TMA
 static_assert(X_TMA, "W_TMA: the weights come with the activations' boxes");
 #define W_STEP_BYTES (W_SETS * W_SET_ROWS * 64)
@@ -779,7 +780,7 @@ moe_w2(
       for (int c = 0; c < 4; ++c) {
         const int n = 8 * q + 2 * p.t + (c & 1);
         if (n < p.count) {
-          const int row = p.row0 + m * 64 * WG + 16 * p.warp + p.g + 8 * (c >> 1);
+          const int row = p.row0 + m * W_SET_ROWS + 16 * p.warp + p.g + 8 * (c >> 1);
           y[(u64)(p.first + n) * N_DIM + row] = bf16_bits(acc[m][q][c]);
         }
       }

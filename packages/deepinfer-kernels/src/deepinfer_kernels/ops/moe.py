@@ -96,23 +96,12 @@ def moe_experts_cuda_supports(
     UE8M0 scales; any routing in auto mode (the TMA decode kernels, then the wgmma prefill
     kernels); batch-invariant mode: the wgmma kernels, whose dims must be multiples of 128;
     fragment-order weights: those kernels only."""
-    from ..cuda.moe_decode import (
-        aligned,
-        call_reason,
-        order_reason,
-        pick_config,
-        prefill_kernels,
-    )
+    from ..cuda.moe_decode import call_reason, default_config, order_reason
 
-    prefill = prefill_kernels(topk_ids.numel(), w1.shape[0], batch_invariant)
     why = order_reason(batch_invariant, None, fragment_order)
     if why is not None:
         return why
-    ws = (w1, s1, w3, s3, w2, s2)
-    per_expert = topk_ids.numel() / w1.shape[0]
-    cfg = pick_config(
-        batch_invariant, fragment_order, x.shape[0], aligned(*ws), prefill, per_expert
-    )
+    cfg = default_config(batch_invariant, fragment_order, x, topk_ids, (w1, s1, w3, s3, w2, s2))
     weights = {"w1": w1, "w3": w3, "w2": w2}
     return call_reason(x, weights, {"s1": s1, "s3": s3, "s2": s2}, cfg)
 
@@ -123,9 +112,9 @@ def moe_fragment_order_pays(dim: int, inter: int, device: torch.device | str) ->
     `dim` and intermediate size `inter`. True in batch-invariant mode when the cuda tier serves
     MoE on `device` (its wgmma kernels then skip a byte exchange per K step: on the H200 1.13-1.26x
     the auto kernels at T=1..64; at 8K tokens its prefill kernels 1.04-1.06x faster than with the
-    exchange; NOTES.md, eleventh and fourteenth sessions). Elsewhere the
-    checkpoint's order is as fast or faster: the mma.sync kernels read only it, the prefill
-    kernels permute K instead, the ref tier un-permutes."""
+    exchange; NOTES.md, eleventh and fourteenth sessions). Elsewhere the checkpoint's order is as
+    fast or faster: the mma.sync kernels read only it, the prefill kernels permute K instead, the
+    ref tier un-permutes."""
     if not REGISTRY.batch_invariant or dim % 128 or inter % 128:
         return False
     device = torch.device(device)
