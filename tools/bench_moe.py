@@ -707,74 +707,53 @@ def profile_once() -> None:
 
 def cuda_prefill_candidates() -> dict:
     """name -> config: the baselines (Triton's `PREFILL` and `PREFILL_FRAGMENT`, the cuda TMA
-    decode kernels), then the wgmma kernels on the checkpoint's order (permuted K: auto mode) and
-    on fragment order (batch-invariant mode); names with `frag` run on fragment-order weights."""
+    decode kernels), then the wgmma kernels on the checkpoint's order (permuted K: auto mode; the
+    byte exchange: batch-invariant mode) and on fragment order (batch-invariant mode); names with
+    `frag` run on fragment-order weights."""
     from dataclasses import replace
 
     from deepinfer_kernels.cuda import moe_decode as cmd
     from deepinfer_kernels.triton import moe as tmoe
 
-    p, f = cmd.WGMMA_PREFILL, cmd.WGMMA_PREFILL_FRAGMENT
-    # H200 results per candidate: packages/deepinfer-kernels/NOTES.md, thirteenth session (the
-    # TMA-fed defaults 1.22x faster than the copied ring at 8K tokens; 3 stages as fast as 4,
-    # 5-6 slower; weights 1 step ahead 1-2% slower)
+    p, f, x = cmd.WGMMA_PREFILL, cmd.WGMMA_PREFILL_FRAGMENT, cmd.WGMMA_PREFILL_EXCHANGE
+    # the fourteenth session's kernels: the weights loaded by every thread 2 K steps ahead, one
+    # wgmma group in flight; the fifteenth session's defaults (weights by TMA, two groups) are
+    # 3-8% faster at 2K-16K tokens on 128-token tiles, 3-8% on 160-token ones
+    reg = dict(w_tma=False, wgmma_groups=2)
+    reg_wide = dict(reg, tile_tokens=160, depth1=1, depth2=1, tail_depth=2, wgmma_groups=1)
+    # the twelfth session's kernels: the activations copied by every thread (cp.async) as well,
+    # weights one step ahead, tails two, no wgmma group in flight (1.22x slower at 8K tokens)
+    copy = dict(x_tma=False, w_tma=False, depth1=1, depth2=1, tail_depth=2, wgmma_groups=1)
+    # H200 results per candidate: packages/deepinfer-kernels/NOTES.md, twelfth to fifteenth
+    # sessions, which also name the schedules tried and not kept
     return {
         "triton PREFILL": tmoe.PREFILL,
         "triton PREFILL_FRAGMENT frag": tmoe.PREFILL_FRAGMENT,
         "cuda TMA_TILE16": cmd.TMA_TILE16,  # auto mode's decode kernels, up to 16 pairs/expert
         "WGMMA_PREFILL": p,
         "WGMMA_PREFILL_FRAGMENT frag": f,
-        "pf xs3": replace(p, x_stages=3),
-        "pf xs5": replace(p, x_stages=5),
-        "pf xs6": replace(p, x_stages=6),
-        "pf d1": replace(p, depth1=1, depth2=1, tail_depth=2),
-        "pf w2 d1": replace(p, depth2=1),
-        "pf unpinned": replace(p, pinned_loads=False),
-        "pf w2 2wg mb2": replace(p, warpgroups2=2, min_blocks2=2),
-        "pf t64 w13 2wg mb2": replace(p, tile_tokens=64, warpgroups1=2, min_blocks1=2),
-        # batch-invariant mode's prefill on the checkpoint's order (the byte exchange; the
-        # prefill tiles' bits): 1.09-1.11x WGMMA_PREFILL's time at 8K tokens (fourteenth session)
-        "WGMMA_PREFILL_EXCHANGE": cmd.WGMMA_PREFILL_EXCHANGE,
-        # the twelfth session's kernels: the activations copied by every thread (cp.async),
-        # weights one step ahead, tails two, no wgmma group in flight
-        "pf copy": replace(p, x_tma=False, depth1=1, depth2=1, tail_depth=2, wgmma_groups=1),
-        "frag copy": replace(f, x_tma=False, depth1=1, depth2=1, tail_depth=2, wgmma_groups=1),
-        # PTX's `wgmma.wait_group 1` compiles to a wait for every group (ptxas reuses the
-        # fragments' registers): the defaults' `wait_group 2` keeps one group in flight, 2-4%
-        # faster at 2K-8K tokens (fourteenth session)
-        "pf g1": replace(p, wgmma_groups=1),
-        "frag g1": replace(f, wgmma_groups=1),
-        "exchange g1": replace(cmd.WGMMA_PREFILL_EXCHANGE, wgmma_groups=1),
-        # 160-token tiles (`wide_tiles`, what auto and batch-invariant mode run where
-        # `wide_tiles_pay`): at 8K tokens of uniform routing an expert holds 128 +- 11 pairs, so
-        # 128-token tiles take a second pass over half the experts' weights. H200: 1.12x faster
-        # at 8K tokens, 0.99-1.06x at 16K, 3-10% slower at 2K-6K and 12K (fourteenth session)
+        "WGMMA_PREFILL_EXCHANGE": x,
+        # 160-token tiles (`wide_tiles`, what both modes run where `wide_tiles_pay`)
         "pf wide": cmd.wide_tiles(p),
         "frag wide": cmd.wide_tiles(f),
-        "exchange wide": cmd.wide_tiles(cmd.WGMMA_PREFILL_EXCHANGE),
-        # on the 128-token tiles' schedule (weights 2 steps ahead, a group in flight) it spills
-        # (55 local loads and stores): 6% slower than `wide_tiles` at 8K-16K tokens
-        "pf t160 d2 g2": replace(p, tile_tokens=160),
-        # the weights by TMA through the activations' ring (`w_tma`; fourteenth session:
-        # compiled without spills, 118-128 registers, not yet run on a GPU): no weight bytes in
-        # flight in registers, so 160-token tiles fit the 128-token schedule (3 stages)
-        "pf wt": replace(p, w_tma=True),
-        "frag wt": replace(f, w_tma=True),
-        "exchange wt": replace(cmd.WGMMA_PREFILL_EXCHANGE, w_tma=True),
-        "pf wt xs3": replace(p, w_tma=True, x_stages=3),
-        # two groups in flight: 128 registers without spills only with w_tma
-        "pf wt g3": replace(p, w_tma=True, wgmma_groups=3),
-        "frag wt g3": replace(f, w_tma=True, wgmma_groups=3),
-        "pf wt t160 xs3": replace(p, w_tma=True, tile_tokens=160, x_stages=3),
-        "frag wt t160 xs3": replace(f, w_tma=True, tile_tokens=160, x_stages=3),
-        "exchange wt t160 xs3": replace(
-            cmd.WGMMA_PREFILL_EXCHANGE, w_tma=True, tile_tokens=160, x_stages=3
-        ),
-        # W2 on 2 warpgroups at one CTA per SM (144 registers): W2 1.24x slower at 8K tokens
+        "exchange wide": cmd.wide_tiles(x),
+        # two groups in flight on 160-token tiles: 4-6% slower than one
+        "pf wide g3": replace(cmd.wide_tiles(p), wgmma_groups=3),
+        "pf reg": replace(p, **reg),
+        "frag reg": replace(f, **reg),
+        "exchange reg": replace(x, **reg),
+        "pf reg wide": replace(p, **reg_wide),
+        "exchange reg wide": replace(x, **reg_wide),
+        "pf copy": replace(p, **copy),
+        "frag copy": replace(f, **copy),
+        # PTX's `wgmma.wait_group 1` compiles to a wait for every group (ptxas reuses the
+        # fragments' registers): `wgmma_groups` N keeps N - 1 groups in flight
+        "pf g1": replace(p, wgmma_groups=1),
+        "pf g2": replace(p, wgmma_groups=2),
+        "pf xs3": replace(p, x_stages=3),
+        # W2 on 2 warpgroups at one CTA per SM (144 registers; fourteenth session, weights by
+        # registers: W2 1.24x slower at 8K tokens)
         "pf w2 2wg": replace(p, warpgroups2=2),
-        # (thirteenth session, not kept; commit 1b87f30 has them: the activations multicast
-        # over a 2-CTA cluster, 1.2x slower; the weights by cp.async through a shared ring, W2
-        # 2-5% faster, W1/W3 6% slower)
     }
 
 

@@ -128,14 +128,16 @@ def test_fragment_weights_must_be_a_bool():
 FRAGMENT = md.WGMMA_FRAGMENT
 # the twelfth session's prefill kernels: the activations copied by every thread (cp.async), not
 # the TMA; weights a step ahead, tails two; no wgmma group in flight while the next expands
-_COPY = dict(x_tma=False, depth1=1, depth2=1, tail_depth=2, wgmma_groups=1)
+_COPY = dict(x_tma=False, w_tma=False, depth1=1, depth2=1, tail_depth=2, wgmma_groups=1)
 COPY_PREFILL = replace(md.WGMMA_PREFILL, **_COPY)
 COPY_PREFILL_FRAGMENT = replace(md.WGMMA_PREFILL_FRAGMENT, **_COPY)
-# the weights through the TMA ring too (fourteenth session: compiled, first GPU run pending), on
-# 128-token tiles, and on 160-token tiles with the 128-token schedule in 3 stages
-W_TMA = replace(md.WGMMA_PREFILL, w_tma=True)
-W_TMA_WIDE = replace(md.WGMMA_PREFILL_EXCHANGE, w_tma=True, tile_tokens=160, x_stages=3)
-# every default wgmma config, and the copied-ring prefill kernels
+# the fourteenth session's prefill kernels: the weights loaded by every thread 2 K steps ahead,
+# one wgmma group in flight
+_REGISTER_WEIGHTS = dict(w_tma=False, wgmma_groups=2)
+REG_PREFILL = replace(md.WGMMA_PREFILL, **_REGISTER_WEIGHTS)
+REG_PREFILL_EXCHANGE = replace(md.WGMMA_PREFILL_EXCHANGE, **_REGISTER_WEIGHTS)
+REG_PREFILL_FRAGMENT = replace(md.WGMMA_PREFILL_FRAGMENT, **_REGISTER_WEIGHTS)
+# every default wgmma config, and the register-weight and copied-ring prefill kernels
 WGMMA_CONFIGS = [
     md.WGMMA_DEFAULT,
     FRAGMENT,
@@ -145,10 +147,8 @@ WGMMA_CONFIGS = [
     md.wide_tiles(md.WGMMA_PREFILL),
     md.wide_tiles(md.WGMMA_PREFILL_FRAGMENT),
     md.wide_tiles(md.WGMMA_PREFILL_EXCHANGE),
-    W_TMA,
-    W_TMA_WIDE,
-    replace(W_TMA, wgmma_groups=3),
-    replace(md.WGMMA_PREFILL_FRAGMENT, w_tma=True),
+    REG_PREFILL,
+    REG_PREFILL_EXCHANGE,
     COPY_PREFILL,
     COPY_PREFILL_FRAGMENT,
 ]
@@ -326,7 +326,7 @@ def test_x_tma_needs_a_ring_of_32_token_boxes():
     with pytest.raises(ValueError, match="x_tma must be"):
         md.MoeDecodeWgmmaConfig(x_tma=1, x_stages=4, tile_tokens=32)
     # the swizzled stages start on 1024 bytes: 1 KiB more than the copied ring
-    assert md._wgmma_shared_bytes("w13", 5120, md.WGMMA_PREFILL) == (
+    assert md._wgmma_shared_bytes("w13", 5120, REG_PREFILL) == (
         md._wgmma_shared_bytes("w13", 5120, COPY_PREFILL) + 1024
     )
 
@@ -351,13 +351,15 @@ def test_w_tma_takes_the_weights_through_the_activation_ring():
         replace(md.WGMMA_PREFILL, w_tma=1)
     # per stage 64 bytes of each weight row of the CTA: W1/W3 128 rows of each, W2 256 rows
     for kind, k in (("w13", 5120), ("w2", 2304)):
-        grown = md._wgmma_shared_bytes(kind, k, W_TMA) - md._wgmma_shared_bytes(
-            kind, k, md.WGMMA_PREFILL
+        grown = md._wgmma_shared_bytes(kind, k, md.WGMMA_PREFILL) - md._wgmma_shared_bytes(
+            kind, k, REG_PREFILL
         )
         assert grown == 4 * 256 * 64
     # 160-token tiles in 4 stages do not fit with the weights, in 3 they do
-    assert "over" in md.shape_reason(*V41, replace(W_TMA_WIDE, x_stages=4))
-    assert md.shape_reason(*V41, W_TMA_WIDE) is None
+    wide = md.wide_tiles(md.WGMMA_PREFILL_EXCHANGE)
+    assert (wide.x_stages, wide.w_tma, wide.wgmma_groups) == (3, True, 2)
+    assert "over" in md.shape_reason(*V41, replace(wide, x_stages=4))
+    assert md.shape_reason(*V41, wide) is None
 
 
 def test_permuted_k_is_for_auto_mode_on_the_checkpoint_order():
@@ -380,10 +382,8 @@ def test_wgmma_kernels_compile_without_local_memory(kind, cfg, tmp_path):
     # the copied ring's W1/W3 on the checkpoint's order spills one register: a store and a load
     # per two K steps
     spills = 2 if (cfg, kind) == (COPY_PREFILL, "w13") else 0
-    # the byte exchange spills a little: with a wgmma group in flight 16 bytes in both kernels,
-    # on 160-token tiles a register or two
-    spills = 8 if cfg == md.WGMMA_PREFILL_EXCHANGE else spills
-    spills = 3 if cfg == md.wide_tiles(md.WGMMA_PREFILL_EXCHANGE) else spills
+    # the byte exchange with the weights in registers spills 16 bytes in both kernels
+    spills = 8 if cfg == REG_PREFILL_EXCHANGE else spills
     assert len(re.findall(r"\b(LDL|STL)\b", sass)) <= spills, "the kernel spills to local memory"
     gmma = set(re.findall(r"HGMMA\.64x(\d+)x16\.F32\.BF16 R\d+, R\d+, gdesc", sass))
     n = cfg.tile_tokens
@@ -582,8 +582,7 @@ def test_wgmma_prefill_tiles_give_the_triton_prefill_bits(t, d, i, e, k):
         md.WGMMA_PREFILL_EXCHANGE,
         replace(md.WGMMA_PREFILL_EXCHANGE, wgmma_groups=1),
         md.wide_tiles(md.WGMMA_PREFILL_EXCHANGE),
-        replace(md.WGMMA_PREFILL_EXCHANGE, w_tma=True),
-        W_TMA_WIDE,
+        REG_PREFILL_EXCHANGE,
         md.MoeDecodeWgmmaConfig(tile_tokens=64, warpgroups1=4, warpgroups2=2, row_sets2=2,
                                 x_stages=3, x_tma=True, **ring),
         md.MoeDecodeWgmmaConfig(tile_tokens=32, warpgroups1=1, warpgroups2=1, x_stages=5,
@@ -596,7 +595,7 @@ def test_wgmma_prefill_tiles_give_the_triton_prefill_bits(t, d, i, e, k):
         md.WGMMA_PREFILL_FRAGMENT,
         COPY_PREFILL_FRAGMENT,
         md.wide_tiles(md.WGMMA_PREFILL_FRAGMENT),
-        replace(md.WGMMA_PREFILL_FRAGMENT, w_tma=True),
+        REG_PREFILL_FRAGMENT,
     ):
         got = md.moe_experts(x, tw, ids, *frag, 10.0, config=cfg, fragment_order=True)
         assert torch.equal(got, want)
@@ -620,13 +619,13 @@ def test_permuted_k_prefill_is_close_to_ref_and_batch_independent(t, d, i, e, k)
     for lo, hi in ((0, t // 2), (t // 3, t)):
         part = md.moe_experts(x[lo:hi], tw[lo:hi], ids[lo:hi], *ws, 10.0, config=md.WGMMA_PREFILL)
         assert torch.equal(part, got[lo:hi])
-    # the activations copied by every thread instead of the TMA, 160-token tiles, the weights by
-    # TMA: the same sums
+    # the activations copied by every thread instead of the TMA, 160-token tiles, the weights
+    # by registers, one group in flight: the same sums
     for cfg in (
         COPY_PREFILL,
         md.wide_tiles(md.WGMMA_PREFILL),
-        W_TMA,
-        replace(W_TMA, wgmma_groups=3),
+        REG_PREFILL,
+        replace(md.WGMMA_PREFILL, wgmma_groups=1),
     ):
         assert torch.equal(md.moe_experts(x, tw, ids, *ws, 10.0, config=cfg), got)
 

@@ -140,12 +140,11 @@ class MoeDecodeWgmmaConfig:
       is), 128-byte swizzled, instead of every thread's cp.async (tiles of 32 tokens or more);
     - wgmma_groups: wgmma groups (a K step's quarter each) a warpgroup keeps in flight while it
       expands the next group's weights: 1..3 (each keeps one more group's weight fragments
-      live; 3 fits 128 registers with w_tma only);
+      live; 3 fits 128 registers with w_tma only, and not with the byte exchange);
     - w_tma: the weights' packed bytes come through the activation ring too, one TMA box of a
       row set's rows per matrix and K step, x_stages - 2 steps ahead, instead of each thread's
       loads depth1 / depth2 steps ahead (which then apply to the scale bytes only): no weight
-      bytes in flight in registers (needs x_tma; fourteenth session: compiled, not yet run on
-      a GPU).
+      bytes in flight in registers (needs x_tma).
 
     fragment_weights: w1, w3 and w2 are in `quant.fp4_fragment_order`, which saves each K step the
     byte exchange through shared memory (the same sums: the same bits); WGMMA_FRAGMENT is the
@@ -224,33 +223,39 @@ registers). H200, 8-routing chained graphs: 1.13 / 1.26 / 1.21x the TMA mma.sync
 pinned loads 0-3% faster (twelfth session)."""
 WGMMA_PREFILL_FRAGMENT = MoeDecodeWgmmaConfig(
     tile_tokens=128, depth1=2, depth2=2, min_blocks1=1, min_blocks2=1, warpgroups1=4,
-    warpgroups2=4, x_stages=4, pinned_loads=True, x_tma=True, wgmma_groups=2,
+    warpgroups2=4, x_stages=4, pinned_loads=True, x_tma=True, wgmma_groups=3, w_tma=True,
     fragment_weights=True,
 )  # fmt: skip
 """Prefill-sized routing on fragment-order weights: 128-token tiles (the wgmmas of a tail tile
-cover its tokens rounded up to 32), 4 warpgroups (W1 on two, W3 on two), weights loaded 2 K
-steps ahead (pinned loads), the activations by TMA through a ring of 4 K steps, one wgmma group
-in flight while the next expands. H200, one V4.1 layer: see NOTES.md, thirteenth and fourteenth
-sessions (1.5x Triton's PREFILL_FRAGMENT at 8K tokens; the group in flight 4% faster)."""
+cover its tokens rounded up to 32), 4 warpgroups (W1 on two, W3 on two), the activations and
+the weights' bytes by TMA through a ring of 4 K steps, the scales loaded 2 K steps ahead
+(pinned loads), two wgmma groups in flight while the next expands. H200, one V4.1 layer: see
+NOTES.md, thirteenth to fifteenth sessions (1.7x Triton's PREFILL_FRAGMENT at 2K-8K tokens; the
+weights by TMA with two groups in flight 3-8% faster than by registers with one)."""
 WGMMA_PREFILL = replace(WGMMA_PREFILL_FRAGMENT, fragment_weights=False, permuted_k=True)
 """Auto mode's prefill (the checkpoint's order outside batch-invariant mode): the fragment
 schedule with K permuted instead of the byte exchange. H200, one V4.1 layer: see NOTES.md,
-fourteenth session (8.50 ms, 410 TFLOP/s at 8K tokens, 1.53x Triton's PREFILL in the same run;
-on `wide_tiles`, which auto mode runs there, 7.70 ms, 452 TFLOP/s)."""
-WGMMA_PREFILL_EXCHANGE = replace(WGMMA_PREFILL_FRAGMENT, fragment_weights=False)
+fifteenth session (8.21 ms, 420 TFLOP/s at 8K tokens, 1.56x Triton's PREFILL in the same run;
+on `wide_tiles`, which auto mode runs there, 7.42 ms, 463 TFLOP/s, 1.73x)."""
+WGMMA_PREFILL_EXCHANGE = replace(WGMMA_PREFILL_FRAGMENT, fragment_weights=False, wgmma_groups=2)
 """Batch-invariant mode's prefill on the checkpoint's order: the fragment schedule with the byte
-exchange per K step (the prefill tiles' sums; it spills 16 bytes). H200, one V4.1 layer, 8K
-tokens: 1.09-1.11x WGMMA_PREFILL's time, on `wide_tiles` 1.06-1.08x (fourteenth session;
-Triton's PREFILL, which ran here before, 1.5x)."""
+exchange per K step (the prefill tiles' sums), one wgmma group in flight (two spill here). H200,
+one V4.1 layer: 1.09-1.16x WGMMA_PREFILL's time at 2K-16K tokens, on `wide_tiles` 1.05-1.06x
+(fifteenth session)."""
 WIDE_TILE_TOKENS = 160
 
 
 def wide_tiles(cfg: MoeDecodeWgmmaConfig) -> MoeDecodeWgmmaConfig:
-    """Prefill config cfg on 160-token routing tiles (wgmma N up to 160): weights loaded one K
-    step ahead (tails two), no wgmma group in flight while the next expands, which is what fits
-    the 4-warpgroup kernels' 128 registers (the same sums: the same bits)."""
+    """Prefill config cfg on 160-token routing tiles (wgmma N up to 160): the weights by TMA
+    through a ring of 3 K steps (4 do not fit shared memory), one wgmma group in flight while
+    the next expands (two are 4-6% slower here), which fits the 4-warpgroup kernels' 128
+    registers (the same sums: the same bits)."""
     return replace(
-        cfg, tile_tokens=WIDE_TILE_TOKENS, depth1=1, depth2=1, tail_depth=2, wgmma_groups=1
+        cfg,
+        tile_tokens=WIDE_TILE_TOKENS,
+        x_stages=3,
+        w_tma=True,
+        wgmma_groups=2,
     )
 
 
@@ -258,9 +263,9 @@ def wide_tiles_pay(pairs_per_expert: float) -> bool:
     """Whether routing with this many (token, slot) pairs per expert on average runs faster on
     160-token routing tiles (`wide_tiles`) than on 128-token ones: each tile is one pass over its
     expert's weights, and an expert with the mean plus two standard deviations of uniform routing
-    (m + 2 sqrt(m) pairs) takes fewer wide tiles. H200, one V4.1 layer (NOTES.md, fourteenth
-    session): at 128 pairs per expert (8K tokens) 1.12x faster, at 256 0.99-1.06x; at 32-96 and
-    192, where the tile count is the same, 3-10% slower (the shallower schedule)."""
+    (m + 2 sqrt(m) pairs) takes fewer wide tiles. H200, one V4.1 layer (NOTES.md, fifteenth
+    session): at 128 pairs per expert (8K tokens) 1.11-1.17x faster, at 256 1.03-1.07x; at 32,
+    64 and 192, where the tile count is the same, 4-16% slower (3 stages, one group in flight)."""
     reach = pairs_per_expert + 2.0 * math.sqrt(max(pairs_per_expert, 0.0))
     return math.ceil(reach / WIDE_TILE_TOKENS) < math.ceil(reach / 128)
 
