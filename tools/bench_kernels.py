@@ -12,9 +12,9 @@ Decode shapes rotate among several weight sets / routings so the L2 cache does n
 
 Usage (on the GPU machine): python tools/bench_kernels.py [--quick] [--json PATH] [--only PARTS]
 `--only decode4` the decode rows (single-call and 16-call chained CUDA graphs; bench_decode.py);
-`--only sweep` / `--only probe` the
-first pass's tile sweep and batch-invariance probe; `--only tilelang` the TileLang FP8 GEMM
-(`fp8_gemm[tilelang]` and tile variants, a trailing `!` marks a variant that failed its check).
+`--only sweep` / `--only probe` the first pass's tile sweep and batch-invariance probe; `--only
+tilelang` the TileLang and CUDA FP8 prefill GEMMs (`fp8_gemm[tilelang]`, `fp8_gemm[cuda]` and tile
+variants, a trailing `!` marks a variant that failed its check).
 Sections live beside it: `bench_moe.py` (the MoE layer), `bench_decode.py` (decode rows),
 `bench_common.py` (timing helpers); this file is the command line and the dense GEMM rows.
 """
@@ -140,20 +140,42 @@ TILELANG_VARIANTS = [
     ("tl 128x192 n3 d3", {"block_n": 192, "n_split": 3, "depth": 3}),
     ("tl 128x256 n2 d1", {"block_n": 256, "n_split": 2, "depth": 1}),
 ]
+CUDA_VARIANTS = [
+    # (row name, Fp8GemmCudaConfig kwargs): the CUDA kernel (`cuda/fp8_gemm.cu`; fifteenth
+    # session), its default first
+    ("cuda", {}),
+    ("cuda s5", {"stages": 5}),
+    ("cuda n64", {"block_n": 64}),
+    ("cuda g8", {"group_m": 8}),
+]
+
+
+def _gemm_variants(n: int, k: int, quick: bool) -> list:
+    """(row name, fn(xq, xs, w, ws) -> bf16 out) of the TileLang and CUDA variants."""
+    from deepinfer_kernels.cuda import fp8_gemm as cg
+    from deepinfer_kernels.tilelang import fp8_gemm as tg
+
+    out = []
+    for name, kwargs in TILELANG_VARIANTS[:4] if quick else TILELANG_VARIANTS:
+        cfg = tg.invariant_config(n, k) if kwargs is None else tg.TileConfig(**kwargs)
+        out.append((name, lambda *a, cfg=cfg: tg.fp8_gemm(*a, torch.bfloat16, config=cfg)))
+    for name, kwargs in CUDA_VARIANTS[:2] if quick else CUDA_VARIANTS:
+        cfg = cg.Fp8GemmCudaConfig(**kwargs)
+        out.append((name, lambda *a, cfg=cfg: cg.fp8_gemm(*a, torch.bfloat16, config=cfg)))
+    return out
 
 
 def tilelang_rows(quick):
-    """fp8_gemm[tilelang] (deepinfer_kernels.tilelang.fp8_gemm, FP8 wgmma with per-32 promotion)
-    at prefill shapes, beside the Triton default (`fp8_gemm[auto]`) and the torch baselines of the
-    same run. Each variant is checked against ref (printed) before it is timed."""
+    """fp8_gemm[tilelang] (deepinfer_kernels.tilelang.fp8_gemm) and fp8_gemm[cuda]
+    (deepinfer_kernels.cuda.fp8_gemm), FP8 wgmma with per-32 promotion, at prefill shapes, beside
+    the Triton default (`fp8_gemm[auto]`) and the torch baselines of the same run. Each variant is
+    checked against ref (printed) before it is timed."""
     from deepinfer_kernels import quant
     from deepinfer_kernels.ref import linear as ref_linear
-    from deepinfer_kernels.tilelang import fp8_gemm as tg
     from deepinfer_kernels.triton import linear as tl_linear
 
     shapes = [(128, 5120, 8192), (512, 5120, 8192), (2048, 5120, 8192), (8192, 5120, 8192)]
     shapes += [(8192, 32768, 1280), (16384, 5120, 8192)]
-    variants = TILELANG_VARIANTS[:4] if quick else TILELANG_VARIANTS
     rows = []
     for m, n, k in shapes:
         copies = max(1, min(4, (256 << 20) // (n * k)))  # > 256 MiB of weights in rotation
@@ -176,24 +198,16 @@ def tilelang_rows(quick):
         )
         rows.append(dict(op="fp8_gemm[auto]", ms=ms, **base))
         want = ref_linear.fp8_gemm(*sets[0][1:], torch.float32)
-        for name, kwargs in variants:
-            cfg = tg.invariant_config(n, k) if kwargs is None else tg.TileConfig(**kwargs)
+        for name, fn in _gemm_variants(n, k, quick):
             try:
-                got = tg.fp8_gemm(*sets[0][1:], torch.bfloat16, config=cfg)
+                got = fn(*sets[0][1:])
             except Exception as e:  # a failing variant must not hide the others' numbers
                 print(f"fp8_gemm[{name}] {shape}: FAILED {type(e).__name__}: {e}", flush=True)
                 continue
             diff = got.double() - want.double()
             rel = (diff.norm() / want.double().norm()).item()
             ok = bool(torch.isfinite(got).all()) and rel < 1e-2
-            ms = bench_ms(
-                Rotating(
-                    lambda x, xq, xs, w, ws, cfg=cfg: tg.fp8_gemm(
-                        xq, xs, w, ws, torch.bfloat16, config=cfg
-                    ),
-                    sets,
-                )
-            )
+            ms = bench_ms(Rotating(lambda x, xq, xs, w, ws, fn=fn: fn(xq, xs, w, ws), sets))
             tflops = flops / ms / 1e9
             print(f"fp8_gemm[{name}] {shape}: rel {rel:.2e} {'ok' if ok else 'WRONG'} "
                   f"{ms:.4f} ms {tflops:.0f} TFLOP/s", flush=True)  # fmt: skip
@@ -412,7 +426,7 @@ def main() -> None:
         default="gemm,moe,quant",
         help="comma list of gemm, moe, quant, decode4 (single-call and "
         "16-call chained graphs, TileLang decode candidates), sweep, "
-        "probe, tilelang (the TileLang FP8 GEMM at prefill shapes)",
+        "probe, tilelang (the TileLang and CUDA FP8 GEMMs at prefill shapes)",
     )
     ap.add_argument(
         "--moe-tokens",

@@ -40,3 +40,18 @@ def compile_sass(source: str, tmp_path: Path) -> tuple[str, list[str]]:
     ).stdout
     ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\d\s+)?([A-Z][A-Za-z0-9_.]*)", sass)
     return built.stdout + built.stderr, ops
+
+
+def cubin_report(flag: str, cubin: bytes, tmp_path: Path) -> str:
+    """cuobjdump's `flag` report (-sass, -res-usage) of a cubin; skips the test without
+    cuobjdump (and nvcc: `cuda_tools`)."""
+    import pytest
+
+    tools = cuda_tools()
+    if tools is None:
+        pytest.skip("no cuobjdump here (it ships with triton)")
+    path = tmp_path / "k.cubin"
+    path.write_bytes(cubin)
+    return subprocess.run(
+        [tools[1], flag, str(path)], capture_output=True, text=True, check=True
+    ).stdout

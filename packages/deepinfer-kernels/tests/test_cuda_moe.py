@@ -11,7 +11,6 @@ replay on new routing, and the registry's choice."""
 from __future__ import annotations
 
 import re
-import subprocess
 from dataclasses import replace
 
 import pytest
@@ -21,7 +20,7 @@ from deepinfer_kernels.cuda import moe_decode as md
 from deepinfer_kernels.ops.moe import moe_experts_cuda_supports
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from sass_checks import cuda_tools
+from sass_checks import cubin_report
 
 HAVE_NVRTC = module.nvrtc_reason() is None
 needs_nvrtc = pytest.mark.skipif(not HAVE_NVRTC, reason=f"{module.nvrtc_reason()}")
@@ -76,7 +75,7 @@ def test_config_rejects_bad_values_naming_the_field(field, value):
 )
 def test_wgmma_config_rejects_bad_values_naming_the_field(field, value):
     allowed = {
-        "tile_tokens": {8, 16, 32, 64, 128},
+        "tile_tokens": {8, 16, 32, 64, 128, 160},
         "warpgroups1": {1, 2, 4},
         "warpgroups2": {1, 2, 4},
         "row_sets2": {1, 2},
@@ -286,18 +285,6 @@ def test_missing_nvrtc_is_a_reason_not_a_crash(monkeypatch):
 # -- compiled kernels (CPU) --------------------------------------------------------------------
 
 
-def _cuobjdump(flag: str, cubin: bytes, tmp_path) -> str:
-    """cuobjdump's `flag` report (-sass, -res-usage) of a cubin; skips without cuobjdump."""
-    tools = cuda_tools()
-    if tools is None:
-        pytest.skip("no cuobjdump here (it ships with triton)")
-    path = tmp_path / "k.cubin"
-    path.write_bytes(cubin)
-    return subprocess.run(
-        [tools[1], flag, str(path)], capture_output=True, text=True, check=True
-    ).stdout
-
-
 def test_k_permutation_gives_each_lane_its_own_group():
     """Within each 128-value step the permuted order is a permutation, and the 4 values of lane t
     in every k16 step (slots 2t, 2t+1, 2t+8, 2t+9) come from its own 32-value group t, 4
@@ -378,7 +365,7 @@ def test_wgmma_kernels_compile_without_local_memory(kind, cfg, tmp_path):
     64-token tiles: the tokens rounded up to 32). On fragment-order weights no 16-byte
     shared-memory store is left (the byte exchange's; the amax and W3-sum exchanges and the
     tile's row table store words), nor with K permuted."""
-    sass = _cuobjdump("-sass", md.cubin(kind, *V41, cfg), tmp_path)
+    sass = cubin_report("-sass", md.cubin(kind, *V41, cfg), tmp_path)
     # the copied ring's W1/W3 on the checkpoint's order spills one register: a store and a load
     # per two K steps
     spills = 2 if (cfg, kind) == (COPY_PREFILL, "w13") else 0
@@ -448,7 +435,7 @@ def test_wgmma_kernels_compile_at_the_smallest_dims_they_take(cfg):
 def test_wgmma_shared_memory_model_matches_the_cubins(cfg, tmp_path):
     """shape_reason's shared-memory check counts what the compiled kernels declare."""
     for kind in ("w13", "w2"):
-        usage = _cuobjdump("-res-usage", md.cubin(kind, *V41, cfg), tmp_path)
+        usage = cubin_report("-res-usage", md.cubin(kind, *V41, cfg), tmp_path)
         declared = int(re.search(r"SHARED:(\d+)", usage).group(1))
         assert declared == md._wgmma_static_bytes(kind, cfg)
 
@@ -462,7 +449,7 @@ def test_kernels_compile_without_local_memory(kind, dims, tmp_path):
     is 19: 3 to split a word, then per bf16 pair PRMT, IMAD, LOP3, HMUL2)."""
     cub = md.cubin(kind, *dims, md.REGISTER)
     assert len(cub) > 1000
-    sass = _cuobjdump("-sass", cub, tmp_path)
+    sass = cubin_report("-sass", cub, tmp_path)
     assert not re.search(r"\b(LDL|STL)\b", sass), "the kernel spills to local memory"
     lines = re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)
     loops = [

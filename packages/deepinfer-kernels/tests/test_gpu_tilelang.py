@@ -136,16 +136,16 @@ def test_fp8_gemm_cuda_graph_replay():
 
 
 def test_registry_routing_and_override():
-    """Prefill M goes to tilelang by default (in batch-invariant mode with INVARIANT_PREFILL),
-    decode M stays on the triton tier; the override sends every M there. fp8_linear likewise,
-    through the act quantiser."""
+    """Prefill M goes to the cuda tier's GEMM by default (in batch-invariant mode to tilelang with
+    INVARIANT_PREFILL), decode M stays on the triton tier; an override sends every M to its tier
+    (tilelang keeps prefill M then). fp8_linear likewise, through the act quantiser."""
     xq, xs, wq, ws = _inputs(300, 5120, 8192, seed=10)
     x = torch.randn(300, 8192, device=DEV).bfloat16()
     before = REGISTRY.settings
     try:
         REGISTRY.configure(KernelSettings(overrides={}, batch_invariant=False))
-        assert REGISTRY.resolve("fp8_gemm", xq, xs, wq, ws, torch.bfloat16).tier == "tilelang"
-        assert REGISTRY.resolve("fp8_linear", x, wq, ws).tier == "tilelang"
+        assert REGISTRY.resolve("fp8_gemm", xq, xs, wq, ws, torch.bfloat16).tier == "cuda"
+        assert REGISTRY.resolve("fp8_linear", x, wq, ws).tier == "cuda"
         small = (xq[:64], xs[:64], wq, ws, torch.bfloat16)
         assert REGISTRY.resolve("fp8_gemm", *small).tier == "triton"
         assert REGISTRY.resolve("fp8_linear", x[:64], wq, ws).tier == "triton"
@@ -158,11 +158,13 @@ def test_registry_routing_and_override():
         want_tier = "tilelang" if _tg().INVARIANT_PREFILL else "triton"
         assert REGISTRY.resolve("fp8_gemm", xq, xs, wq, ws, torch.bfloat16, **kw).tier == want_tier
         assert REGISTRY.resolve("fp8_gemm", *small, **kw).tier == "triton"
-        REGISTRY.configure(KernelSettings(overrides={"fp8_gemm": "tilelang"}))
-        assert REGISTRY.resolve("fp8_gemm", *small).tier == "tilelang"
-        got = ops.fp8_gemm(*small[:4])
         want = ref_linear.fp8_gemm(*small[:4], torch.float32)
-        assert rel(got, want) < 1e-2
+        for tier in ("tilelang", "cuda"):
+            REGISTRY.configure(KernelSettings(overrides={"fp8_gemm": tier, "fp8_linear": tier}))
+            assert REGISTRY.resolve("fp8_gemm", *small).tier == tier
+            assert REGISTRY.resolve("fp8_gemm", xq, xs, wq, ws, torch.bfloat16).tier == tier
+            assert REGISTRY.resolve("fp8_linear", x[:1], wq, ws).tier == tier
+            assert rel(ops.fp8_gemm(*small[:4]), want) < 1e-2
     finally:
         REGISTRY.configure(before)
 

@@ -41,7 +41,7 @@ WGMMA_SOURCE = Path(__file__).with_name("moe_decode_wgmma.cu")
 ARCH = "sm_90a"
 
 
-def _check_fields(cfg: object, checks: tuple[tuple[str, bool, str], ...]) -> None:
+def check_fields(cfg: object, checks: tuple[tuple[str, bool, str], ...]) -> None:
     """Raise ValueError naming the first int field of cfg that holds another type (a float or a
     bool would reach the kernels' compile-time constants), then the first field whose check
     (name, ok, allowed) fails."""
@@ -97,7 +97,7 @@ class MoeDecodeCudaConfig:
                 "1..8 (tma) or 1 or 2",
             ),
         )
-        _check_fields(self, checks)
+        check_fields(self, checks)
 
 
 REGISTER = MoeDecodeCudaConfig()
@@ -209,7 +209,7 @@ class MoeDecodeWgmmaConfig:
                 "a bool, and False with fragment_weights",
             ),
         )
-        _check_fields(self, checks)
+        check_fields(self, checks)
 
 
 WGMMA_DEFAULT = MoeDecodeWgmmaConfig()

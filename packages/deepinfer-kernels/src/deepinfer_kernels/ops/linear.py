@@ -36,9 +36,10 @@ for _op in ("fp8_gemm", "fp8_linear"):
         )
     )
 
-# TileLang FP8-wgmma GEMM with per-32 promotion: the prefill GEMMs on Hopper (M > 64; in
-# batch-invariant mode with `INVARIANT_PREFILL`; see `tilelang.fp8_gemm._route_reason`);
-# decode sizes go to the triton tier (which routes M = 2..64 to the TileLang decode kernel).
+# TileLang FP8-wgmma GEMM with per-32 promotion: the prefill GEMMs on Hopper that the cuda tier
+# (below) does not take: batch-invariant mode with `INVARIANT_PREFILL` (see
+# `tilelang.fp8_gemm._route_reason`); decode sizes go to the triton tier (which routes M = 2..64 to
+# the TileLang decode kernel).
 for _op, _check in (("fp8_gemm", "supports"), ("fp8_linear", "supports_linear")):
     REGISTRY.register(
         Implementation(
@@ -49,7 +50,25 @@ for _op, _check in (("fp8_gemm", "supports"), ("fp8_linear", "supports_linear"))
             min_capability=(9, 0),
             requires=("tilelang",),
             supports=f"deepinfer_kernels.tilelang.fp8_gemm:{_check}",
-            routing="M > 64 (in batch-invariant mode too, with INVARIANT_PREFILL)",
+            routing=(
+                "M > 64 where the cuda tier declines (batch-invariant mode, with INVARIANT_PREFILL)"
+            ),
+        )
+    )
+
+# CUDA C++ FP8-wgmma GEMM with per-32 promotion (`cuda/fp8_gemm.py`): the prefill GEMMs on Hopper
+# outside batch-invariant mode (M > 64), faster than the TileLang kernel, which then declines them.
+for _op, _check in (("fp8_gemm", "supports"), ("fp8_linear", "supports_linear")):
+    REGISTRY.register(
+        Implementation(
+            _op,
+            "cuda",
+            f"deepinfer_kernels.cuda.fp8_gemm:{_op}",
+            devices=("cuda",),
+            min_capability=(9, 0),
+            requires=("triton",) if _op == "fp8_linear" else (),  # its activation quantiser
+            supports=f"deepinfer_kernels.cuda.fp8_gemm:{_check}",
+            routing="M > 64 outside batch-invariant mode",
         )
     )
 

@@ -377,7 +377,30 @@ def supports(
         return why
     if out_dtype not in OUT_DTYPES:
         return f"out_dtype must be one of {list(OUT_DTYPES)}, got {out_dtype}"
-    return shape_reason(x_fp8, x_scale, w, w_scale)
+    why = shape_reason(x_fp8, x_scale, w, w_scale)
+    if why is not None:
+        return why
+    return _cuda_reason(
+        "fp8_gemm",
+        lambda cg: cg.supports(
+            x_fp8, x_scale, w, w_scale, out_dtype, batch_invariant=batch_invariant
+        ),
+    )
+
+
+def _cuda_reason(op: str, cuda_supports: Any) -> str | None:
+    """Why this tier leaves a call of `op` to the cuda tier's FP8 GEMM (`cuda/fp8_gemm.py`, 1.1-1.2x
+    faster at prefill shapes on the H200: NOTES.md, fifteenth session) when that one takes it
+    (`cuda_supports(module)` is None), else None; ``DEEPINFER_KERNELS=<op>=tilelang`` keeps it."""
+    from ..registry import REGISTRY
+
+    if REGISTRY.settings.overrides.get(op) == "tilelang":
+        return None
+    from ..cuda import fp8_gemm as cg
+
+    if cuda_supports(cg) is None:
+        return "the cuda tier's FP8 GEMM runs it (faster)"
+    return None
 
 
 def supports_linear(
@@ -399,7 +422,9 @@ def supports_linear(
         return f"K must be a multiple of {BLOCK_K}, got {x.shape[-1]}"
     if w.dtype != torch.float8_e4m3fn or w.dim() != 2 or w.shape[1] != x.shape[-1]:
         return f"w must be float8_e4m3fn [N, {x.shape[-1]}], got {w.dtype} {list(w.shape)}"
-    return None
+    return _cuda_reason(
+        "fp8_linear", lambda cg: cg.supports_linear(x, w, w_scale, batch_invariant=batch_invariant)
+    )
 
 
 # -- the kernel (tilelang imported here only) ----------------------------------------------
@@ -648,13 +673,9 @@ def fp8_linear(
     batch_invariant: bool = False,
     config: TileConfig | None = None,
 ) -> torch.Tensor:
-    """x [..., K] float -> [..., N] x.dtype: per-32 FP8 activation quantisation (the Triton
-    quantiser, as the triton tier's decode path uses, so both tiers see the same FP8 operands
-    whatever the registry's overrides), then `fp8_gemm` on w [N, K] e4m3 / w_scale
-    [ceil(N/32), K/32]."""
-    from ..triton.quant import act_quant_fp8
+    """x [..., K] float -> [..., N] x.dtype: per-32 FP8 activation quantisation, then `fp8_gemm`
+    on w [N, K] e4m3 / w_scale [ceil(N/32), K/32] (`triton.quant.quantised_linear`)."""
+    from ..triton.quant import quantised_linear
 
-    x2 = x.reshape(-1, x.shape[-1])
-    xq, xs = act_quant_fp8(x2)
-    y = fp8_gemm(xq, xs, w, w_scale, x.dtype, batch_invariant=batch_invariant, config=config)
-    return y.reshape(*x.shape[:-1], w.shape[0])
+    kw = dict(batch_invariant=batch_invariant, config=config)
+    return quantised_linear(fp8_gemm, x, w, w_scale, **kw)

@@ -65,6 +65,18 @@ def act_quant_fp8(x: torch.Tensor, **_: object) -> tuple[torch.Tensor, torch.Ten
     return q, s
 
 
+def quantised_linear(
+    gemm, x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, **gemm_kwargs: object
+) -> torch.Tensor:
+    """x [..., K] float -> [..., N] x.dtype through an FP8 GEMM tier's `gemm(xq, xs, w, w_scale,
+    out_dtype, **gemm_kwargs)`: x quantised per 32 by `act_quant_fp8` first (the quantiser every
+    GPU tier's `fp8_linear` uses, so all see the same FP8 operands whatever the overrides)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    xq, xs = act_quant_fp8(x2)
+    y = gemm(xq, xs, w, w_scale, x.dtype, **gemm_kwargs)
+    return y.reshape(*x.shape[:-1], w.shape[0])
+
+
 def act_fake_quant_bf16(
     x: torch.Tensor, rows: torch.Tensor | None = None, permute_k: bool = False
 ) -> torch.Tensor:

@@ -1,0 +1,258 @@
+// FP8 block-scaled GEMM on wgmma (sm_90a) for V4.1's format: out[M, N] = sum_k (a[m, k] *
+// sa[m, k / 32]) * (b[n, k] * sb[n / 32, k / 32]), a [M, K] and b [N, K] e4m3, sa fp32 powers of
+// two, sb UE8M0 bytes (or fp32 with SB_F32), fp32 sums; out bf16 (or fp32 with OUT_F32).
+//
+// The scales change every 32 along K, so each k32 slice is one `wgmma.m64nNk32` (e4m3 in, fp32
+// out, scale-d 0: a fresh partial) and the CUDA cores promote it: acc += partial * sa[m] * sb[n /
+// 32], one FFMA per accumulator and slice (DeepGEMM's scheme at 4x its frequency). A CTA computes
+// a 128 x BLOCK_N tile: one producer warpgroup, of which one thread issues the TMA boxes of each
+// 128-deep K stage (a's 128 rows and b's BLOCK_N rows, 128 bytes each, 128-byte swizzle; sa's 128
+// x 4 floats) into a ring of STAGES stages, and two consumer warpgroups of 64 rows each, which
+// keep one slice's wgmma in flight while they promote the one before (two partial buffers).
+// sb for the tile's columns and all of K goes to shared memory once per CTA, as floats.
+//
+// The sums of a row depend on K only (fixed tiles, no split of K): batch-invariant. Compile-time
+// constants: BLOCK_N (64 or 128), STAGES (2..8), GROUP_M (m tiles per raster group: CTAs in
+// launch order walk GROUP_M tiles down before the next column, so the weights a wave reads stay
+// in L2), SB_F32, OUT_F32.
+
+#include "common.cuh"
+
+#define BLOCK_M 128
+#define BLOCK_K 128  // values (bytes) per row and stage: one 128-byte swizzle row
+#define SLICES 4     // k32 slices per stage, each with its own scales
+#define CONSUMERS 2  // warpgroups of 64 rows
+#define THREADS (128 * (CONSUMERS + 1))
+#define NB8 (BLOCK_N / 8)   // n8 column groups of a wgmma's accumulators
+#define NCB (BLOCK_N / 32)  // 32-column blocks of sb
+#define A_BYTES (BLOCK_M * BLOCK_K)
+#define B_BYTES (BLOCK_N * BLOCK_K)
+#define SA_BYTES (BLOCK_M * 16)  // 4 floats per row
+#define STAGE_BYTES (A_BYTES + B_BYTES + SA_BYTES)
+#define SB_STRIDE ((NCB + 3) / 4 * 4)  // floats per slice in the sb table (16-byte rows)
+#define PRODUCER_REGS 40
+#define CONSUMER_REGS 232
+
+static_assert(BLOCK_N == 64 || BLOCK_N == 128, "BLOCK_N: 64 or 128");
+static_assert(STAGES >= 2 && STAGES <= 8, "STAGES: 2..8");
+static_assert(STAGE_BYTES % 1024 == 0, "stages start on 1024 bytes (the swizzle's period)");
+
+// wgmma's matrix descriptor of a stage's rows at shared address p (1024-byte aligned): K-major,
+// 128-byte swizzle, 8-row groups 1024 bytes apart; slice j starts 32 j bytes on (the hardware
+// applies the swizzle to the address).
+static __device__ __forceinline__ u64 desc(u32 p) {
+  return (u64)((p & 0x3FFFFu) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | (1ull << 62);
+}
+
+// d = A (64 rows of a, descriptor a) * B^T (BLOCK_N rows of b, descriptor b), one k32 slice.
+static __device__ __forceinline__ void wgmma_slice(float (&d)[NB8][4], u64 a, u64 b) {
+#if BLOCK_N == 64
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31"
+      "}, %32, %33, p, 1, 1;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),
+        "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+        "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]),
+        "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+        "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]),
+        "+f"(d[7][2]), "+f"(d[7][3])
+      : "l"(a), "l"(b), "n"(0));
+#elif BLOCK_N == 128
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+      "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+      "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"
+      "}, %64, %65, p, 1, 1;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),
+        "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+        "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]),
+        "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+        "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]),
+        "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]),
+        "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]),
+        "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]),
+        "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]),
+        "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]),
+        "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+      : "l"(a), "l"(b), "n"(0));
+#endif
+}
+
+static __device__ __forceinline__ float4 lds128(u32 p) {
+  float4 v;
+  asm volatile("ld.shared.v4.f32 {%0,%1,%2,%3}, [%4];"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(p));
+  return v;
+}
+
+#if !SB_F32
+// A UE8M0 byte as the float it encodes (2**(u - 127); 0: 2**-127, 255: NaN).
+static __device__ __forceinline__ float e8m0(u32 u) {
+  return __uint_as_float(u == 0 ? 0x00400000u : u == 255 ? 0x7FC00000u : u << 23);
+}
+#endif
+
+static __device__ __forceinline__ void mbar_init_count(u64* bar, u32 count) {
+  asm volatile("mbarrier.init.shared.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count));
+}
+
+static __device__ __forceinline__ void mbar_arrive(u64* bar) {
+  asm volatile("mbarrier.arrive.shared.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
+
+// acc += part * (sa of the row half) * (sb of the 32-column block): p[h][cb] holds the products.
+static __device__ __forceinline__ void promote(float (&acc)[NB8][4], const float (&part)[NB8][4],
+                                               const float (&p)[2][NCB]) {
+#pragma unroll
+  for (int j = 0; j < NB8; ++j)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) acc[j][c] = fmaf(part[j][c], p[c >> 1][j / 4], acc[j][c]);
+}
+
+// The products sa[row half] * sb[column block] of slice q (sa: the stage's two rows' 4 slices).
+static __device__ __forceinline__ void slice_scales(float (&p)[2][NCB], const float4 (&sa)[2],
+                                                    u32 sb_table, int q, int j) {
+  float sb[NCB];
+#pragma unroll
+  for (int cb = 0; cb < NCB; cb += 4) {
+    const float4 v = lds128(sb_table + (q * SB_STRIDE + cb) * 4);
+    sb[cb] = v.x;
+    if (cb + 1 < NCB) sb[cb + 1] = v.y;
+    if (cb + 2 < NCB) sb[cb + 2] = v.z;
+    if (cb + 3 < NCB) sb[cb + 3] = v.w;
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float s = j == 0 ? sa[h].x : j == 1 ? sa[h].y : j == 2 ? sa[h].z : sa[h].w;
+#pragma unroll
+    for (int cb = 0; cb < NCB; ++cb) p[h][cb] = s * sb[cb];
+  }
+}
+
+// Dynamic shared memory: [STAGES][a 128 x 128 | b BLOCK_N x 128 | sa 128 x 4 floats], then the sb
+// table [K / 32][SB_STRIDE] floats; 1 KiB of slack to start the stages on 1024 bytes.
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+    fp8_gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap b_map,
+             const __grid_constant__ TensorMap sa_map, const void* __restrict__ sb_ptr,
+             void* __restrict__ out, int m_rows, int n_cols, int k_len) {
+  extern __shared__ u8 smem_raw[];
+  __shared__ __align__(8) u64 full[STAGES];
+  __shared__ __align__(8) u64 empty[STAGES];
+  const u32 base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+  const u32 sb_table = base + STAGES * STAGE_BYTES;
+  const int k_steps = k_len / BLOCK_K;
+  const int k_groups = k_len / 32;
+
+  // the tile: GROUP_M m tiles down, then the next column of tiles
+  const int tiles_m = (m_rows + BLOCK_M - 1) / BLOCK_M;
+  const int tiles_n = (n_cols + BLOCK_N - 1) / BLOCK_N;
+  const int per_group = GROUP_M * tiles_n;
+  const int first_m = (int)blockIdx.x / per_group * GROUP_M;
+  const int group_m = min(tiles_m - first_m, GROUP_M);
+  const int in_group = (int)blockIdx.x % per_group;
+  const int m0 = (first_m + in_group % group_m) * BLOCK_M;
+  const int n0 = in_group / group_m * BLOCK_N;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init_count(&full[s], 1);
+      mbar_init_count(&empty[s], CONSUMERS * 4);  // lane 0 of every consumer warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  // the tile's sb as floats, [K / 32][SB_STRIDE]; columns past N read as 0
+  const int sb_rows = (n_cols + 31) / 32;
+  for (int i = threadIdx.x; i < k_groups * NCB; i += THREADS) {
+    const int q = i / NCB, cb = i % NCB, row = n0 / 32 + cb;
+    float v = 0.f;
+    if (row < sb_rows) {
+#if SB_F32
+      v = static_cast<const float*>(sb_ptr)[(u64)row * k_groups + q];
+#else
+      v = e8m0(static_cast<const u8*>(sb_ptr)[(u64)row * k_groups + q]);
+#endif
+    }
+    asm volatile("st.shared.f32 [%0], %1;" ::"r"(sb_table + (q * SB_STRIDE + cb) * 4), "f"(v));
+  }
+  __syncthreads();
+
+  const int wg = threadIdx.x / 128;
+  if (wg == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(PRODUCER_REGS));
+    if (threadIdx.x == 0) {
+      for (int kt = 0; kt < k_steps; ++kt) {
+        const int s = kt % STAGES;
+        if (kt >= STAGES) mbar_wait(&empty[s], (kt / STAGES - 1) & 1);
+        const u32 stage = base + s * STAGE_BYTES;
+        mbar_expect(&full[s], STAGE_BYTES);
+        tma_box(stage, &a_map, kt * BLOCK_K, m0, &full[s]);
+        tma_box(stage + A_BYTES, &b_map, kt * BLOCK_K, n0, &full[s]);
+        tma_box(stage + A_BYTES + B_BYTES, &sa_map, kt * 16, m0, &full[s]);
+      }
+    }
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGS));
+  const int c = wg - 1;
+  const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+  const int row = 64 * c + 16 * warp + (lane >> 2);  // and row + 8
+
+  float acc[NB8][4], part[2][NB8][4], p[2][NCB];
+#pragma unroll
+  for (int j = 0; j < NB8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
+
+  for (int kt = 0; kt < k_steps; ++kt) {
+    const int s = kt % STAGES;
+    const u32 stage = base + s * STAGE_BYTES;
+    mbar_wait(&full[s], (kt / STAGES) & 1);
+    const u64 da = desc(stage + c * 64 * BLOCK_K);
+    const u64 db = desc(stage + A_BYTES);
+    const float4 sa[2] = {lds128(stage + A_BYTES + B_BYTES + row * 16),
+                          lds128(stage + A_BYTES + B_BYTES + (row + 8) * 16)};
+#pragma unroll
+    for (int j = 0; j < SLICES; ++j) {
+      asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+      wgmma_slice(part[j & 1], da + 2 * j, db + 2 * j);
+      asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+      if (j > 0) {  // the slice before is done: promote it while this one runs
+        asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+        promote(acc, part[(j + 1) & 1], p);
+      }
+      slice_scales(p, sa, sb_table, kt * SLICES + j, j);
+    }
+    // the stage's last slice (a wait for all: ptxas serializes the wgmmas when a partial stays in
+    // flight across the loop's back edge; two stages per loop body, which waits half as often,
+    // was no faster), then the stage goes back to the producer
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+    if (lane == 0) mbar_arrive(&empty[s]);
+    promote(acc, part[(SLICES - 1) & 1], p);
+  }
+
+  // out: this thread's rows row, row + 8 of the warpgroup's 64, columns 8 j + 2 (lane % 4) + {0, 1}
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int m = m0 + row + 8 * h;
+    if (m >= m_rows) continue;
+#pragma unroll
+    for (int j = 0; j < NB8; ++j) {
+      const int n = n0 + 8 * j + 2 * (lane & 3);
+      if (n >= n_cols) continue;
+#if OUT_F32
+      float2* o = reinterpret_cast<float2*>(static_cast<float*>(out) + (u64)m * n_cols + n);
+      *o = make_float2(acc[j][2 * h], acc[j][2 * h + 1]);
+#else
+      u32 v;
+      asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(v) : "f"(acc[j][2 * h + 1]), "f"(acc[j][2 * h]));
+      *reinterpret_cast<u32*>(static_cast<u16*>(out) + (u64)m * n_cols + n) = v;
+#endif
+    }
+  }
+}

@@ -1,0 +1,259 @@
+"""FP8 block-scaled GEMM in CUDA C++ (`fp8_gemm.cu`), prefill shapes: FP8 wgmma per 32-deep K
+slice, each slice's partial promoted into fp32 accumulators with its activation and weight
+scales by the CUDA cores; the TMA feeds a ring of 128-deep K stages; one producer warpgroup, two
+consumer warpgroups of 64 rows. Same contract as `ref.linear.fp8_gemm`: only the fp32 summation
+order differs (and the tensor core's own sum of each 32 products).
+
+Routing (`supports`): the registry picks this tier on Hopper for M > triton.linear.DECODE_MAX_M
+outside batch-invariant mode (below, the weight-streaming decode kernels are faster; in that
+mode the decode kernels' K split decides the bits, which the tilelang and triton tiers follow);
+``DEEPINFER_KERNELS=fp8_gemm=cuda`` (or ``fp8_linear=cuda``) sends every call here. H200: 1.03-1.25x
+the TileLang kernel at M = 512-16K, K = 8192; 0.98x at K = 1280 (NOTES.md, fifteenth session).
+
+Compiled by NVRTC at first use (once per process per config; no GPU needed to compile).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import module
+from .moe_decode import MAX_SHARED, check_fields
+
+SOURCE = Path(__file__).with_name("fp8_gemm.cu")
+ARCH = "sm_90a"
+BLOCK_M = 128  # rows per CTA: two consumer warpgroups of 64
+BLOCK_K = 128  # K values per ring stage (one 128-byte swizzle row of e4m3)
+THREADS = 384  # a producer warpgroup and two consumer warpgroups
+DYNAMIC_SHARED = MAX_SHARED - 2048  # the stage barriers are static (about 1 KiB with padding)
+
+
+@dataclass(frozen=True)
+class Fp8GemmCudaConfig:
+    """block_n: output columns per CTA (64 or 128: the wgmma's N; 192 would spill the two
+    partials); stages: 128-deep K stages in the TMA ring (2..8, as shared memory allows; see
+    `config_for`); group_m: m tiles that consecutive CTAs walk down before the next column of
+    tiles (1..64), so that a wave's weight tiles stay in L2. None changes a sum."""
+
+    block_n: int = 128
+    stages: int = 6
+    group_m: int = 16
+
+    def __post_init__(self) -> None:
+        checks = (
+            ("block_n", self.block_n in (64, 128), "64 or 128"),
+            ("stages", 2 <= self.stages <= 8, "2..8"),
+            ("group_m", 1 <= self.group_m <= 64, "1..64"),
+        )
+        check_fields(self, checks)
+
+
+DEFAULT = Fp8GemmCudaConfig()
+"""H200, fifteenth session (NOTES.md): 6 stages 0-5% faster than 5 at M = 8K-16K; 64-column tiles
+and raster groups of 8 or 32 slower; waiting for the wgmmas every second stage no faster."""
+
+
+def shared_bytes(k: int, cfg: Fp8GemmCudaConfig) -> int:
+    """Dynamic shared memory of a call with reduction length k: the ring (a 128 x 128 bytes, b
+    block_n x 128 bytes, sa 128 x 16 bytes per stage), the weight scales of the tile's columns
+    over all of K as floats (rows of a multiple of 4), and 1 KiB to align the ring on 1024."""
+    stage = BLOCK_M * BLOCK_K + cfg.block_n * BLOCK_K + BLOCK_M * 16
+    sb_stride = (cfg.block_n // 32 + 3) // 4 * 4
+    return cfg.stages * stage + (k // 32) * sb_stride * 4 + 1024
+
+
+def config_for(k: int) -> Fp8GemmCudaConfig:
+    """DEFAULT with as many of its stages as shared memory holds at reduction length k (the sb
+    table grows with K; at least 2 stages)."""
+    cfg = DEFAULT
+    while cfg.stages > 2 and shared_bytes(k, cfg) > DYNAMIC_SHARED:
+        cfg = replace(cfg, stages=cfg.stages - 1)
+    return cfg
+
+
+def shape_reason(n: int, k: int, cfg: Fp8GemmCudaConfig | None = None) -> str | None:
+    """Why the kernel cannot take w [N, K] with this config, or None: K a multiple of 128 (whole
+    ring stages; sa rows of 16-byte multiples for the TMA), N a multiple of 8 (paired column
+    stores), the shared memory within the SM's."""
+    if k % BLOCK_K or k <= 0:
+        return f"K={k} must be a positive multiple of {BLOCK_K}"
+    if n % 8 or n <= 0:
+        return f"N={n} must be a positive multiple of 8"
+    cfg = cfg or config_for(k)
+    need = shared_bytes(k, cfg)
+    if need > DYNAMIC_SHARED:
+        return (
+            f"{need} bytes of shared memory at K={k} (stages={cfg.stages}), over {DYNAMIC_SHARED}"
+        )
+    return None
+
+
+def call_reason(
+    x_fp8: torch.Tensor,
+    x_scale: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+    cfg: Fp8GemmCudaConfig | None = None,
+) -> str | None:
+    """Why `fp8_gemm` cannot run this call here (dtypes, layout, alignment, dims, device, NVRTC),
+    or None. The op's own checks (shapes against each other) come first, in `ops.linear`."""
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        return f"out_dtype {out_dtype}: the cuda GEMM writes bfloat16 or float32"
+    if x_scale.dtype != torch.float32:
+        return f"x_scale is {x_scale.dtype}, the cuda GEMM reads float32"
+    if w_scale.dtype not in (torch.float8_e8m0fnu, torch.float32):
+        return f"w_scale is {w_scale.dtype}, the cuda GEMM reads float8_e8m0fnu or float32"
+    for name, t in (("x_fp8", x_fp8), ("x_scale", x_scale), ("w", w), ("w_scale", w_scale)):
+        if not t.is_contiguous():
+            return f"{name} is not contiguous"
+        if t.data_ptr() % 16:
+            return f"{name} is not 16-byte aligned (the TMA copies it)"
+    why = shape_reason(w.shape[0], w.shape[1], cfg)
+    if why is not None:
+        return why
+    if x_fp8.device.type != "cuda":
+        return f"input on {x_fp8.device.type}"
+    return module.nvrtc_reason()
+
+
+def route_reason(
+    op: str, x: torch.Tensor, rows: int, batch_invariant: bool, out_dtype: torch.dtype
+) -> str | None:
+    """Why the registry should not send this call of `op` (on x, `rows` rows, writing out_dtype)
+    here (device, mode, M), or None; with ``DEEPINFER_KERNELS=<op>=cuda`` every M and mode."""
+    from ..registry import REGISTRY
+
+    if x.device.type != "cuda":
+        return f"input on {x.device.type}"
+    if torch.cuda.get_device_capability(x.device) != (9, 0):
+        return "needs sm_90a (Hopper wgmma)"
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        return f"out_dtype {out_dtype}: the cuda GEMM writes bfloat16 or float32"
+    if REGISTRY.settings.overrides.get(op) == "cuda":
+        return None
+    from ..triton.linear import DECODE_MAX_M
+
+    if rows <= DECODE_MAX_M:
+        return f"M={rows} <= {DECODE_MAX_M}: the decode kernels (triton/linear.py) are faster"
+    if batch_invariant:
+        return (
+            "batch-invariant mode: the decode kernels' K split decides the bits (tilelang, triton)"
+        )
+    return None
+
+
+def supports(
+    x_fp8: torch.Tensor,
+    x_scale: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+    *,
+    batch_invariant: bool = False,
+    **_: Any,
+) -> str | None:
+    """Registry check for `fp8_gemm`: why this tier should not run the call, or None."""
+    why = route_reason("fp8_gemm", x_fp8, x_fp8.shape[0], batch_invariant, out_dtype)
+    return why or call_reason(x_fp8, x_scale, w, w_scale, out_dtype)
+
+
+def supports_linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    *,
+    batch_invariant: bool = False,
+    **_: Any,
+) -> str | None:
+    """Registry check for `fp8_linear` (x [..., K] float, quantised per 32 first): as `supports`,
+    with the activations' own layout (made contiguous by the quantiser) left out."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    why = route_reason("fp8_linear", x, rows, batch_invariant, x.dtype)
+    if why is not None:
+        return why
+    for name, t in (("w", w), ("w_scale", w_scale)):
+        if not t.is_contiguous() or t.data_ptr() % 16:
+            return f"{name} must be contiguous and 16-byte aligned (the TMA copies it)"
+    if w_scale.dtype not in (torch.float8_e8m0fnu, torch.float32):
+        return f"w_scale is {w_scale.dtype}, the cuda GEMM reads float8_e8m0fnu or float32"
+    return shape_reason(w.shape[0], x.shape[-1]) or module.nvrtc_reason()
+
+
+def defines(cfg: Fp8GemmCudaConfig, sb_f32: bool, out_f32: bool) -> dict[str, int]:
+    """The kernel's compile-time constants."""
+    return dict(
+        BLOCK_N=cfg.block_n, STAGES=cfg.stages, GROUP_M=cfg.group_m,
+        SB_F32=int(sb_f32), OUT_F32=int(out_f32),
+    )  # fmt: skip
+
+
+@functools.cache
+def cubin(cfg: Fp8GemmCudaConfig, sb_f32: bool = False, out_f32: bool = False) -> bytes:
+    """The compiled kernel (NVRTC, once per process per config; no GPU needed)."""
+    return module.compile_file(SOURCE, ARCH, defines(cfg, sb_f32, out_f32))
+
+
+@functools.cache
+def _kernel(cfg: Fp8GemmCudaConfig, sb_f32: bool, out_f32: bool, device: int) -> module.Kernel:
+    # each call takes the shared memory its K needs, up to DYNAMIC_SHARED: opt in to it all
+    return module.load_kernel(
+        cubin(cfg, sb_f32, out_f32), "fp8_gemm", torch.device("cuda", device), DYNAMIC_SHARED
+    )
+
+
+def fp8_gemm(
+    x_fp8: torch.Tensor,
+    x_scale: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+    *,
+    batch_invariant: bool = False,
+    config: Fp8GemmCudaConfig | None = None,
+) -> torch.Tensor:
+    """``(x_fp8 * x_scale) @ (w * w_scale)^T`` with fp32 sums. x_fp8 [M, K] e4m3, x_scale
+    [M, K/32] fp32 powers of two, w [N, K] e4m3, w_scale [ceil(N/32), K/32] e8m0 (or fp32 powers
+    of two) -> [M, N] out_dtype (bfloat16 or float32). ValueError naming the problem when
+    `call_reason` refuses the call. batch_invariant: taken for the registry's signature (a row's
+    sums never depend on M here)."""
+    cfg = config or config_for(w.shape[1])
+    why = call_reason(x_fp8, x_scale, w, w_scale, out_dtype, cfg)
+    if why is not None:
+        raise ValueError(f"cuda fp8_gemm: {why}")
+    m, k = x_fp8.shape
+    n = w.shape[0]
+    out = torch.empty(m, n, dtype=out_dtype, device=x_fp8.device)
+    if m == 0:
+        return out
+    a_map = module.tensor_map_2d(x_fp8.data_ptr(), m, k, BLOCK_K, BLOCK_M, swizzle_128b=True)
+    b_map = module.tensor_map_2d(w.data_ptr(), n, k, BLOCK_K, cfg.block_n, swizzle_128b=True)
+    sa_map = module.tensor_map_2d(x_scale.data_ptr(), m, k // 8, 16, BLOCK_M)
+    dev = x_fp8.device.index if x_fp8.device.index is not None else torch.cuda.current_device()
+    sb_f32, out_f32 = w_scale.dtype == torch.float32, out_dtype == torch.float32
+    tiles = -(-m // BLOCK_M) * -(-n // cfg.block_n)
+    _kernel(cfg, sb_f32, out_f32, dev).launch(
+        (tiles,), THREADS, (a_map, b_map, sa_map, w_scale, out, m, n, k), shared_bytes(k, cfg)
+    )
+    return out
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    *,
+    batch_invariant: bool = False,
+    config: Fp8GemmCudaConfig | None = None,
+) -> torch.Tensor:
+    """x [..., K] bfloat16 or float32 -> [..., N] x.dtype: per-32 FP8 activation quantisation,
+    then `fp8_gemm` on w [N, K] e4m3 / w_scale [ceil(N/32), K/32]
+    (`triton.quant.quantised_linear`). batch_invariant: as `fp8_gemm`."""
+    from ..triton.quant import quantised_linear
+
+    return quantised_linear(fp8_gemm, x, w, w_scale, config=config)

@@ -1,0 +1,186 @@
+"""The CUDA FP8 block-scaled GEMM (`cuda/fp8_gemm.py`, `fp8_gemm.cu`).
+
+CPU: the config's checks, the shape and call reasons, and (where NVRTC loads) the kernel compiled
+for sm_90a: no local memory, FP8 wgmmas that ptxas does not serialize, one FFMA per accumulator
+and slice. GPU (Hopper): against the ref tier at V4.1's shapes, odd M, M and N not multiples of
+the tiles, fp32 weight scales and output, rows bitwise independent of the rest of the batch, and
+CUDA-graph replay."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from deepinfer_kernels.cuda import fp8_gemm as fg
+from deepinfer_kernels.cuda import module
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from sass_checks import cubin_report
+
+HAVE_NVRTC = module.nvrtc_reason() is None
+needs_nvrtc = pytest.mark.skipif(not HAVE_NVRTC, reason=f"{module.nvrtc_reason()}")
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+needs_hopper = pytest.mark.skipif(
+    not (HOPPER and HAVE_NVRTC), reason="needs a Hopper GPU and NVRTC"
+)
+CONFIGS = [
+    fg.DEFAULT,
+    fg.Fp8GemmCudaConfig(block_n=64, stages=6, group_m=4),
+    fg.Fp8GemmCudaConfig(stages=2),
+]
+
+
+@settings(max_examples=30, deadline=None)
+@given(field=st.sampled_from(["block_n", "stages", "group_m"]), value=st.integers(-3, 300))
+def test_config_rejects_bad_values_naming_the_field(field, value):
+    ok = {"block_n": (64, 128), "stages": range(2, 9), "group_m": range(1, 65)}[field]
+    if value in ok:
+        assert getattr(fg.Fp8GemmCudaConfig(**{field: value}), field) == value
+    else:
+        with pytest.raises(ValueError, match=f"Fp8GemmCudaConfig.{field} must be"):
+            fg.Fp8GemmCudaConfig(**{field: value})
+
+
+def test_config_refuses_floats():
+    with pytest.raises(ValueError, match="stages must be an int"):
+        fg.Fp8GemmCudaConfig(stages=5.0)
+
+
+def test_shape_reasons():
+    assert fg.shape_reason(5120, 8192) is None
+    assert fg.shape_reason(32768, 1280) is None
+    assert "multiple of 128" in fg.shape_reason(5120, 8160)
+    assert "multiple of 8" in fg.shape_reason(5124, 8192)
+    # the sb table grows with K: fewer stages fit a long K (config_for), and none any K
+    assert fg.config_for(8192) == fg.DEFAULT
+    assert fg.config_for(1 << 16).stages < fg.DEFAULT.stages
+    assert fg.shape_reason(5120, 1 << 16) is None
+    assert "over" in fg.shape_reason(5120, 1 << 16, fg.DEFAULT)
+    assert "shared memory" in fg.shape_reason(5120, 1 << 20)
+    assert fg.shared_bytes(8192, fg.DEFAULT) == 6 * (16384 + 16384 + 2048) + 256 * 4 * 4 + 1024
+
+
+def _cpu_call(m=4, n=64, k=128):
+    xq = torch.zeros(m, k, dtype=torch.float8_e4m3fn)
+    xs = torch.ones(m, k // 32)
+    w = torch.zeros(n, k, dtype=torch.float8_e4m3fn)
+    ws = torch.ones(-(-n // 32), k // 32, dtype=torch.float8_e8m0fnu)
+    return xq, xs, w, ws
+
+
+def test_call_reasons():
+    args = _cpu_call()
+    assert fg.call_reason(*args, torch.bfloat16) in ("input on cpu", module.nvrtc_reason())
+    assert "out_dtype" in fg.call_reason(*args, torch.float16)
+    xq, xs, w, ws = args
+    assert "x_scale is torch.bfloat16" in fg.call_reason(xq, xs.bfloat16(), w, ws, torch.bfloat16)
+    assert "w_scale is torch.int8" in fg.call_reason(xq, xs, w, ws.view(torch.int8), torch.float32)
+    wide = torch.zeros(64, 256, dtype=torch.float8_e4m3fn)[:, :128]
+    assert "w is not contiguous" in fg.call_reason(xq, xs, wide, ws, torch.bfloat16)
+    with pytest.raises(ValueError, match="cuda fp8_gemm: K=96 must be"):
+        fg.fp8_gemm(*_cpu_call(k=96), torch.bfloat16)
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("cfg", CONFIGS)
+@pytest.mark.parametrize(("sb_f32", "out_f32"), [(False, False), (True, True)])
+def test_kernel_compiles_without_local_memory(cfg, sb_f32, out_f32, tmp_path):
+    """No spills; FP8 wgmmas of the tile's N, four per stage; the promotion one FFMA per
+    accumulator and slice (4 slices x block_n / 2 accumulators per thread); ptxas keeps the wgmmas
+    in flight (its C7514 remark would say that the partials are read inside the pipeline)."""
+    cub, log = module.compile_file_and_log(fg.SOURCE, fg.ARCH, fg.defines(cfg, sb_f32, out_f32))
+    assert "serialized" not in log, log
+    sass = cubin_report("-sass", cub, tmp_path)
+    assert not re.findall(r"\b(LDL|STL)\b", sass), "the kernel spills to local memory"
+    gmma = re.findall(r"QGMMA\.64x(\d+)x32\.F32\.E4M3\.E4M3", sass)
+    assert gmma == [str(cfg.block_n)] * 4
+    assert len(re.findall(r"\bFFMA\b", sass)) == 4 * cfg.block_n // 2
+
+
+# -- GPU ---------------------------------------------------------------------------------------
+
+# (M, N, K): V4.1's prefill N and K, odd M, M and N not multiples of the tiles
+SHAPES = [
+    (1, 5120, 8192),
+    (129, 5120, 8192),
+    (1000, 5120, 8192),
+    (2049, 32768, 1280),
+    (4096, 8192, 5120),
+    (300, 200, 256),
+    (77, 8, 128),
+]
+
+
+@needs_hopper
+@pytest.mark.parametrize(("m", "n", "k"), SHAPES)
+@pytest.mark.parametrize("cfg", CONFIGS)
+def test_close_to_ref(m, n, k, cfg):
+    from deepinfer_kernels.ref import linear as ref_linear
+    from gpu_checks import gemm_inputs, poison, rel
+
+    xq, xs, wq, ws = gemm_inputs(m, n, k, seed=m + n + k)
+    want = ref_linear.fp8_gemm(xq, xs, wq, ws, torch.float32)
+    poison()
+    got = fg.fp8_gemm(xq, xs, wq, ws, torch.bfloat16, config=cfg)
+    assert got.dtype == torch.bfloat16 and list(got.shape) == [m, n]
+    assert rel(got, want) < 1e-2
+    poison()
+    got = fg.fp8_gemm(xq, xs, wq, ws.float(), torch.float32, config=cfg)
+    assert got.dtype == torch.float32 and rel(got, want) < 1e-3
+
+
+@needs_hopper
+def test_rows_do_not_depend_on_the_batch():
+    from gpu_checks import gemm_inputs
+
+    xq, xs, wq, ws = gemm_inputs(700, 5120, 8192, seed=7)
+    full = fg.fp8_gemm(xq, xs, wq, ws)
+    assert torch.equal(fg.fp8_gemm(xq, xs, wq, ws.float()), full)  # fp32 scales: the same bits
+    for lo, hi in ((0, 1), (1, 8), (5, 300), (299, 700)):
+        assert torch.equal(fg.fp8_gemm(xq[lo:hi], xs[lo:hi], wq, ws), full[lo:hi]), (lo, hi)
+
+
+@needs_hopper
+def test_cuda_graph_replay():
+    from gpu_checks import gemm_inputs
+
+    xq, xs, wq, ws = gemm_inputs(384, 5120, 8192, seed=8)
+    eager = fg.fp8_gemm(xq, xs, wq, ws)  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fg.fp8_gemm(xq, xs, wq, ws)
+    fresh = gemm_inputs(384, 5120, 8192, seed=9)
+    for dst, src in zip((xq, xs, wq, ws), fresh, strict=True):
+        dst.copy_(src)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, fg.fp8_gemm(*fresh))
+    assert not torch.equal(out, eager)
+
+
+@needs_hopper
+def test_registry_sends_prefill_here():
+    """Prefill M resolves to this tier outside batch-invariant mode (not in it, nor at decode M);
+    fp8_linear through it matches ref on the same quantised operands."""
+    from deepinfer_kernels import REGISTRY, KernelSettings, ops, quant
+    from deepinfer_kernels.ref import linear as ref_linear
+    from gpu_checks import gemm_inputs, rel
+
+    xq, xs, wq, ws = gemm_inputs(300, 5120, 8192, seed=12)
+    x = torch.randn(300, 8192, device="cuda").bfloat16()
+    before = REGISTRY.settings
+    try:
+        REGISTRY.configure(KernelSettings(overrides={}, batch_invariant=False))
+        assert REGISTRY.resolve("fp8_gemm", xq, xs, wq, ws, torch.bfloat16).tier == "cuda"
+        assert REGISTRY.resolve("fp8_linear", x, wq, ws).tier == "cuda"
+        assert REGISTRY.resolve("fp8_linear", x[:64], wq, ws).tier != "cuda"
+        xq2, xs2 = quant.act_quant_fp8(x)
+        want = ref_linear.fp8_gemm(xq2, xs2, wq, ws, torch.float32)
+        assert rel(ops.fp8_linear(x, wq, ws), want) < 1e-2
+        with REGISTRY.batch_invariant_mode():
+            kw = {"batch_invariant": True}
+            assert REGISTRY.resolve("fp8_linear", x, wq, ws, **kw).tier != "cuda"
+    finally:
+        REGISTRY.configure(before)
