@@ -9,6 +9,7 @@ CUDA-graph replay."""
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -28,13 +29,17 @@ CONFIGS = [
     fg.DEFAULT,
     fg.Fp8GemmCudaConfig(block_n=64, stages=6, group_m=4),
     fg.Fp8GemmCudaConfig(stages=2),
+    fg.invariant_config(5120, 8192),  # K in 4 chunks, their total in shared memory, 4 stages
 ]
 
 
 @settings(max_examples=30, deadline=None)
-@given(field=st.sampled_from(["block_n", "stages", "group_m"]), value=st.integers(-3, 300))
+@given(
+    field=st.sampled_from(["block_n", "stages", "group_m", "k_split"]), value=st.integers(-3, 300)
+)
 def test_config_rejects_bad_values_naming_the_field(field, value):
-    ok = {"block_n": (64, 128), "stages": range(2, 9), "group_m": range(1, 65)}[field]
+    allowed = {"block_n": (64, 128), "stages": range(2, 9), "group_m": range(1, 65)}
+    ok = allowed.get(field, range(1, 17))
     if value in ok:
         assert getattr(fg.Fp8GemmCudaConfig(**{field: value}), field) == value
     else:
@@ -58,6 +63,24 @@ def test_shape_reasons():
     assert fg.shape_reason(5120, 1 << 16) is None
     assert "over" in fg.shape_reason(5120, 1 << 16, fg.DEFAULT)
     assert "shared memory" in fg.shape_reason(5120, 1 << 20)
+    assert "k_split=3" in fg.shape_reason(5120, 1024, fg.Fp8GemmCudaConfig(k_split=3))
+
+
+def test_invariant_config_is_the_decode_kernels_split():
+    """Batch-invariant mode's config cuts K as the TileLang decode kernel does (a function of N
+    and K only), with as many stages as fit beside the chunks' total."""
+    from deepinfer_kernels.tilelang.decode_gemm import decode_tile_split
+
+    for n, k in ((5120, 8192), (32768, 1280), (2112, 7168), (1536, 512), (24576, 1536)):
+        cfg = fg.invariant_config(n, k)
+        assert cfg.k_split == decode_tile_split(n, k)
+        assert fg.shape_reason(n, k, cfg) is None
+        assert fg.shape_reason(n, k, replace(cfg, stages=cfg.stages + 1)) is not None or (
+            cfg.stages == fg.DEFAULT.stages
+        )
+    # the total costs 64 KiB: two stages fewer at V4.1's 5120 x 8192
+    assert fg.invariant_config(5120, 8192).stages == fg.DEFAULT.stages - 2
+    assert not fg.INVARIANT_PREFILL  # on once the GPU test below has passed
     assert fg.shared_bytes(8192, fg.DEFAULT) == 6 * (16384 + 16384 + 2048) + 256 * 4 * 4 + 1024
 
 
@@ -184,3 +207,33 @@ def test_registry_sends_prefill_here():
             assert REGISTRY.resolve("fp8_linear", x, wq, ws, **kw).tier != "cuda"
     finally:
         REGISTRY.configure(before)
+
+
+@needs_hopper
+@pytest.mark.parametrize(("n", "k"), [(5120, 8192), (2112, 7168), (1536, 512)])
+def test_invariant_rows_match_the_decode_kernel(n, k, monkeypatch):
+    """`invariant_config` (the decode kernel's K split) gives the TileLang decode kernel's bits,
+    head to head; and routed as `INVARIANT_PREFILL` would route (M <= 64 to the decode kernel
+    through the triton tier, M > 64 here) a row has the same bits at every M, through fp8_gemm
+    and fp8_linear. The gate for switching INVARIANT_PREFILL on."""
+    pytest.importorskip("tilelang")
+    from deepinfer_kernels import REGISTRY, ops
+    from deepinfer_kernels.ref import linear as ref_linear
+    from deepinfer_kernels.tilelang import decode_gemm
+    from gpu_checks import gemm_inputs, rel
+
+    xq, xs, wq, ws = gemm_inputs(300, n, k, seed=n + k)
+    here = fg.fp8_gemm(xq, xs, wq, ws, torch.float32, batch_invariant=True)
+    there = decode_gemm.decode_gemm(xq, xs, wq, ws, torch.float32)
+    assert torch.equal(here, there)
+    assert rel(here, ref_linear.fp8_gemm(xq, xs, wq, ws, torch.float32)) < 1e-3
+    monkeypatch.setattr(fg, "INVARIANT_PREFILL", True)
+    x = torch.randn(300, k, device="cuda").bfloat16()
+    with REGISTRY.batch_invariant_mode():
+        kw = {"batch_invariant": True}
+        assert REGISTRY.resolve("fp8_gemm", xq, xs, wq, ws, torch.bfloat16, **kw).tier == "cuda"
+        full = ops.fp8_gemm(xq, xs, wq, ws)
+        full_linear = ops.fp8_linear(x, wq, ws)
+        for lo, hi in ((0, 1), (5, 69), (17, 30), (100, 300), (299, 300)):
+            assert torch.equal(ops.fp8_gemm(xq[lo:hi], xs[lo:hi], wq, ws), full[lo:hi]), (lo, hi)
+            assert torch.equal(ops.fp8_linear(x[lo:hi], wq, ws), full_linear[lo:hi]), (lo, hi)

@@ -11,10 +11,12 @@
 // keep one slice's wgmma in flight while they promote the one before (two partial buffers).
 // sb for the tile's columns and all of K goes to shared memory once per CTA, as floats.
 //
-// The sums of a row depend on K only (fixed tiles, no split of K): batch-invariant. Compile-time
-// constants: BLOCK_N (64 or 128), STAGES (2..8), GROUP_M (m tiles per raster group: CTAs in
-// launch order walk GROUP_M tiles down before the next column, so the weights a wave reads stay
-// in L2), SB_F32, OUT_F32.
+// The sums of a row depend on K only (fixed tiles): batch-invariant. With K_SPLIT, K runs in
+// chunks of `chunk_steps` stages, each summed from zero and the chunk sums added in order (the
+// TileLang decode kernel's split, for batch-invariant mode: the same sums as that kernel's); the
+// running total of the chunks waits in shared memory. Compile-time constants: BLOCK_N (64 or 128),
+// STAGES (2..8), GROUP_M (m tiles per raster group: CTAs in launch order walk GROUP_M tiles down
+// before the next column, so the weights a wave reads stay in L2), K_SPLIT, SB_F32, OUT_F32.
 
 #include "common.cuh"
 
@@ -98,6 +100,28 @@ static __device__ __forceinline__ float e8m0(u32 u) {
 }
 #endif
 
+#if K_SPLIT
+static __device__ __forceinline__ float lds32(u32 p) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(p));
+  return v;
+}
+
+// The end of a K chunk but the last: total = acc (the first chunk) or total + acc, then acc = 0.
+// mine: this consumer thread's column of the total (element e at mine + 1024 e: conflict-free).
+static __device__ __forceinline__ void fold(float (&acc)[NB8][4], u32 mine, bool first) {
+#pragma unroll
+  for (int j = 0; j < NB8; ++j)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const u32 at = mine + (4 * j + c) * 1024;
+      const float t = first ? acc[j][c] : lds32(at) + acc[j][c];
+      asm volatile("st.shared.f32 [%0], %1;" ::"r"(at), "f"(t));
+      acc[j][c] = 0.f;
+    }
+}
+#endif
+
 static __device__ __forceinline__ void mbar_init_count(u64* bar, u32 count) {
   asm volatile("mbarrier.init.shared.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count));
 }
@@ -135,17 +159,19 @@ static __device__ __forceinline__ void slice_scales(float (&p)[2][NCB], const fl
   }
 }
 
-// Dynamic shared memory: [STAGES][a 128 x 128 | b BLOCK_N x 128 | sa 128 x 4 floats], then the sb
-// table [K / 32][SB_STRIDE] floats; 1 KiB of slack to start the stages on 1024 bytes.
+// Dynamic shared memory: [STAGES][a 128 x 128 | b BLOCK_N x 128 | sa 128 x 4 floats], (K_SPLIT:
+// the chunks' total, [NB8 * 4][256 consumer threads] floats), then the sb table [K / 32][SB_STRIDE]
+// floats; 1 KiB of slack to start the stages on 1024 bytes.
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
     fp8_gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap b_map,
              const __grid_constant__ TensorMap sa_map, const void* __restrict__ sb_ptr,
-             void* __restrict__ out, int m_rows, int n_cols, int k_len) {
+             void* __restrict__ out, int m_rows, int n_cols, int k_len, int chunk_steps) {
   extern __shared__ u8 smem_raw[];
   __shared__ __align__(8) u64 full[STAGES];
   __shared__ __align__(8) u64 empty[STAGES];
   const u32 base = (smem_u32(smem_raw) + 1023u) & ~1023u;
-  const u32 sb_table = base + STAGES * STAGE_BYTES;
+  const u32 total = base + STAGES * STAGE_BYTES;  // K_SPLIT only
+  const u32 sb_table = total + (K_SPLIT ? NB8 * 4 * 256 * 4 : 0);
   const int k_steps = k_len / BLOCK_K;
   const int k_groups = k_len / 32;
 
@@ -234,7 +260,20 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
     if (lane == 0) mbar_arrive(&empty[s]);
     promote(acc, part[(SLICES - 1) & 1], p);
+#if K_SPLIT
+    if ((kt + 1) % chunk_steps == 0 && kt + 1 < k_steps)
+      fold(acc, total + (threadIdx.x - 128) * 4, kt + 1 == chunk_steps);
+#endif
   }
+#if K_SPLIT
+  if (chunk_steps < k_steps) {  // the last chunk goes on the total of those before
+    const u32 mine = total + (threadIdx.x - 128) * 4;
+#pragma unroll
+    for (int j = 0; j < NB8; ++j)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[j][c] = lds32(mine + (4 * j + c) * 1024) + acc[j][c];
+  }
+#endif
 
   // out: this thread's rows row, row + 8 of the warpgroup's 64, columns 8 j + 2 (lane % 4) + {0, 1}
 #pragma unroll

@@ -38,17 +38,21 @@ class Fp8GemmCudaConfig:
     """block_n: output columns per CTA (64 or 128: the wgmma's N; 192 would spill the two
     partials); stages: 128-deep K stages in the TMA ring (2..8, as shared memory allows; see
     `config_for`); group_m: m tiles that consecutive CTAs walk down before the next column of
-    tiles (1..64), so that a wave's weight tiles stay in L2. None changes a sum."""
+    tiles (1..64), so that a wave's weight tiles stay in L2. None of these changes a sum.
+    k_split: K cut into this many equal chunks (1..16; multiples of 128), each summed from zero,
+    the chunk sums added in order, their running total in shared memory (`invariant_config`)."""
 
     block_n: int = 128
     stages: int = 6
     group_m: int = 16
+    k_split: int = 1
 
     def __post_init__(self) -> None:
         checks = (
             ("block_n", self.block_n in (64, 128), "64 or 128"),
             ("stages", 2 <= self.stages <= 8, "2..8"),
             ("group_m", 1 <= self.group_m <= 64, "1..64"),
+            ("k_split", 1 <= self.k_split <= 16, "1..16"),
         )
         check_fields(self, checks)
 
@@ -60,17 +64,19 @@ and raster groups of 8 or 32 slower; waiting for the wgmmas every second stage n
 
 def shared_bytes(k: int, cfg: Fp8GemmCudaConfig) -> int:
     """Dynamic shared memory of a call with reduction length k: the ring (a 128 x 128 bytes, b
-    block_n x 128 bytes, sa 128 x 16 bytes per stage), the weight scales of the tile's columns
-    over all of K as floats (rows of a multiple of 4), and 1 KiB to align the ring on 1024."""
+    block_n x 128 bytes, sa 128 x 16 bytes per stage), with a K split the chunks' fp32 total of
+    the tile, the weight scales of the tile's columns over all of K as floats (rows of a
+    multiple of 4), and 1 KiB to align the ring on 1024."""
     stage = BLOCK_M * BLOCK_K + cfg.block_n * BLOCK_K + BLOCK_M * 16
+    total = BLOCK_M * cfg.block_n * 4 if cfg.k_split > 1 else 0
     sb_stride = (cfg.block_n // 32 + 3) // 4 * 4
-    return cfg.stages * stage + (k // 32) * sb_stride * 4 + 1024
+    return cfg.stages * stage + total + (k // 32) * sb_stride * 4 + 1024
 
 
-def config_for(k: int) -> Fp8GemmCudaConfig:
-    """DEFAULT with as many of its stages as shared memory holds at reduction length k (the sb
+def config_for(k: int, base: Fp8GemmCudaConfig = DEFAULT) -> Fp8GemmCudaConfig:
+    """base with as many of its stages as shared memory holds at reduction length k (the sb
     table grows with K; at least 2 stages)."""
-    cfg = DEFAULT
+    cfg = base
     while cfg.stages > 2 and shared_bytes(k, cfg) > DYNAMIC_SHARED:
         cfg = replace(cfg, stages=cfg.stages - 1)
     return cfg
@@ -82,6 +88,8 @@ def shape_reason(n: int, k: int, cfg: Fp8GemmCudaConfig | None = None) -> str | 
     stores), the shared memory within the SM's."""
     if k % BLOCK_K or k <= 0:
         return f"K={k} must be a positive multiple of {BLOCK_K}"
+    if cfg is not None and k % (cfg.k_split * BLOCK_K):
+        return f"K={k} does not cut into k_split={cfg.k_split} chunks of {BLOCK_K}s"
     if n % 8 or n <= 0:
         return f"N={n} must be a positive multiple of 8"
     cfg = cfg or config_for(k)
@@ -122,6 +130,22 @@ def call_reason(
     return module.nvrtc_reason()
 
 
+INVARIANT_PREFILL = False
+"""Batch-invariant mode sends M > 64 here with `invariant_config` (the TileLang decode kernel's K
+split, so that a row's bits are the same at every M), instead of to the TileLang prefill kernel
+with that split (1.2-1.3x this kernel's time). Off until
+`test_invariant_rows_match_the_decode_kernel` (test_cuda_fp8_gemm.py) has passed on a GPU: written
+in the fifteenth session after its device minutes were spent."""
+
+
+def invariant_config(n: int, k: int) -> Fp8GemmCudaConfig:
+    """The config batch-invariant mode runs an [N, K] weight with: the TileLang decode kernel's K
+    split (`decode_gemm.decode_tile_split`), as many stages as then fit."""
+    from ..tilelang.decode_gemm import decode_tile_split
+
+    return config_for(k, replace(DEFAULT, k_split=decode_tile_split(n, k)))
+
+
 def route_reason(
     op: str, x: torch.Tensor, rows: int, batch_invariant: bool, out_dtype: torch.dtype
 ) -> str | None:
@@ -137,11 +161,11 @@ def route_reason(
         return f"out_dtype {out_dtype}: the cuda GEMM writes bfloat16 or float32"
     if REGISTRY.settings.overrides.get(op) == "cuda":
         return None
-    from ..triton.linear import DECODE_MAX_M
+    from ..triton.linear import DECODE_MAX_M, TILELANG_INVARIANT
 
     if rows <= DECODE_MAX_M:
         return f"M={rows} <= {DECODE_MAX_M}: the decode kernels (triton/linear.py) are faster"
-    if batch_invariant:
+    if batch_invariant and not (INVARIANT_PREFILL and TILELANG_INVARIANT):
         return (
             "batch-invariant mode: the decode kernels' K split decides the bits (tilelang, triton)"
         )
@@ -160,7 +184,18 @@ def supports(
 ) -> str | None:
     """Registry check for `fp8_gemm`: why this tier should not run the call, or None."""
     why = route_reason("fp8_gemm", x_fp8, x_fp8.shape[0], batch_invariant, out_dtype)
-    return why or call_reason(x_fp8, x_scale, w, w_scale, out_dtype)
+    return why or call_reason(
+        x_fp8, x_scale, w, w_scale, out_dtype, _call_config(w, batch_invariant)
+    )
+
+
+def _call_config(w: torch.Tensor, batch_invariant: bool) -> Fp8GemmCudaConfig | None:
+    """The config a call on w [N, K] without one runs: `invariant_config` in batch-invariant mode
+    (None, `config_for`'s choice, otherwise; also for a K the split cannot cut)."""
+    n, k = w.shape
+    if not batch_invariant or k % BLOCK_K:
+        return None
+    return invariant_config(n, k)
 
 
 def supports_linear(
@@ -182,14 +217,15 @@ def supports_linear(
             return f"{name} must be contiguous and 16-byte aligned (the TMA copies it)"
     if w_scale.dtype not in (torch.float8_e8m0fnu, torch.float32):
         return f"w_scale is {w_scale.dtype}, the cuda GEMM reads float8_e8m0fnu or float32"
-    return shape_reason(w.shape[0], x.shape[-1]) or module.nvrtc_reason()
+    cfg = _call_config(w, batch_invariant) if w.dim() == 2 else None
+    return shape_reason(w.shape[0], x.shape[-1], cfg) or module.nvrtc_reason()
 
 
 def defines(cfg: Fp8GemmCudaConfig, sb_f32: bool, out_f32: bool) -> dict[str, int]:
     """The kernel's compile-time constants."""
     return dict(
         BLOCK_N=cfg.block_n, STAGES=cfg.stages, GROUP_M=cfg.group_m,
-        SB_F32=int(sb_f32), OUT_F32=int(out_f32),
+        K_SPLIT=int(cfg.k_split > 1), SB_F32=int(sb_f32), OUT_F32=int(out_f32),
     )  # fmt: skip
 
 
@@ -220,14 +256,13 @@ def fp8_gemm(
     """``(x_fp8 * x_scale) @ (w * w_scale)^T`` with fp32 sums. x_fp8 [M, K] e4m3, x_scale
     [M, K/32] fp32 powers of two, w [N, K] e4m3, w_scale [ceil(N/32), K/32] e8m0 (or fp32 powers
     of two) -> [M, N] out_dtype (bfloat16 or float32). ValueError naming the problem when
-    `call_reason` refuses the call. batch_invariant: taken for the registry's signature (a row's
-    sums never depend on M here)."""
-    cfg = config or config_for(w.shape[1])
+    `call_reason` refuses the call. A row's sums never depend on M here; batch_invariant (without
+    a config): `invariant_config`, whose sums are the TileLang decode kernel's."""
+    cfg = config or _call_config(w, batch_invariant) or config_for(w.shape[1])
     why = call_reason(x_fp8, x_scale, w, w_scale, out_dtype, cfg)
     if why is not None:
         raise ValueError(f"cuda fp8_gemm: {why}")
-    m, k = x_fp8.shape
-    n = w.shape[0]
+    (m, k), n = x_fp8.shape, w.shape[0]
     out = torch.empty(m, n, dtype=out_dtype, device=x_fp8.device)
     if m == 0:
         return out
@@ -238,7 +273,10 @@ def fp8_gemm(
     sb_f32, out_f32 = w_scale.dtype == torch.float32, out_dtype == torch.float32
     tiles = -(-m // BLOCK_M) * -(-n // cfg.block_n)
     _kernel(cfg, sb_f32, out_f32, dev).launch(
-        (tiles,), THREADS, (a_map, b_map, sa_map, w_scale, out, m, n, k), shared_bytes(k, cfg)
+        (tiles,),
+        THREADS,
+        (a_map, b_map, sa_map, w_scale, out, m, n, k, k // BLOCK_K // cfg.k_split),
+        shared_bytes(k, cfg),
     )
     return out
 
@@ -253,7 +291,8 @@ def fp8_linear(
 ) -> torch.Tensor:
     """x [..., K] bfloat16 or float32 -> [..., N] x.dtype: per-32 FP8 activation quantisation,
     then `fp8_gemm` on w [N, K] e4m3 / w_scale [ceil(N/32), K/32]
-    (`triton.quant.quantised_linear`). batch_invariant: as `fp8_gemm`."""
+    (`triton.quant.quantised_linear`); batch_invariant and config as `fp8_gemm`."""
     from ..triton.quant import quantised_linear
 
-    return quantised_linear(fp8_gemm, x, w, w_scale, config=config)
+    kw = dict(batch_invariant=batch_invariant, config=config)
+    return quantised_linear(fp8_gemm, x, w, w_scale, **kw)
