@@ -90,3 +90,26 @@ def assert_graph_replays_new_routing(fn, t: int, d: int, i: int, e: int, k: int)
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, fn(x, tw, ids, *ws, 10.0))
+
+
+def assert_invariant_prefill_rows(gemm, tier: str, xq, xs, wq, ws) -> None:
+    """The gate for a tier's `INVARIANT_PREFILL` (set by the caller): `gemm(..., batch_invariant=
+    True)` gives the TileLang decode kernel's bits head to head and is close to ref; routed in
+    batch-invariant mode (M <= 64 to the decode kernel through the triton tier, M > 64 to `tier`)
+    a row has the same bits at every M, through fp8_gemm and fp8_linear."""
+    from deepinfer_kernels import REGISTRY, ops
+    from deepinfer_kernels.ref import linear as ref_linear
+    from deepinfer_kernels.tilelang import decode_gemm
+
+    here = gemm(xq, xs, wq, ws, torch.float32, batch_invariant=True)
+    assert torch.equal(here, decode_gemm.decode_gemm(xq, xs, wq, ws, torch.float32))
+    assert rel(here, ref_linear.fp8_gemm(xq, xs, wq, ws, torch.float32)) < 1e-3
+    x = torch.randn(xq.shape[0], xq.shape[1], device="cuda").bfloat16()
+    with REGISTRY.batch_invariant_mode():
+        kw = {"batch_invariant": True}
+        assert REGISTRY.resolve("fp8_gemm", xq, xs, wq, ws, torch.bfloat16, **kw).tier == tier
+        full = ops.fp8_gemm(xq, xs, wq, ws)
+        full_linear = ops.fp8_linear(x, wq, ws)
+        for lo, hi in ((0, 1), (5, 69), (17, 30), (100, 300), (299, 300)):
+            assert torch.equal(ops.fp8_gemm(xq[lo:hi], xs[lo:hi], wq, ws), full[lo:hi]), (lo, hi)
+            assert torch.equal(ops.fp8_linear(x[lo:hi], wq, ws), full_linear[lo:hi]), (lo, hi)

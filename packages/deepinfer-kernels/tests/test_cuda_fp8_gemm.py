@@ -213,27 +213,10 @@ def test_registry_sends_prefill_here():
 @pytest.mark.parametrize(("n", "k"), [(5120, 8192), (2112, 7168), (1536, 512)])
 def test_invariant_rows_match_the_decode_kernel(n, k, monkeypatch):
     """`invariant_config` (the decode kernel's K split) gives the TileLang decode kernel's bits,
-    head to head; and routed as `INVARIANT_PREFILL` would route (M <= 64 to the decode kernel
-    through the triton tier, M > 64 here) a row has the same bits at every M, through fp8_gemm
-    and fp8_linear. The gate for switching INVARIANT_PREFILL on."""
+    and routed with INVARIANT_PREFILL a row has the same bits at every M (`gpu_checks`). The gate
+    for switching INVARIANT_PREFILL on."""
     pytest.importorskip("tilelang")
-    from deepinfer_kernels import REGISTRY, ops
-    from deepinfer_kernels.ref import linear as ref_linear
-    from deepinfer_kernels.tilelang import decode_gemm
-    from gpu_checks import gemm_inputs, rel
+    from gpu_checks import assert_invariant_prefill_rows, gemm_inputs
 
-    xq, xs, wq, ws = gemm_inputs(300, n, k, seed=n + k)
-    here = fg.fp8_gemm(xq, xs, wq, ws, torch.float32, batch_invariant=True)
-    there = decode_gemm.decode_gemm(xq, xs, wq, ws, torch.float32)
-    assert torch.equal(here, there)
-    assert rel(here, ref_linear.fp8_gemm(xq, xs, wq, ws, torch.float32)) < 1e-3
     monkeypatch.setattr(fg, "INVARIANT_PREFILL", True)
-    x = torch.randn(300, k, device="cuda").bfloat16()
-    with REGISTRY.batch_invariant_mode():
-        kw = {"batch_invariant": True}
-        assert REGISTRY.resolve("fp8_gemm", xq, xs, wq, ws, torch.bfloat16, **kw).tier == "cuda"
-        full = ops.fp8_gemm(xq, xs, wq, ws)
-        full_linear = ops.fp8_linear(x, wq, ws)
-        for lo, hi in ((0, 1), (5, 69), (17, 30), (100, 300), (299, 300)):
-            assert torch.equal(ops.fp8_gemm(xq[lo:hi], xs[lo:hi], wq, ws), full[lo:hi]), (lo, hi)
-            assert torch.equal(ops.fp8_linear(x[lo:hi], wq, ws), full_linear[lo:hi]), (lo, hi)
+    assert_invariant_prefill_rows(fg.fp8_gemm, "cuda", *gemm_inputs(300, n, k, seed=n + k))

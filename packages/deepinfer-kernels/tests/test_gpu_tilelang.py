@@ -14,7 +14,7 @@ import pytest
 import torch
 from deepinfer_kernels import REGISTRY, KernelSettings, ops, quant
 from deepinfer_kernels.ref import linear as ref_linear
-from gpu_checks import HOPPER_TILELANG, poison, rel
+from gpu_checks import HOPPER_TILELANG, assert_invariant_prefill_rows, poison, rel
 
 DEV = "cuda"
 pytestmark = HOPPER_TILELANG
@@ -190,20 +190,7 @@ def test_invariant_rows_match_the_decode_kernel(n, k, monkeypatch):
     through the triton tier, M > 64 here) a row has the same bits at every M, through fp8_gemm
     and fp8_linear. The gate for switching INVARIANT_PREFILL on."""
     tg = _tg()
-    from deepinfer_kernels.tilelang import decode_gemm
 
     xq, xs, wq, ws = _inputs(300, n, k, seed=n + k)
-    here = tg.fp8_gemm(xq, xs, wq, ws, torch.float32, batch_invariant=True)
-    there = decode_gemm.decode_gemm(xq, xs, wq, ws, torch.float32)
-    assert torch.equal(here, there)
-    assert rel(here, ref_linear.fp8_gemm(xq, xs, wq, ws, torch.float32)) < 1e-3
     monkeypatch.setattr(tg, "INVARIANT_PREFILL", True)
-    x = torch.randn(300, k, device=DEV).bfloat16()
-    with REGISTRY.batch_invariant_mode():
-        kw = {"batch_invariant": True}
-        assert REGISTRY.resolve("fp8_gemm", xq, xs, wq, ws, torch.bfloat16, **kw).tier == "tilelang"
-        full = ops.fp8_gemm(xq, xs, wq, ws)
-        full_linear = ops.fp8_linear(x, wq, ws)
-        for lo, hi in ((0, 1), (5, 69), (17, 30), (100, 300), (299, 300)):
-            assert torch.equal(ops.fp8_gemm(xq[lo:hi], xs[lo:hi], wq, ws), full[lo:hi]), (lo, hi)
-            assert torch.equal(ops.fp8_linear(x[lo:hi], wq, ws), full_linear[lo:hi]), (lo, hi)
+    assert_invariant_prefill_rows(tg.fp8_gemm, "tilelang", xq, xs, wq, ws)
