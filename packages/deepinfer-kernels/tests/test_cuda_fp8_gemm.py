@@ -101,6 +101,10 @@ def test_call_reasons():
     assert "w_scale is torch.int8" in fg.call_reason(xq, xs, w, ws.view(torch.int8), torch.float32)
     wide = torch.zeros(64, 256, dtype=torch.float8_e4m3fn)[:, :128]
     assert "w is not contiguous" in fg.call_reason(xq, xs, wide, ws, torch.bfloat16)
+    assert "x_scale must be [4, 4]" in fg.call_reason(xq, xs[:, :2], w, ws, torch.bfloat16)
+    assert "w_scale must be [2, 4]" in fg.call_reason(xq, xs, w, ws[:1], torch.bfloat16)
+    assert "must share K" in fg.call_reason(xq, xs, w[:, :64], ws, torch.bfloat16)
+    assert "float8_e4m3fn" in fg.call_reason(xq.float(), xs, w, ws, torch.bfloat16)
     with pytest.raises(ValueError, match="cuda fp8_gemm: K=96 must be"):
         fg.fp8_gemm(*_cpu_call(k=96), torch.bfloat16)
 

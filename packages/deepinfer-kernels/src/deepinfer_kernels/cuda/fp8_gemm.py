@@ -59,7 +59,8 @@ class Fp8GemmCudaConfig:
 
 DEFAULT = Fp8GemmCudaConfig()
 """H200, fifteenth session (NOTES.md): 6 stages 0-5% faster than 5 at M = 8K-16K; 64-column tiles
-and raster groups of 8 or 32 slower; waiting for the wgmmas every second stage no faster."""
+slower (0.83-0.85x at M >= 2K); raster groups of 8 m tiles as fast, of 32 slower; waiting for the
+wgmmas every second stage no faster."""
 
 
 def shared_bytes(k: int, cfg: Fp8GemmCudaConfig) -> int:
@@ -109,8 +110,17 @@ def call_reason(
     out_dtype: torch.dtype,
     cfg: Fp8GemmCudaConfig | None = None,
 ) -> str | None:
-    """Why `fp8_gemm` cannot run this call here (dtypes, layout, alignment, dims, device, NVRTC),
-    or None. The op's own checks (shapes against each other) come first, in `ops.linear`."""
+    """Why `fp8_gemm` cannot run this call here (dtypes, shapes, layout, alignment, dims, device,
+    NVRTC), or None: the TMA maps are built from these shapes, so a wrong one must not pass."""
+    if x_fp8.dtype != torch.float8_e4m3fn or w.dtype != torch.float8_e4m3fn:
+        return f"x_fp8 and w must be float8_e4m3fn, got {x_fp8.dtype} and {w.dtype}"
+    if x_fp8.dim() != 2 or w.dim() != 2 or w.shape[1] != x_fp8.shape[1]:
+        return f"x_fp8 [M, K] and w [N, K] must share K, got {list(x_fp8.shape)}, {list(w.shape)}"
+    (m, k), n = x_fp8.shape, w.shape[0]
+    if list(x_scale.shape) != [m, k // 32]:
+        return f"x_scale must be [{m}, {k // 32}], got {list(x_scale.shape)}"
+    if list(w_scale.shape) != [-(-n // 32), k // 32]:
+        return f"w_scale must be [{-(-n // 32)}, {k // 32}], got {list(w_scale.shape)}"
     if out_dtype not in (torch.bfloat16, torch.float32):
         return f"out_dtype {out_dtype}: the cuda GEMM writes bfloat16 or float32"
     if x_scale.dtype != torch.float32:
