@@ -144,6 +144,7 @@ CUDA_VARIANTS = [
     # (row name, Fp8GemmCudaConfig kwargs): the CUDA kernel (`cuda/fp8_gemm.cu`; fifteenth
     # session), its default first
     ("cuda", {}),
+    ("cuda persistent", {"persistent": True}),  # one CTA per SM over the tiles
     ("cuda s5", {"stages": 5}),
     ("cuda n64", {"block_n": 64}),
     ("cuda g8", {"group_m": 8}),

@@ -30,6 +30,9 @@ CONFIGS = [
     fg.Fp8GemmCudaConfig(block_n=64, stages=6, group_m=4),
     fg.Fp8GemmCudaConfig(stages=2),
     fg.invariant_config(5120, 8192),  # K in 4 chunks, their total in shared memory, 4 stages
+    # one CTA per SM over the tiles (fifteenth session: compiled, first GPU run pending)
+    fg.Fp8GemmCudaConfig(persistent=True),
+    replace(fg.invariant_config(5120, 8192), persistent=True),
 ]
 
 
@@ -47,9 +50,11 @@ def test_config_rejects_bad_values_naming_the_field(field, value):
             fg.Fp8GemmCudaConfig(**{field: value})
 
 
-def test_config_refuses_floats():
+def test_config_refuses_floats_and_non_bools():
     with pytest.raises(ValueError, match="stages must be an int"):
         fg.Fp8GemmCudaConfig(stages=5.0)
+    with pytest.raises(ValueError, match="persistent must be a bool"):
+        fg.Fp8GemmCudaConfig(persistent=1)
 
 
 def test_shape_reasons():

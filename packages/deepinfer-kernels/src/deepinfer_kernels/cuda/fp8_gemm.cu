@@ -16,7 +16,8 @@
 // TileLang decode kernel's split, for batch-invariant mode: the same sums as that kernel's); the
 // running total of the chunks waits in shared memory. Compile-time constants: BLOCK_N (64 or 128),
 // STAGES (2..8), GROUP_M (m tiles per raster group: CTAs in launch order walk GROUP_M tiles down
-// before the next column, so the weights a wave reads stay in L2), K_SPLIT, SB_F32, OUT_F32.
+// before the next column, so the weights a wave reads stay in L2), K_SPLIT, PERSISTENT
+// (`TILE_LOOP`), SB_F32, OUT_F32.
 
 #include "common.cuh"
 
@@ -159,6 +160,45 @@ static __device__ __forceinline__ void slice_scales(float (&p)[2][NCB], const fl
   }
 }
 
+// The origin (m0, n0) of output tile `id`: GROUP_M m tiles down, then the next column of tiles.
+static __device__ __forceinline__ void tile_origin(int id, int tiles_m, int tiles_n, int& m0,
+                                                   int& n0) {
+  const int per_group = GROUP_M * tiles_n;
+  const int first_m = id / per_group * GROUP_M;
+  const int group_m = min(tiles_m - first_m, GROUP_M);
+  const int in_group = id % per_group;
+  m0 = (first_m + in_group % group_m) * BLOCK_M;
+  n0 = in_group / group_m * BLOCK_N;
+}
+
+// The sb table of the tile at column n0: [K / 32][SB_STRIDE] floats, columns past N as 0; thread
+// `me` of `count` fills every count-th entry.
+static __device__ __forceinline__ void fill_sb_table(u32 sb_table, const void* sb_ptr, int n0,
+                                                     int n_cols, int k_groups, int me, int count) {
+  const int sb_rows = (n_cols + 31) / 32;
+  for (int i = me; i < k_groups * NCB; i += count) {
+    const int q = i / NCB, cb = i % NCB, row = n0 / 32 + cb;
+    float v = 0.f;
+    if (row < sb_rows) {
+#if SB_F32
+      v = static_cast<const float*>(sb_ptr)[(u64)row * k_groups + q];
+#else
+      v = e8m0(static_cast<const u8*>(sb_ptr)[(u64)row * k_groups + q]);
+#endif
+    }
+    asm volatile("st.shared.f32 [%0], %1;" ::"r"(sb_table + (q * SB_STRIDE + cb) * 4), "f"(v));
+  }
+}
+
+#if PERSISTENT
+// A CTA takes tiles blockIdx.x, + gridDim.x, ... (the ring's stages and phases run on across
+// them, so the producer loads the next tile while the consumers store this one); the consumer
+// warpgroups refill the sb table between their barriers (named barrier 1, 256 threads).
+#define TILE_LOOP for (int tile = blockIdx.x; tile < tiles_m * tiles_n; tile += gridDim.x)
+#else
+#define TILE_LOOP for (int once = 1; once; once = 0)
+#endif
+
 // Dynamic shared memory: [STAGES][a 128 x 128 | b BLOCK_N x 128 | sa 128 x 4 floats], (K_SPLIT:
 // the chunks' total, [NB8 * 4][256 consumer threads] floats), then the sb table [K / 32][SB_STRIDE]
 // floats; 1 KiB of slack to start the stages on 1024 bytes.
@@ -175,15 +215,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
   const int k_steps = k_len / BLOCK_K;
   const int k_groups = k_len / 32;
 
-  // the tile: GROUP_M m tiles down, then the next column of tiles
   const int tiles_m = (m_rows + BLOCK_M - 1) / BLOCK_M;
   const int tiles_n = (n_cols + BLOCK_N - 1) / BLOCK_N;
-  const int per_group = GROUP_M * tiles_n;
-  const int first_m = (int)blockIdx.x / per_group * GROUP_M;
-  const int group_m = min(tiles_m - first_m, GROUP_M);
-  const int in_group = (int)blockIdx.x % per_group;
-  const int m0 = (first_m + in_group % group_m) * BLOCK_M;
-  const int n0 = in_group / group_m * BLOCK_N;
+  int m0, n0;
+#if !PERSISTENT
+  tile_origin(blockIdx.x, tiles_m, tiles_n, m0, n0);
+#endif
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
@@ -192,34 +229,31 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  // the tile's sb as floats, [K / 32][SB_STRIDE]; columns past N read as 0
-  const int sb_rows = (n_cols + 31) / 32;
-  for (int i = threadIdx.x; i < k_groups * NCB; i += THREADS) {
-    const int q = i / NCB, cb = i % NCB, row = n0 / 32 + cb;
-    float v = 0.f;
-    if (row < sb_rows) {
-#if SB_F32
-      v = static_cast<const float*>(sb_ptr)[(u64)row * k_groups + q];
-#else
-      v = e8m0(static_cast<const u8*>(sb_ptr)[(u64)row * k_groups + q]);
+#if !PERSISTENT
+  fill_sb_table(sb_table, sb_ptr, n0, n_cols, k_groups, threadIdx.x, THREADS);
 #endif
-    }
-    asm volatile("st.shared.f32 [%0], %1;" ::"r"(sb_table + (q * SB_STRIDE + cb) * 4), "f"(v));
-  }
   __syncthreads();
 
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(PRODUCER_REGS));
     if (threadIdx.x == 0) {
-      for (int kt = 0; kt < k_steps; ++kt) {
-        const int s = kt % STAGES;
-        if (kt >= STAGES) mbar_wait(&empty[s], (kt / STAGES - 1) & 1);
-        const u32 stage = base + s * STAGE_BYTES;
-        mbar_expect(&full[s], STAGE_BYTES);
-        tma_box(stage, &a_map, kt * BLOCK_K, m0, &full[s]);
-        tma_box(stage + A_BYTES, &b_map, kt * BLOCK_K, n0, &full[s]);
-        tma_box(stage + A_BYTES + B_BYTES, &sa_map, kt * 16, m0, &full[s]);
+      int done = 0;  // stages loaded for the CTA's tiles before this one
+      TILE_LOOP {
+#if PERSISTENT
+        tile_origin(tile, tiles_m, tiles_n, m0, n0);
+#endif
+        for (int kt = 0; kt < k_steps; ++kt) {
+          const int g = done + kt;  // the ring's count
+          const int s = g % STAGES;
+          if (g >= STAGES) mbar_wait(&empty[s], (g / STAGES - 1) & 1);
+          const u32 stage = base + s * STAGE_BYTES;
+          mbar_expect(&full[s], STAGE_BYTES);
+          tma_box(stage, &a_map, kt * BLOCK_K, m0, &full[s]);
+          tma_box(stage + A_BYTES, &b_map, kt * BLOCK_K, n0, &full[s]);
+          tma_box(stage + A_BYTES + B_BYTES, &sa_map, kt * 16, m0, &full[s]);
+        }
+        done += k_steps;
       }
     }
     return;
@@ -229,69 +263,81 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
   const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
   const int row = 64 * c + 16 * warp + (lane >> 2);  // and row + 8
 
-  float acc[NB8][4], part[2][NB8][4], p[2][NCB];
-#pragma unroll
-  for (int j = 0; j < NB8; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
-
-  for (int kt = 0; kt < k_steps; ++kt) {
-    const int s = kt % STAGES;
-    const u32 stage = base + s * STAGE_BYTES;
-    mbar_wait(&full[s], (kt / STAGES) & 1);
-    const u64 da = desc(stage + c * 64 * BLOCK_K);
-    const u64 db = desc(stage + A_BYTES);
-    const float4 sa[2] = {lds128(stage + A_BYTES + B_BYTES + row * 16),
-                          lds128(stage + A_BYTES + B_BYTES + (row + 8) * 16)};
-#pragma unroll
-    for (int j = 0; j < SLICES; ++j) {
-      asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-      wgmma_slice(part[j & 1], da + 2 * j, db + 2 * j);
-      asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-      if (j > 0) {  // the slice before is done: promote it while this one runs
-        asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
-        promote(acc, part[(j + 1) & 1], p);
-      }
-      slice_scales(p, sa, sb_table, kt * SLICES + j, j);
-    }
-    // the stage's last slice (a wait for all: ptxas serializes the wgmmas when a partial stays in
-    // flight across the loop's back edge; two stages per loop body, which waits half as often,
-    // was no faster), then the stage goes back to the producer
-    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-    if (lane == 0) mbar_arrive(&empty[s]);
-    promote(acc, part[(SLICES - 1) & 1], p);
-#if K_SPLIT
-    if ((kt + 1) % chunk_steps == 0 && kt + 1 < k_steps)
-      fold(acc, total + (threadIdx.x - 128) * 4, kt + 1 == chunk_steps);
+  int done = 0;  // stages consumed for the CTA's tiles before this one
+  TILE_LOOP {
+#if PERSISTENT
+    tile_origin(tile, tiles_m, tiles_n, m0, n0);
+    // the other consumer warpgroup is past its last read of the table too, then it is refilled
+    asm volatile("bar.sync 1, 256;" ::: "memory");
+    fill_sb_table(sb_table, sb_ptr, n0, n_cols, k_groups, threadIdx.x - 128, 256);
+    asm volatile("bar.sync 1, 256;" ::: "memory");
 #endif
-  }
-#if K_SPLIT
-  if (chunk_steps < k_steps) {  // the last chunk goes on the total of those before
-    const u32 mine = total + (threadIdx.x - 128) * 4;
+    float acc[NB8][4], part[2][NB8][4], p[2][NCB];
 #pragma unroll
     for (int j = 0; j < NB8; ++j)
 #pragma unroll
-      for (int c = 0; c < 4; ++c) acc[j][c] = lds32(mine + (4 * j + c) * 1024) + acc[j][c];
-  }
-#endif
+      for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
 
-  // out: this thread's rows row, row + 8 of the warpgroup's 64, columns 8 j + 2 (lane % 4) + {0, 1}
+    for (int kt = 0; kt < k_steps; ++kt) {
+      const int g = done + kt;  // the ring's count
+      const int s = g % STAGES;
+      const u32 stage = base + s * STAGE_BYTES;
+      mbar_wait(&full[s], (g / STAGES) & 1);
+      const u64 da = desc(stage + c * 64 * BLOCK_K);
+      const u64 db = desc(stage + A_BYTES);
+      const float4 sa[2] = {lds128(stage + A_BYTES + B_BYTES + row * 16),
+                            lds128(stage + A_BYTES + B_BYTES + (row + 8) * 16)};
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int m = m0 + row + 8 * h;
-    if (m >= m_rows) continue;
-#pragma unroll
-    for (int j = 0; j < NB8; ++j) {
-      const int n = n0 + 8 * j + 2 * (lane & 3);
-      if (n >= n_cols) continue;
-#if OUT_F32
-      float2* o = reinterpret_cast<float2*>(static_cast<float*>(out) + (u64)m * n_cols + n);
-      *o = make_float2(acc[j][2 * h], acc[j][2 * h + 1]);
-#else
-      u32 v;
-      asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(v) : "f"(acc[j][2 * h + 1]), "f"(acc[j][2 * h]));
-      *reinterpret_cast<u32*>(static_cast<u16*>(out) + (u64)m * n_cols + n) = v;
+      for (int j = 0; j < SLICES; ++j) {
+        asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+        wgmma_slice(part[j & 1], da + 2 * j, db + 2 * j);
+        asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+        if (j > 0) {  // the slice before is done: promote it while this one runs
+          asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+          promote(acc, part[(j + 1) & 1], p);
+        }
+        slice_scales(p, sa, sb_table, kt * SLICES + j, j);
+      }
+      // the stage's last slice (a wait for all: ptxas serializes the wgmmas when a partial stays in
+      // flight across the loop's back edge; two stages per loop body, which waits half as often,
+      // was no faster), then the stage goes back to the producer
+      asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+      if (lane == 0) mbar_arrive(&empty[s]);
+      promote(acc, part[(SLICES - 1) & 1], p);
+#if K_SPLIT
+      if ((kt + 1) % chunk_steps == 0 && kt + 1 < k_steps)
+        fold(acc, total + (threadIdx.x - 128) * 4, kt + 1 == chunk_steps);
 #endif
     }
+#if K_SPLIT
+    if (chunk_steps < k_steps) {  // the last chunk goes on the total of those before
+      const u32 mine = total + (threadIdx.x - 128) * 4;
+#pragma unroll
+      for (int j = 0; j < NB8; ++j)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[j][c] = lds32(mine + (4 * j + c) * 1024) + acc[j][c];
+    }
+#endif
+
+    // out: this thread's rows row, row + 8 of its warpgroup's, columns 8 j + 2 (lane % 4) + {0, 1}
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int m = m0 + row + 8 * h;
+      if (m >= m_rows) continue;
+#pragma unroll
+      for (int j = 0; j < NB8; ++j) {
+        const int n = n0 + 8 * j + 2 * (lane & 3);
+        if (n >= n_cols) continue;
+#if OUT_F32
+        float2* o = reinterpret_cast<float2*>(static_cast<float*>(out) + (u64)m * n_cols + n);
+        *o = make_float2(acc[j][2 * h], acc[j][2 * h + 1]);
+#else
+        u32 v;
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(v) : "f"(acc[j][2 * h + 1]), "f"(acc[j][2 * h]));
+        *reinterpret_cast<u32*>(static_cast<u16*>(out) + (u64)m * n_cols + n) = v;
+#endif
+      }
+    }
+    done += k_steps;
   }
 }

@@ -40,12 +40,15 @@ class Fp8GemmCudaConfig:
     `config_for`); group_m: m tiles that consecutive CTAs walk down before the next column of
     tiles (1..64), so that a wave's weight tiles stay in L2. None of these changes a sum.
     k_split: K cut into this many equal chunks (1..16; multiples of 128), each summed from zero,
-    the chunk sums added in order, their running total in shared memory (`invariant_config`)."""
+    the chunk sums added in order, their running total in shared memory (`invariant_config`).
+    persistent: one CTA per SM walks the tiles (the producer loads the next tile while the
+    consumers store this one; fifteenth session: compiled, not yet run on a GPU)."""
 
     block_n: int = 128
     stages: int = 6
     group_m: int = 16
     k_split: int = 1
+    persistent: bool = False
 
     def __post_init__(self) -> None:
         checks = (
@@ -53,6 +56,7 @@ class Fp8GemmCudaConfig:
             ("stages", 2 <= self.stages <= 8, "2..8"),
             ("group_m", 1 <= self.group_m <= 64, "1..64"),
             ("k_split", 1 <= self.k_split <= 16, "1..16"),
+            ("persistent", isinstance(self.persistent, bool), "a bool"),
         )
         check_fields(self, checks)
 
@@ -235,7 +239,8 @@ def defines(cfg: Fp8GemmCudaConfig, sb_f32: bool, out_f32: bool) -> dict[str, in
     """The kernel's compile-time constants."""
     return dict(
         BLOCK_N=cfg.block_n, STAGES=cfg.stages, GROUP_M=cfg.group_m,
-        K_SPLIT=int(cfg.k_split > 1), SB_F32=int(sb_f32), OUT_F32=int(out_f32),
+        K_SPLIT=int(cfg.k_split > 1), PERSISTENT=int(cfg.persistent),
+        SB_F32=int(sb_f32), OUT_F32=int(out_f32),
     )  # fmt: skip
 
 
@@ -281,9 +286,11 @@ def fp8_gemm(
     sa_map = module.tensor_map_2d(x_scale.data_ptr(), m, k // 8, 16, BLOCK_M)
     dev = x_fp8.device.index if x_fp8.device.index is not None else torch.cuda.current_device()
     sb_f32, out_f32 = w_scale.dtype == torch.float32, out_dtype == torch.float32
-    tiles = -(-m // BLOCK_M) * -(-n // cfg.block_n)
+    ctas = -(-m // BLOCK_M) * -(-n // cfg.block_n)  # one per tile, or per SM (persistent)
+    if cfg.persistent:
+        ctas = min(ctas, torch.cuda.get_device_properties(dev).multi_processor_count)
     _kernel(cfg, sb_f32, out_f32, dev).launch(
-        (tiles,),
+        (ctas,),
         THREADS,
         (a_map, b_map, sa_map, w_scale, out, m, n, k, k // BLOCK_K // cfg.k_split),
         shared_bytes(k, cfg),
