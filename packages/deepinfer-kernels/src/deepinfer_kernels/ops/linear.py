@@ -66,7 +66,7 @@ for _op, _check in (("fp8_gemm", "supports"), ("fp8_linear", "supports_linear"))
             f"deepinfer_kernels.cuda.fp8_gemm:{_op}",
             devices=("cuda",),
             min_capability=(9, 0),
-            requires=("triton",) if _op == "fp8_linear" else (),  # its activation quantiser
+            requires=("triton",),  # the decode routing constants; fp8_linear's quantiser
             supports=f"deepinfer_kernels.cuda.fp8_gemm:{_check}",
             routing="M > 64 outside batch-invariant mode",
         )
