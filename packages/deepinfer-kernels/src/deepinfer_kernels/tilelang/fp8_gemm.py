@@ -48,6 +48,7 @@ config) compiles once per process (seconds).
 # (tensor shapes built from closure variables) at definition time.
 
 from dataclasses import dataclass
+from importlib.util import find_spec
 from typing import Any
 
 import torch
@@ -394,8 +395,8 @@ def _cuda_reason(op: str, cuda_supports: Any) -> str | None:
     (`cuda_supports(module)` is None), else None; ``DEEPINFER_KERNELS=<op>=tilelang`` keeps it."""
     from ..registry import REGISTRY
 
-    if REGISTRY.settings.overrides.get(op) == "tilelang":
-        return None
+    if REGISTRY.settings.overrides.get(op) == "tilelang" or find_spec("triton") is None:
+        return None  # (the cuda tier needs triton for its routing)
     from ..cuda import fp8_gemm as cg
 
     if cuda_supports(cg) is None:
