@@ -37,8 +37,9 @@ construction (checked bitwise by the GPU tests). With `invariant_config` it cuts
 TileLang decode kernel (`decode_gemm.py`) does and adds the chunks in the same order, so the rows
 it gives at M > 64 are those that kernel gives at M <= 64 (`INVARIANT_PREFILL`, GPU-tested).
 
-Routing (`supports`): the registry picks this tier by default on Hopper for M > 64 outside
-batch-invariant mode, and in it with `INVARIANT_PREFILL` (`_route_reason`);
+Routing (`supports`): on Hopper the registry picks this tier for M > 64 in batch-invariant mode
+with `INVARIANT_PREFILL` (`_route_reason`); outside it the cuda tier's kernel (`cuda/fp8_gemm.py`,
+faster) takes those calls where it can (`_cuda_reason`), and this tier the rest;
 ``DEEPINFER_KERNELS=fp8_gemm=tilelang`` (or ``fp8_linear=tilelang``) sends every call to it.
 tilelang is imported only inside the functions that build or run a kernel; each (N, K, dtype,
 config) compiles once per process (seconds).
@@ -319,8 +320,9 @@ def route_reason(
 ) -> str | None:
     """Why the registry should not pick this tier (device, mode, M), or None.
 
-    Chosen by default on Hopper for M > decode_max_m (the prefill GEMMs; below that the
-    weight-streaming decode kernels that triton/linear.py routes to are faster). In
+    Open on Hopper for M > decode_max_m (the prefill GEMMs; below that the weight-streaming
+    decode kernels that triton/linear.py routes to are faster; `supports` then leaves to the
+    cuda tier what it takes). In
     batch-invariant mode too, when the decode path runs the TileLang decode kernel there
     (`invariant_decode_tilelang`): this kernel then cuts K as that one does
     (`invariant_config`), so a row's bits do not depend on M; otherwise the Triton tiles, whose
