@@ -12,8 +12,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-TIERS: tuple[str, ...] = ("vendor", "tilelang", "cuda", "triton", "npu", "ref")
-"""Implementation tiers in default order of preference (first capable one wins)."""
+TIERS: tuple[str, ...] = ("vendor", "cuda", "tilelang", "triton", "npu", "ref")
+"""Implementation tiers in default order of preference (first capable one wins). cuda before
+tilelang: its FP8 prefill GEMM is the faster where both take a call (NOTES.md, fifteenth
+session); the only ops with both tiers."""
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")

@@ -87,6 +87,16 @@ static __device__ __forceinline__ void mbar_init(u64* bar) {
   asm volatile("mbarrier.init.shared.b64 [%0], 1;" ::"r"(smem_u32(bar)));
 }
 
+// A barrier whose phase completes after `count` arrivals (and the copies they expect).
+static __device__ __forceinline__ void mbar_init(u64* bar, u32 count) {
+  asm volatile("mbarrier.init.shared.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count));
+}
+
+// One arrival (no copies expected).
+static __device__ __forceinline__ void mbar_arrive(u64* bar) {
+  asm volatile("mbarrier.arrive.shared.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
+
 // One arrival that also expects `bytes` of copies to land before the phase completes.
 static __device__ __forceinline__ void mbar_expect(u64* bar, u32 bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared.b64 _, [%0], %1;" ::"r"(smem_u32(bar)),

@@ -123,14 +123,6 @@ static __device__ __forceinline__ void fold(float (&acc)[NB8][4], u32 mine, bool
 }
 #endif
 
-static __device__ __forceinline__ void mbar_init_count(u64* bar, u32 count) {
-  asm volatile("mbarrier.init.shared.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count));
-}
-
-static __device__ __forceinline__ void mbar_arrive(u64* bar) {
-  asm volatile("mbarrier.arrive.shared.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
-}
-
 // acc += part * (sa of the row half) * (sb of the 32-column block): p[h][cb] holds the products.
 static __device__ __forceinline__ void promote(float (&acc)[NB8][4], const float (&part)[NB8][4],
                                                const float (&p)[2][NCB]) {
@@ -224,8 +216,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init_count(&full[s], 1);
-      mbar_init_count(&empty[s], CONSUMERS * 4);  // lane 0 of every consumer warp
+      mbar_init(&full[s]);
+      mbar_init(&empty[s], CONSUMERS * 4);  // lane 0 of every consumer warp
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }

@@ -37,9 +37,9 @@ for _op in ("fp8_gemm", "fp8_linear"):
     )
 
 # TileLang FP8-wgmma GEMM with per-32 promotion: the prefill GEMMs on Hopper that the cuda tier
-# (below) does not take: batch-invariant mode with `INVARIANT_PREFILL` (see
-# `tilelang.fp8_gemm._route_reason`); decode sizes go to the triton tier (which routes M = 2..64 to
-# the TileLang decode kernel).
+# (below; tried first, settings.TIERS) declines: batch-invariant mode with `INVARIANT_PREFILL`
+# (see `tilelang.fp8_gemm._route_reason`); decode sizes go to the triton tier (which routes
+# M = 2..64 to the TileLang decode kernel).
 for _op, _check in (("fp8_gemm", "supports"), ("fp8_linear", "supports_linear")):
     REGISTRY.register(
         Implementation(
@@ -57,7 +57,7 @@ for _op, _check in (("fp8_gemm", "supports"), ("fp8_linear", "supports_linear"))
     )
 
 # CUDA C++ FP8-wgmma GEMM with per-32 promotion (`cuda/fp8_gemm.py`): the prefill GEMMs on Hopper
-# outside batch-invariant mode (M > 64), faster than the TileLang kernel, which then declines them.
+# outside batch-invariant mode (M > 64), faster than the TileLang kernel.
 for _op, _check in (("fp8_gemm", "supports"), ("fp8_linear", "supports_linear")):
     REGISTRY.register(
         Implementation(

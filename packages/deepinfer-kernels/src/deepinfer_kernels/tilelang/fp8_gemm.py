@@ -37,9 +37,9 @@ construction (checked bitwise by the GPU tests). With `invariant_config` it cuts
 TileLang decode kernel (`decode_gemm.py`) does and adds the chunks in the same order, so the rows
 it gives at M > 64 are those that kernel gives at M <= 64 (`INVARIANT_PREFILL`, GPU-tested).
 
-Routing (`supports`): on Hopper the registry picks this tier for M > 64 in batch-invariant mode
-with `INVARIANT_PREFILL` (`_route_reason`); outside it the cuda tier's kernel (`cuda/fp8_gemm.py`,
-faster) takes those calls where it can (`_cuda_reason`), and this tier the rest;
+Routing (`supports`): on Hopper this tier takes M > 64 (in batch-invariant mode with
+`INVARIANT_PREFILL`; `_route_reason`) where the cuda tier's faster kernel (`cuda/fp8_gemm.py`),
+which the registry tries first, declines;
 ``DEEPINFER_KERNELS=fp8_gemm=tilelang`` (or ``fp8_linear=tilelang``) sends every call to it.
 tilelang is imported only inside the functions that build or run a kernel; each (N, K, dtype,
 config) compiles once per process (seconds).
@@ -49,7 +49,6 @@ config) compiles once per process (seconds).
 # (tensor shapes built from closure variables) at definition time.
 
 from dataclasses import dataclass
-from importlib.util import find_spec
 from typing import Any
 
 import torch
@@ -321,8 +320,8 @@ def route_reason(
     """Why the registry should not pick this tier (device, mode, M), or None.
 
     Open on Hopper for M > decode_max_m (the prefill GEMMs; below that the weight-streaming
-    decode kernels that triton/linear.py routes to are faster; `supports` then leaves to the
-    cuda tier what it takes). In
+    decode kernels that triton/linear.py routes to are faster; the registry tries the cuda
+    tier's kernel first). In
     batch-invariant mode too, when the decode path runs the TileLang decode kernel there
     (`invariant_decode_tilelang`): this kernel then cuts K as that one does
     (`invariant_config`), so a row's bits do not depend on M; otherwise the Triton tiles, whose
@@ -380,30 +379,7 @@ def supports(
         return why
     if out_dtype not in OUT_DTYPES:
         return f"out_dtype must be one of {list(OUT_DTYPES)}, got {out_dtype}"
-    why = shape_reason(x_fp8, x_scale, w, w_scale)
-    if why is not None:
-        return why
-    return _cuda_reason(
-        "fp8_gemm",
-        lambda cg: cg.supports(
-            x_fp8, x_scale, w, w_scale, out_dtype, batch_invariant=batch_invariant
-        ),
-    )
-
-
-def _cuda_reason(op: str, cuda_supports: Any) -> str | None:
-    """Why this tier leaves a call of `op` to the cuda tier's FP8 GEMM (`cuda/fp8_gemm.py`, 1.1-1.2x
-    faster at prefill shapes on the H200: NOTES.md, fifteenth session) when that one takes it
-    (`cuda_supports(module)` is None), else None; ``DEEPINFER_KERNELS=<op>=tilelang`` keeps it."""
-    from ..registry import REGISTRY
-
-    if REGISTRY.settings.overrides.get(op) == "tilelang" or find_spec("triton") is None:
-        return None  # (the cuda tier needs triton for its routing)
-    from ..cuda import fp8_gemm as cg
-
-    if cuda_supports(cg) is None:
-        return "the cuda tier's FP8 GEMM runs it (faster)"
-    return None
+    return shape_reason(x_fp8, x_scale, w, w_scale)
 
 
 def supports_linear(
@@ -425,9 +401,7 @@ def supports_linear(
         return f"K must be a multiple of {BLOCK_K}, got {x.shape[-1]}"
     if w.dtype != torch.float8_e4m3fn or w.dim() != 2 or w.shape[1] != x.shape[-1]:
         return f"w must be float8_e4m3fn [N, {x.shape[-1]}], got {w.dtype} {list(w.shape)}"
-    return _cuda_reason(
-        "fp8_linear", lambda cg: cg.supports_linear(x, w, w_scale, batch_invariant=batch_invariant)
-    )
+    return None
 
 
 # -- the kernel (tilelang imported here only) ----------------------------------------------
