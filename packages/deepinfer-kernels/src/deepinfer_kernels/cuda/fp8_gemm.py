@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from . import module
-from .moe_decode import MAX_SHARED, check_fields
+from .module import MAX_SHARED, check_fields
 
 SOURCE = Path(__file__).with_name("fp8_gemm.cu")
 ARCH = "sm_90a"

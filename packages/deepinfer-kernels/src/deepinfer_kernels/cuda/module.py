@@ -1,6 +1,7 @@
 """Compiling and launching hand-written CUDA kernels: CUDA C++ source -> cubin with NVRTC (the
 runtime compiler that ships with torch's CUDA libraries, so no nvcc is needed), loaded and
-launched through the CUDA driver on torch's current stream (so CUDA graphs capture them).
+launched through the CUDA driver on torch's current stream (so CUDA graphs capture them); and
+what the kernels' configs share: the SM's shared-memory limit and the check of their fields.
 
 Everything is reached through ctypes inside functions: importing this module loads no library.
 """
@@ -11,10 +12,27 @@ import ctypes
 import functools
 import importlib.util
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
+
+MAX_SHARED = 227 * 1024  # shared memory one CTA may take on sm_90 (static + dynamic)
+
+
+def check_fields(cfg: object, checks: tuple[tuple[str, bool, str], ...]) -> None:
+    """Raise ValueError naming the first int field of cfg that holds another type (a float or a
+    bool would reach the kernels' compile-time constants), then the first field whose check
+    (name, ok, allowed) fails."""
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.type == "int" and type(value) is not int:
+            raise ValueError(f"{type(cfg).__name__}.{f.name} must be an int, got {value!r}")
+    for name, ok, allowed in checks:
+        if not ok:
+            raise ValueError(
+                f"{type(cfg).__name__}.{name} must be {allowed}, got {getattr(cfg, name)!r}"
+            )
 
 
 class TensorMap:

@@ -28,32 +28,18 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from ..quant import ACT_AMAX_FLOOR
 from . import module
+from .module import MAX_SHARED, check_fields
 
 SOURCE = Path(__file__).with_name("moe_decode.cu")
 WGMMA_SOURCE = Path(__file__).with_name("moe_decode_wgmma.cu")
 ARCH = "sm_90a"
-
-
-def check_fields(cfg: object, checks: tuple[tuple[str, bool, str], ...]) -> None:
-    """Raise ValueError naming the first int field of cfg that holds another type (a float or a
-    bool would reach the kernels' compile-time constants), then the first field whose check
-    (name, ok, allowed) fails."""
-    for f in fields(cfg):
-        value = getattr(cfg, f.name)
-        if f.type == "int" and type(value) is not int:
-            raise ValueError(f"{type(cfg).__name__}.{f.name} must be an int, got {value!r}")
-    for name, ok, allowed in checks:
-        if not ok:
-            raise ValueError(
-                f"{type(cfg).__name__}.{name} must be {allowed}, got {getattr(cfg, name)!r}"
-            )
 
 
 @dataclass(frozen=True)
@@ -306,7 +292,6 @@ def k_permutation(k: int) -> torch.Tensor:
 
 
 Config = MoeDecodeCudaConfig | MoeDecodeWgmmaConfig
-MAX_SHARED = 227 * 1024  # shared memory one CTA may take on sm_90 (static + dynamic)
 
 
 def _wgmma_mats(kind: str, cfg: MoeDecodeWgmmaConfig) -> int:
