@@ -15,12 +15,28 @@ CHAIN_L = 16
 """Calls per captured graph in the chained harness: L distinct weight sets (> L2 in total)."""
 
 
-PARTS = ("dense", "probes", "shapes", "prefill", "moe", "dense64")
-"""`decode4_rows`' sections, in the order they run: dense 5120x8192 at M = 64 / 32 / 16 / 1 with
-the TileLang candidates; floor probes; 2112x7168 and 32768x1280 at M = 64 / 16 / 1 with the
-candidates; batch-invariant mode at prefill sizes (eager); the MoE layer; (only when named)
-5120x8192 and 32768x1280 at M = 64 with the 128-row-tile candidates."""
+PARTS = ("cuda", "dense", "probes", "shapes", "prefill", "moe", "dense64")
+"""`decode4_rows`' sections, in the order they run: the CUDA decode GEMM's candidates beside the
+registry's two modes at 5120x8192 (M = 64 / 32 / 16 / 1), 2112x7168 and 32768x1280 (M = 64 / 16 /
+1); dense 5120x8192 at M = 64 / 32 / 16 / 1 with the TileLang candidates; floor probes; 2112x7168
+and 32768x1280 at M = 64 / 16 / 1 with the candidates; batch-invariant mode at prefill sizes
+(eager); the MoE layer; (only when named) 5120x8192 and 32768x1280 at M = 64 with the 128-row-tile
+candidates."""
 DEFAULT_PARTS = PARTS[:-1]
+
+
+def _cuda_configs():
+    """The CUDA decode GEMM's candidates (sixteenth session): 128-row tiles at 2 CTAs per SM
+    (the default) or 64-row tiles at 3 / 4, each also as a programmatic dependent launch."""
+    from deepinfer_kernels.cuda.decode_gemm import DecodeGemmCudaConfig as C
+
+    return {
+        "cuda c2 mb2": C(),
+        "cuda c2 mb2 pdl": C(programmatic=True),
+        "cuda c1 mb3": C(consumers=1, min_blocks=3),
+        "cuda c1 mb3 pdl": C(consumers=1, min_blocks=3, programmatic=True),
+        "cuda c1 mb4 pdl": C(consumers=1, min_blocks=4, programmatic=True),
+    }
 
 
 def _tile_configs():
@@ -88,6 +104,52 @@ def decode4_rows(rows: list | None = None, parts: tuple[str, ...] = PARTS):
             print(f"dec4 {op} {shape} failed: {type(exc).__name__}: {str(exc)[:400]}")
 
     weights = {}
+
+    def dense_cuda(n, k, ms_list):
+        """The registry's two modes (auto: the GEMV at M=1, the TileLang decode kernel above; inv:
+        that kernel at every M) and the CUDA decode kernel's candidates, each checked bitwise
+        against `inv`'s output (the same K split and order) before it is timed."""
+        from deepinfer_kernels.cuda import decode_gemm as cdg
+
+        sets_w = [
+            quant.quantize_fp8_blocks(torch.randn(n, k, device="cuda") * 0.02)
+            for _ in range(CHAIN_L)
+        ]
+        nbytes = n * k + (n // 32 + 1) * (k // 32)
+        for m in ms_list:
+            sets = []
+            for w, ws in sets_w:
+                xq, xs = quant.act_quant_fp8(torch.randn(m, k, device="cuda").bfloat16())
+                sets.append((xq, xs, w, ws))
+            shape = f"{m}x{n}x{k}"
+            for inv in (False, True):
+                both(
+                    f"fp8_gemm[{'inv' if inv else 'auto'}]",
+                    shape,
+                    lambda xq, xs, w, ws, inv=inv: tl_linear.fp8_gemm(
+                        xq, xs, w, ws, torch.bfloat16, batch_invariant=inv
+                    ),
+                    sets,
+                    nbytes,
+                )
+            base = tl_linear.fp8_gemm(*sets[0], torch.bfloat16, batch_invariant=True)
+            for name, cfg in _cuda_configs().items():
+                try:
+                    got = cdg.decode_gemm(*sets[0], torch.bfloat16, config=cfg)
+                except Exception as exc:
+                    print(f"dec4 {name} failed: {type(exc).__name__}: {str(exc)[:400]}")
+                    continue
+                same = torch.equal(got, base)
+                both(
+                    f"{name}{'' if same else ' BAD'}",
+                    shape,
+                    lambda xq, xs, w, ws, cfg=cfg: cdg.decode_gemm(
+                        xq, xs, w, ws, torch.bfloat16, config=cfg
+                    ),
+                    sets,
+                    nbytes,
+                )
+        del sets_w
 
     def dense(n, k, ms_list, only=""):
         """Rows at each M; the candidates of the M's token tile whose names contain `only`."""
@@ -260,6 +322,10 @@ def decode4_rows(rows: list | None = None, parts: tuple[str, ...] = PARTS):
                     print(f"dec4 {name} {m}x{n}x{k} failed: {type(exc).__name__}: {exc}")
 
     # most telling first, so that a run cut off by its time limit still has them
+    if "cuda" in parts:
+        dense_cuda(5120, 8192, (64, 32, 16, 1))
+        dense_cuda(2112, 7168, (64, 16, 1))
+        dense_cuda(32768, 1280, (64, 16, 1))
     if "dense" in parts:
         dense(5120, 8192, (64, 32, 16, 1))
     if "probes" in parts:

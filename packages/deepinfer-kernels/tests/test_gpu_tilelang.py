@@ -136,9 +136,10 @@ def test_fp8_gemm_cuda_graph_replay():
 
 
 def test_registry_routing_and_override():
-    """Prefill M goes to the cuda tier's GEMM by default (in batch-invariant mode to tilelang with
-    INVARIANT_PREFILL), decode M stays on the triton tier; an override sends every M to its tier
-    (tilelang keeps prefill M then). fp8_linear likewise, through the act quantiser."""
+    """Prefill M goes to the cuda tier's GEMM (in batch-invariant mode with its INVARIANT_PREFILL;
+    else to tilelang with that one's), decode M stays on the triton tier; an override sends every
+    M to its tier (tilelang keeps prefill M then). fp8_linear likewise, through the act
+    quantiser."""
     xq, xs, wq, ws = _inputs(300, 5120, 8192, seed=10)
     x = torch.randn(300, 8192, device=DEV).bfloat16()
     before = REGISTRY.settings
@@ -155,7 +156,13 @@ def test_registry_routing_and_override():
         assert got.dtype == torch.bfloat16 and rel(got, want) < 1e-2
         REGISTRY.configure(KernelSettings(overrides={}, batch_invariant=True))
         kw = {"batch_invariant": True}
-        want_tier = "tilelang" if _tg().INVARIANT_PREFILL else "triton"
+        from deepinfer_kernels.cuda import fp8_gemm as cuda_gemm
+
+        invariant_prefill = {
+            "cuda": cuda_gemm.INVARIANT_PREFILL,
+            "tilelang": _tg().INVARIANT_PREFILL,
+        }
+        want_tier = next((t for t, on in invariant_prefill.items() if on), "triton")
         assert REGISTRY.resolve("fp8_gemm", xq, xs, wq, ws, torch.bfloat16, **kw).tier == want_tier
         assert REGISTRY.resolve("fp8_gemm", *small, **kw).tier == "triton"
         want = ref_linear.fp8_gemm(*small[:4], torch.float32)

@@ -20,6 +20,7 @@
 // (`TILE_LOOP`), SB_F32, OUT_F32.
 
 #include "common.cuh"
+#include "wgmma_fp8.cuh"
 
 #define BLOCK_M 128
 #define BLOCK_K 128  // values (bytes) per row and stage: one 128-byte swizzle row
@@ -40,74 +41,7 @@ static_assert(BLOCK_N == 64 || BLOCK_N == 128, "BLOCK_N: 64 or 128");
 static_assert(STAGES >= 2 && STAGES <= 8, "STAGES: 2..8");
 static_assert(STAGE_BYTES % 1024 == 0, "stages start on 1024 bytes (the swizzle's period)");
 
-// wgmma's matrix descriptor of a stage's rows at shared address p (1024-byte aligned): K-major,
-// 128-byte swizzle, 8-row groups 1024 bytes apart; slice j starts 32 j bytes on (the hardware
-// applies the swizzle to the address).
-static __device__ __forceinline__ u64 desc(u32 p) {
-  return (u64)((p & 0x3FFFFu) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | (1ull << 62);
-}
-
-// d = A (64 rows of a, descriptor a) * B^T (BLOCK_N rows of b, descriptor b), one k32 slice.
-static __device__ __forceinline__ void wgmma_slice(float (&d)[NB8][4], u64 a, u64 b) {
-#if BLOCK_N == 64
-  asm volatile(
-      "{\n .reg .pred p;\n setp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {"
-      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31"
-      "}, %32, %33, p, 1, 1;\n}\n"
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),
-        "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
-        "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]),
-        "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
-        "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]),
-        "+f"(d[7][2]), "+f"(d[7][3])
-      : "l"(a), "l"(b), "n"(0));
-#elif BLOCK_N == 128
-  asm volatile(
-      "{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {"
-      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
-      "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
-      "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"
-      "}, %64, %65, p, 1, 1;\n}\n"
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),
-        "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
-        "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]),
-        "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
-        "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]),
-        "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]),
-        "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]),
-        "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]),
-        "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]),
-        "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]),
-        "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
-      : "l"(a), "l"(b), "n"(0));
-#endif
-}
-
-static __device__ __forceinline__ float4 lds128(u32 p) {
-  float4 v;
-  asm volatile("ld.shared.v4.f32 {%0,%1,%2,%3}, [%4];"
-               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(p));
-  return v;
-}
-
-#if !SB_F32
-// A UE8M0 byte as the float it encodes (2**(u - 127); 0: 2**-127, 255: NaN).
-static __device__ __forceinline__ float e8m0(u32 u) {
-  return __uint_as_float(u == 0 ? 0x00400000u : u == 255 ? 0x7FC00000u : u << 23);
-}
-#endif
-
 #if K_SPLIT
-static __device__ __forceinline__ float lds32(u32 p) {
-  float v;
-  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(p));
-  return v;
-}
-
 // The end of a K chunk but the last: total = acc (the first chunk) or total + acc, then acc = 0.
 // mine: this consumer thread's column of the total (element e at mine + 1024 e: conflict-free).
 static __device__ __forceinline__ void fold(float (&acc)[NB8][4], u32 mine, bool first) {
@@ -117,7 +51,7 @@ static __device__ __forceinline__ void fold(float (&acc)[NB8][4], u32 mine, bool
     for (int c = 0; c < 4; ++c) {
       const u32 at = mine + (4 * j + c) * 1024;
       const float t = first ? acc[j][c] : lds32(at) + acc[j][c];
-      asm volatile("st.shared.f32 [%0], %1;" ::"r"(at), "f"(t));
+      sts32(at, t);
       acc[j][c] = 0.f;
     }
 }
@@ -178,7 +112,7 @@ static __device__ __forceinline__ void fill_sb_table(u32 sb_table, const void* s
       v = e8m0(static_cast<const u8*>(sb_ptr)[(u64)row * k_groups + q]);
 #endif
     }
-    asm volatile("st.shared.f32 [%0], %1;" ::"r"(sb_table + (q * SB_STRIDE + cb) * 4), "f"(v));
+    sts32(sb_table + (q * SB_STRIDE + cb) * 4, v);
   }
 }
 
@@ -275,14 +209,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
       const int s = g % STAGES;
       const u32 stage = base + s * STAGE_BYTES;
       mbar_wait(&full[s], (g / STAGES) & 1);
-      const u64 da = desc(stage + c * 64 * BLOCK_K);
-      const u64 db = desc(stage + A_BYTES);
+      const u64 da = desc_sw128(stage + c * 64 * BLOCK_K);
+      const u64 db = desc_sw128(stage + A_BYTES);
       const float4 sa[2] = {lds128(stage + A_BYTES + B_BYTES + row * 16),
                             lds128(stage + A_BYTES + B_BYTES + (row + 8) * 16)};
 #pragma unroll
       for (int j = 0; j < SLICES; ++j) {
         asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-        wgmma_slice(part[j & 1], da + 2 * j, db + 2 * j);
+        wgmma_e4m3<BLOCK_N>(part[j & 1], da + 2 * j, db + 2 * j);
         asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
         if (j > 0) {  // the slice before is done: promote it while this one runs
           asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");

@@ -37,9 +37,9 @@ for _op in ("fp8_gemm", "fp8_linear"):
     )
 
 # TileLang FP8-wgmma GEMM with per-32 promotion: the prefill GEMMs on Hopper that the cuda tier
-# (below; tried first, settings.TIERS) declines: batch-invariant mode with `INVARIANT_PREFILL`
-# (see `tilelang.fp8_gemm._route_reason`); decode sizes go to the triton tier (which routes
-# M = 2..64 to the TileLang decode kernel).
+# (below; tried first, settings.TIERS) declines (no NVRTC, or a shape it refuses; see
+# `tilelang.fp8_gemm._route_reason`); decode sizes go to the triton tier (which routes M = 2..64
+# to the TileLang decode kernel).
 for _op, _check in (("fp8_gemm", "supports"), ("fp8_linear", "supports_linear")):
     REGISTRY.register(
         Implementation(
@@ -50,14 +50,12 @@ for _op, _check in (("fp8_gemm", "supports"), ("fp8_linear", "supports_linear"))
             min_capability=(9, 0),
             requires=("tilelang",),
             supports=f"deepinfer_kernels.tilelang.fp8_gemm:{_check}",
-            routing=(
-                "M > 64 where the cuda tier declines (batch-invariant mode, with INVARIANT_PREFILL)"
-            ),
+            routing="M > 64 where the cuda tier declines",
         )
     )
 
 # CUDA C++ FP8-wgmma GEMM with per-32 promotion (`cuda/fp8_gemm.py`): the prefill GEMMs on Hopper
-# outside batch-invariant mode (M > 64), faster than the TileLang kernel.
+# (M > 64; in batch-invariant mode with the decode kernel's K split), faster than the TileLang one.
 for _op, _check in (("fp8_gemm", "supports"), ("fp8_linear", "supports_linear")):
     REGISTRY.register(
         Implementation(
@@ -68,7 +66,7 @@ for _op, _check in (("fp8_gemm", "supports"), ("fp8_linear", "supports_linear"))
             min_capability=(9, 0),
             requires=("triton",),  # the decode routing constants; fp8_linear's quantiser
             supports=f"deepinfer_kernels.cuda.fp8_gemm:{_check}",
-            routing="M > 64 outside batch-invariant mode",
+            routing="M > 64 (batch-invariant mode: the decode kernel's K split)",
         )
     )
 

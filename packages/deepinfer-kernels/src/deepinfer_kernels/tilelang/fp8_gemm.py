@@ -39,7 +39,7 @@ it gives at M > 64 are those that kernel gives at M <= 64 (`INVARIANT_PREFILL`, 
 
 Routing (`supports`): on Hopper this tier takes M > 64 (in batch-invariant mode with
 `INVARIANT_PREFILL`; `_route_reason`) where the cuda tier's faster kernel (`cuda/fp8_gemm.py`),
-which the registry tries first, declines;
+which the registry tries first, declines (no NVRTC, or a shape it refuses);
 ``DEEPINFER_KERNELS=fp8_gemm=tilelang`` (or ``fp8_linear=tilelang``) sends every call to it.
 tilelang is imported only inside the functions that build or run a kernel; each (N, K, dtype,
 config) compiles once per process (seconds).

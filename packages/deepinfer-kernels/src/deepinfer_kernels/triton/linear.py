@@ -168,9 +168,9 @@ TILELANG_INVARIANT = True
 (its rows do not depend on M: the K split comes from (N, K), token tiles of 16/32/64 give the
 same bits, GPU-tested), so a row's bits are the same at M=1 and at M=8192; shapes it cannot run
 stay on the Triton kernels, whose invariant split matches among themselves. With
-`tilelang.fp8_gemm.INVARIANT_PREFILL` on, the registry sends M > 64 to the TileLang prefill
-kernel instead, which cuts K the same way (`invariant_config`; about twice as fast there), or to
-the cuda tier's with `cuda.fp8_gemm.INVARIANT_PREFILL` (off until its GPU gate test passes)."""
+`cuda.fp8_gemm.INVARIANT_PREFILL` on, the registry sends M > 64 to the cuda tier's prefill kernel
+instead, which cuts K the same way (`invariant_config`); with only
+`tilelang.fp8_gemm.INVARIANT_PREFILL`, to the TileLang prefill kernel (the same split, slower)."""
 
 
 def tilelang_route(m: int, batch_invariant: bool) -> bool:
