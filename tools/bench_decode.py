@@ -31,11 +31,11 @@ def _cuda_configs():
     from deepinfer_kernels.cuda.decode_gemm import DecodeGemmCudaConfig as C
 
     return {
-        "cuda c2 mb2": C(),
-        "cuda c2 mb2 pdl": C(programmatic=True),
-        "cuda c1 mb3": C(consumers=1, min_blocks=3),
-        "cuda c1 mb3 pdl": C(consumers=1, min_blocks=3, programmatic=True),
-        "cuda c1 mb4 pdl": C(consumers=1, min_blocks=4, programmatic=True),
+        "cuda c2 mb2": C(programmatic=False),
+        "cuda c2 mb2 pdl": C(),
+        "cuda c1 mb3": C(consumers=1, min_blocks=3, programmatic=False),
+        "cuda c1 mb3 pdl": C(consumers=1, min_blocks=3),
+        "cuda c1 mb4 pdl": C(consumers=1, min_blocks=4),
     }
 
 
@@ -105,10 +105,33 @@ def decode4_rows(rows: list | None = None, parts: tuple[str, ...] = PARTS):
 
     weights = {}
 
+    def token_sets(weight_sets, m, k):
+        """(xq, xs, w, ws) per weight set: fresh M x K activations quantised per 32."""
+        sets = []
+        for w, ws in weight_sets:
+            xq, xs = quant.act_quant_fp8(torch.randn(m, k, device="cuda").bfloat16())
+            sets.append((xq, xs, w, ws))
+        return sets
+
+    def triton_modes(label, shape, sets, nbytes):
+        """The triton tier's fp8_gemm in auto and batch-invariant mode: rows label[auto/inv]."""
+        for inv in (False, True):
+            both(
+                f"{label}[{'inv' if inv else 'auto'}]",
+                shape,
+                lambda xq, xs, w, ws, inv=inv: tl_linear.fp8_gemm(
+                    xq, xs, w, ws, torch.bfloat16, batch_invariant=inv
+                ),
+                sets,
+                nbytes,
+            )
+
     def dense_cuda(n, k, ms_list):
-        """The registry's two modes (auto: the GEMV at M=1, the TileLang decode kernel above; inv:
-        that kernel at every M) and the CUDA decode kernel's candidates, each checked bitwise
-        against `inv`'s output (the same K split and order) before it is timed."""
+        """The triton tier's two modes (auto: the GEMV at M=1, the TileLang decode kernel above;
+        inv: that kernel at every M), the registry's choice (`ops.fp8_gemm`: the CUDA decode
+        kernel with `pick_config` on Hopper) and the CUDA decode kernel's candidates, each
+        checked bitwise against `triton[inv]`'s output (the same K split and order) first."""
+        from deepinfer_kernels import ops
         from deepinfer_kernels.cuda import decode_gemm as cdg
 
         sets_w = [
@@ -117,22 +140,12 @@ def decode4_rows(rows: list | None = None, parts: tuple[str, ...] = PARTS):
         ]
         nbytes = n * k + (n // 32 + 1) * (k // 32)
         for m in ms_list:
-            sets = []
-            for w, ws in sets_w:
-                xq, xs = quant.act_quant_fp8(torch.randn(m, k, device="cuda").bfloat16())
-                sets.append((xq, xs, w, ws))
+            sets = token_sets(sets_w, m, k)
             shape = f"{m}x{n}x{k}"
-            for inv in (False, True):
-                both(
-                    f"fp8_gemm[{'inv' if inv else 'auto'}]",
-                    shape,
-                    lambda xq, xs, w, ws, inv=inv: tl_linear.fp8_gemm(
-                        xq, xs, w, ws, torch.bfloat16, batch_invariant=inv
-                    ),
-                    sets,
-                    nbytes,
-                )
+            triton_modes("triton", shape, sets, nbytes)
             base = tl_linear.fp8_gemm(*sets[0], torch.bfloat16, batch_invariant=True)
+            same = torch.equal(ops.fp8_gemm(*sets[0]), base)
+            both(f"ops.fp8_gemm{'' if same else ' BAD'}", shape, ops.fp8_gemm, sets, nbytes)
             for name, cfg in _cuda_configs().items():
                 try:
                     got = cdg.decode_gemm(*sets[0], torch.bfloat16, config=cfg)
@@ -164,21 +177,9 @@ def decode4_rows(rows: list | None = None, parts: tuple[str, ...] = PARTS):
         # the timed kernel itself in fp32; split 1 stores the output dtype directly
         check_dtype = torch.float32 if split > 1 else torch.bfloat16
         for m in ms_list:
-            sets = []
-            for w, ws in weights[(n, k)]:
-                xq, xs = quant.act_quant_fp8(torch.randn(m, k, device="cuda").bfloat16())
-                sets.append((xq, xs, w, ws))
+            sets = token_sets(weights[(n, k)], m, k)
             shape = f"{m}x{n}x{k}"
-            for inv in (False, True):
-                both(
-                    f"fp8_gemm[{'inv' if inv else 'auto'}]",
-                    shape,
-                    lambda xq, xs, w, ws, inv=inv: tl_linear.fp8_gemm(
-                        xq, xs, w, ws, torch.bfloat16, batch_invariant=inv
-                    ),
-                    sets,
-                    nbytes,
-                )
+            triton_modes("fp8_gemm", shape, sets, nbytes)
             want = ref_linear.fp8_gemm(*sets[0], torch.float32).double()
             bt = tld.pick_tile_config(m, n, k).block_t
             base_cfg = dataclasses.replace(fourth_session[bt], split_k=split)

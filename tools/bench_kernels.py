@@ -48,8 +48,21 @@ def torch_baselines(sets) -> tuple[float, float]:
     return t_torch, t_mm
 
 
+def _registry_gemm(xq, xs, w, ws, inv: bool):
+    """ops.fp8_gemm as the model calls it: the registry's choice in auto or batch-invariant mode."""
+    from deepinfer_kernels import REGISTRY, ops
+
+    if not inv:
+        return ops.fp8_gemm(xq, xs, w, ws)
+    with REGISTRY.batch_invariant_mode():
+        return ops.fp8_gemm(xq, xs, w, ws)
+
+
 def gemm_rows(shapes, quick):
-    from deepinfer_kernels import quant
+    """fp8_gemm[auto] / [inv]: the registry's choice in each mode (`_registry_gemm`);
+    fp8_gemm[triton]: the triton tier's own choice (not --quick: [fp8mma], its FP8-MMA tiles);
+    fp8_linear (through the registry, activation quantisation included) and [bf16A] at M > 256."""
+    from deepinfer_kernels import ops, quant
     from deepinfer_kernels.triton import linear as tl_linear
 
     rows = []
@@ -85,7 +98,7 @@ def gemm_rows(shapes, quick):
                     mm_only_ms=t_mm,
                 )
             )
-            ms = bench_ms(Rotating(lambda x, xq, xs, w, ws: tl_linear.fp8_linear(x, w, ws), sets))
+            ms = bench_ms(Rotating(lambda x, xq, xs, w, ws: ops.fp8_linear(x, w, ws), sets))
             rows.append(
                 dict(
                     op="fp8_linear",
@@ -97,20 +110,26 @@ def gemm_rows(shapes, quick):
                     mm_only_ms=t_mm,
                 )
             )
-        variants = [("auto", None, False), ("inv", None, True)]
+        variants = [("auto", None), ("inv", None), ("triton", None)]
         if not quick:
             auto = tl_linear.pick_config(m, n, k, False)
             fp8mma = tl_linear.GemmConfig(
                 auto.block_m, auto.block_n, auto.split_k, auto.num_warps, 3, dequant_bf16=False
             )
-            variants.append(("fp8mma", fp8mma, False))
-        for name, cfg, inv in variants:
-            fn = Rotating(
-                lambda x, xq, xs, w, ws, cfg=cfg, inv=inv: tl_linear.fp8_gemm(
-                    xq, xs, w, ws, torch.bfloat16, batch_invariant=inv, config=cfg
-                ),
-                sets,
-            )
+            variants.append(("fp8mma", fp8mma))
+        for name, cfg in variants:
+            if name in ("auto", "inv"):
+                fn = Rotating(
+                    lambda x, xq, xs, w, ws, inv=name == "inv": _registry_gemm(xq, xs, w, ws, inv),
+                    sets,
+                )
+            else:
+                fn = Rotating(
+                    lambda x, xq, xs, w, ws, cfg=cfg: tl_linear.fp8_gemm(
+                        xq, xs, w, ws, torch.bfloat16, config=cfg
+                    ),
+                    sets,
+                )
             ms = bench_ms(fn)
             rows.append(
                 dict(
@@ -169,7 +188,7 @@ def _gemm_variants(n: int, k: int, quick: bool) -> list:
 def tilelang_rows(quick):
     """fp8_gemm[tilelang] (deepinfer_kernels.tilelang.fp8_gemm) and fp8_gemm[cuda]
     (deepinfer_kernels.cuda.fp8_gemm), FP8 wgmma with per-32 promotion, at prefill shapes, beside
-    the Triton default (`fp8_gemm[auto]`) and the torch baselines of the same run. Each variant is
+    the Triton default (`fp8_gemm[triton]`) and the torch baselines of the same run. Each variant is
     checked against ref (printed) before it is timed."""
     from deepinfer_kernels import quant
     from deepinfer_kernels.ref import linear as ref_linear
@@ -197,7 +216,7 @@ def tilelang_rows(quick):
                 lambda x, xq, xs, w, ws: tl_linear.fp8_gemm(xq, xs, w, ws, torch.bfloat16), sets
             )
         )
-        rows.append(dict(op="fp8_gemm[auto]", ms=ms, **base))
+        rows.append(dict(op="fp8_gemm[triton]", ms=ms, **base))
         want = ref_linear.fp8_gemm(*sets[0][1:], torch.float32)
         for name, fn in _gemm_variants(n, k, quick):
             try:

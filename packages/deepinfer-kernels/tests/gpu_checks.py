@@ -95,8 +95,8 @@ def assert_graph_replays_new_routing(fn, t: int, d: int, i: int, e: int, k: int)
 def assert_invariant_prefill_rows(gemm, tier: str, xq, xs, wq, ws) -> None:
     """The gate for a tier's `INVARIANT_PREFILL` (set by the caller): `gemm(..., batch_invariant=
     True)` gives the TileLang decode kernel's bits head to head and is close to ref; routed in
-    batch-invariant mode (M <= 64 to the decode kernel through the triton tier, M > 64 to `tier`)
-    a row has the same bits at every M, through fp8_gemm and fp8_linear."""
+    batch-invariant mode (M <= 64 to a decode kernel, M > 64 to `tier`) a row has the same bits
+    at every M, through fp8_gemm and fp8_linear."""
     from deepinfer_kernels import REGISTRY, ops
     from deepinfer_kernels.ref import linear as ref_linear
     from deepinfer_kernels.tilelang import decode_gemm

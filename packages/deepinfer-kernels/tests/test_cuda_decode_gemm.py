@@ -27,7 +27,7 @@ needs_hopper = pytest.mark.skipif(
     not (HOPPER and HAVE_NVRTC), reason="needs a Hopper GPU and NVRTC"
 )
 C = dg.DecodeGemmCudaConfig
-CONFIGS = [dg.DEFAULT, C(consumers=1, min_blocks=3), C(stages=2), C(programmatic=True)]
+CONFIGS = [dg.DEFAULT, C(consumers=1, min_blocks=3), C(stages=2), C(programmatic=False)]
 
 
 @settings(max_examples=30, deadline=None)
@@ -78,6 +78,29 @@ def test_budgets_fit_the_sm(consumers, min_blocks, tokens, k_steps, split):
     launch = min(255, dg.REGS_PER_SM // (cfg.threads * min_blocks)) // 8 * 8
     regs = dg.PRODUCER_REGS * 128 + dg.consumer_regs(cfg) * 128 * consumers
     assert regs <= launch * cfg.threads and dg.consumer_regs(cfg) % 8 == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    m=st.integers(1, 300),
+    n=st.integers(1, 8192).map(lambda v: 8 * v),
+    k=st.integers(1, 128).map(lambda v: 128 * v),
+    sms=st.sampled_from([114, 132]),
+)
+def test_pick_config_keeps_every_cta_resident(m, n, k, sms):
+    """Every CTA of the call has a slot at once when the tile's most CTAs per SM hold them (4 for
+    64-row tiles, 2 for 128), and the consumers keep at least 64 registers."""
+    cfg = dg.pick_config(m, n, k, sms)
+    ctas = -(-n // cfg.rows) * dg.k_split(n, k) * -(-m // dg.token_tile(m))
+    most = 4 if cfg.consumers == 1 else 2
+    assert ctas <= cfg.min_blocks * sms or cfg.min_blocks == most
+    assert cfg.min_blocks >= (3 if cfg.consumers == 1 else 2)
+    assert dg.consumer_regs(cfg) >= 64 and cfg.programmatic
+
+
+def test_pick_config_at_v4_shapes():
+    assert dg.pick_config(16, 5120, 8192) == C(consumers=1, min_blocks=3)  # 320 CTAs
+    assert dg.pick_config(16, 32768, 1280) == C(consumers=2, min_blocks=2)  # 256 CTAs
 
 
 def test_shape_reasons():

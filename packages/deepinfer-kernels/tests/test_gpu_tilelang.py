@@ -137,9 +137,9 @@ def test_fp8_gemm_cuda_graph_replay():
 
 def test_registry_routing_and_override():
     """Prefill M goes to the cuda tier's GEMM (in batch-invariant mode with its INVARIANT_PREFILL;
-    else to tilelang with that one's), decode M stays on the triton tier; an override sends every
-    M to its tier (tilelang keeps prefill M then). fp8_linear likewise, through the act
-    quantiser."""
+    else to tilelang with that one's), decode M to the cuda tier's decode kernel in both modes; an
+    override sends every M to its tier (tilelang keeps prefill M then). fp8_linear likewise,
+    through the act quantiser."""
     xq, xs, wq, ws = _inputs(300, 5120, 8192, seed=10)
     x = torch.randn(300, 8192, device=DEV).bfloat16()
     before = REGISTRY.settings
@@ -148,8 +148,8 @@ def test_registry_routing_and_override():
         assert REGISTRY.resolve("fp8_gemm", xq, xs, wq, ws, torch.bfloat16).tier == "cuda"
         assert REGISTRY.resolve("fp8_linear", x, wq, ws).tier == "cuda"
         small = (xq[:64], xs[:64], wq, ws, torch.bfloat16)
-        assert REGISTRY.resolve("fp8_gemm", *small).tier == "triton"
-        assert REGISTRY.resolve("fp8_linear", x[:64], wq, ws).tier == "triton"
+        assert REGISTRY.resolve("fp8_gemm", *small).tier == "cuda"  # the decode kernel
+        assert REGISTRY.resolve("fp8_linear", x[:64], wq, ws).tier == "cuda"
         got = ops.fp8_linear(x, wq, ws)
         xq2, xs2 = quant.act_quant_fp8(x)
         want = ref_linear.fp8_gemm(xq2, xs2, wq, ws, torch.float32)
@@ -164,7 +164,7 @@ def test_registry_routing_and_override():
         }
         want_tier = next((t for t, on in invariant_prefill.items() if on), "triton")
         assert REGISTRY.resolve("fp8_gemm", xq, xs, wq, ws, torch.bfloat16, **kw).tier == want_tier
-        assert REGISTRY.resolve("fp8_gemm", *small, **kw).tier == "triton"
+        assert REGISTRY.resolve("fp8_gemm", *small, **kw).tier == "cuda"
         want = ref_linear.fp8_gemm(*small[:4], torch.float32)
         for tier in ("tilelang", "cuda"):
             REGISTRY.configure(KernelSettings(overrides={"fp8_gemm": tier, "fp8_linear": tier}))

@@ -5,6 +5,15 @@ token scales (the TileLang decode kernel's arithmetic, `tilelang/decode_gemm.py`
 K split from (N, K): the same bits). The K chunks of a weight tile run as one thread-block cluster
 and are summed in chunk order through distributed shared memory, so a call is one kernel.
 
+By default a call is a programmatic dependent launch: its prologue and first weight stages run
+while the kernel before it ends, and it reads the activations (and writes the output) only after
+that kernel has finished. The contract this asks of the caller: the kernel launched just before
+does not write the weights or their scales (inference never does; a weight update followed at
+once by this GEMM should pass `DecodeGemmCudaConfig(programmatic=False)`). H200, 16 calls per
+CUDA graph (NOTES.md, sixteenth session): 5120x8192 at M = 1 / 16 / 32 / 64 13.8 / 14.2 / 16.1 /
+22.6 us (72 / 70 / 61 / 44% of the copy ceiling) against 15.7 / 16.3 / 18.6 / 24.9 for the
+GEMV / TileLang kernel; without the programmatic launch it is as fast as the TileLang kernel.
+
 Same contract as `ref.linear.fp8_gemm`. Compiled by NVRTC at first use (once per process per
 config; no GPU needed to compile).
 """
@@ -39,12 +48,12 @@ class DecodeGemmCudaConfig:
     (1..4; every CTA of a call should be resident at once); stages: 128-deep K stages in the
     ring (0: as many as `min_blocks` CTAs per SM leave room for, at most 12); programmatic: launch
     as a programmatic dependent of the kernel before (its prologue and first weight stages
-    overlap that kernel's end). None of these changes a sum."""
+    overlap that kernel's end; see the module's contract). None of these changes a sum."""
 
     consumers: int = 2
     min_blocks: int = 2
     stages: int = 0
-    programmatic: bool = False
+    programmatic: bool = True
 
     def __post_init__(self) -> None:
         checks = (
@@ -66,6 +75,28 @@ class DecodeGemmCudaConfig:
 
 
 DEFAULT = DecodeGemmCudaConfig()
+
+
+def pick_config(m: int, n: int, k: int, sms: int = 132) -> DecodeGemmCudaConfig:
+    """The config a call of M tokens on an [N, K] weight runs on `sms` SMs: the weight tile (64
+    or 128 rows) whose CTAs (weight tiles x K chunks x token tiles) fill the SMs' slots most
+    evenly (128 rows on a tie: half the token-tile reloads), and as many CTAs per SM as hold
+    them all at once: 64-row tiles 3 or 4, 128-row tiles 2 (more would leave their consumers
+    under 64 registers; more CTAs than that run in waves). H200, 16-call graphs
+    (sixteenth session, us, 64-row at 3 per SM / 128-row at 2): 5120x8192 (320 / 160 CTAs) M=16
+    14.2 / 15.9, M=64 22.6 / 26.6; 32768x1280 (512 / 256; 64-row at 4 per SM) M=16 14.9 / 14.1,
+    M=64 22.1 / 20.3. The choice never changes a sum."""
+    split, tiles_t = k_split(n, k), -(-m // token_tile(m))
+
+    def ctas(consumers: int) -> int:
+        return -(-n // (64 * consumers)) * split * tiles_t
+
+    def fill(consumers: int) -> float:
+        return ctas(consumers) / (sms * -(-ctas(consumers) // sms))
+
+    if fill(1) > fill(2) + 0.05:
+        return DecodeGemmCudaConfig(1, min(4, max(3, -(-ctas(1) // sms))))
+    return DecodeGemmCudaConfig(2, 2)
 
 
 def token_tile(m: int) -> int:
@@ -118,12 +149,13 @@ def consumer_regs(cfg: DecodeGemmCudaConfig) -> int:
 def shape_reason(n: int, k: int, m: int = 1, cfg: DecodeGemmCudaConfig | None = None) -> str | None:
     """Why the kernel cannot take w [N, K] at M tokens with this config, or None: K a positive
     multiple of 128 split into at most 8 whole-stage chunks, N a positive multiple of 8, the
-    ring (at least 2 stages) and the chunk's sums within shared memory."""
-    cfg = cfg or DEFAULT
+    ring (at least 2 stages) and the chunk's sums within shared memory. Without a config:
+    `pick_config`'s (for 132 SMs)."""
     if k % BLOCK_K or k <= 0:
         return f"K={k} must be a positive multiple of {BLOCK_K}"
     if n % 8 or n <= 0:
         return f"N={n} must be a positive multiple of 8"
+    cfg = cfg or pick_config(max(m, 1), n, k)
     split = k_split(n, k)
     if split > MAX_SPLIT:
         return f"the K split {split} is over the {MAX_SPLIT} CTAs of a portable cluster"
@@ -169,6 +201,11 @@ def defines(
 
 
 @functools.cache
+def _sm_count(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.cache
 def cubin(
     tokens: int, split: int, stages: int, cfg: DecodeGemmCudaConfig, sb_f32: bool, out_f32: bool
 ) -> bytes:
@@ -199,13 +236,14 @@ def decode_gemm(
     """``(x_fp8 * x_scale) @ (w * w_scale)^T`` with fp32 sums. x_fp8 [M, K] e4m3, x_scale
     [M, K/32] fp32 powers of two, w [N, K] e4m3, w_scale [ceil(N/32), K/32] e8m0 (or fp32 powers
     of two) -> [M, N] out_dtype (bfloat16 or float32); any M (token tiles of up to 64), meant for
-    M <= 64. A row's bits are the TileLang decode kernel's, whatever M. ValueError naming the
-    problem when `call_reason` refuses the call."""
-    cfg = config or DEFAULT
-    why = call_reason(x_fp8, x_scale, w, w_scale, out_dtype, cfg)
+    M <= 64. A row's bits are the TileLang decode kernel's, whatever M and config (without one:
+    `pick_config`). ValueError naming the problem when `call_reason` refuses the call."""
+    why = call_reason(x_fp8, x_scale, w, w_scale, out_dtype, config)
     if why is not None:
         raise ValueError(f"cuda decode_gemm: {why}")
     (m, k), n = x_fp8.shape, w.shape[0]
+    dev = x_fp8.device.index if x_fp8.device.index is not None else torch.cuda.current_device()
+    cfg = config or pick_config(m, n, k, _sm_count(dev))
     out = torch.empty(m, n, dtype=out_dtype, device=x_fp8.device)
     if m == 0:
         return out
@@ -214,7 +252,6 @@ def decode_gemm(
     w_map = module.tensor_map_2d(w.data_ptr(), n, k, BLOCK_K, cfg.rows, swizzle_128b=True)
     x_map = module.tensor_map_2d(x_fp8.data_ptr(), m, k, BLOCK_K, tokens, swizzle_128b=True)
     sx_map = module.tensor_map_2d(x_scale.data_ptr(), m, k // 8, 16, tokens)
-    dev = x_fp8.device.index if x_fp8.device.index is not None else torch.cuda.current_device()
     flags = (w_scale.dtype == torch.float32, out_dtype == torch.float32)
     _kernel(tokens, split, stages, cfg, flags, dev).launch(
         (-(-n // cfg.rows) * split, -(-m // tokens)),

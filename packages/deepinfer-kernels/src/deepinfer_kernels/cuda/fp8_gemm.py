@@ -4,11 +4,9 @@ scales by the CUDA cores; the TMA feeds a ring of 128-deep K stages; one produce
 consumer warpgroups of 64 rows. Same contract as `ref.linear.fp8_gemm`: only the fp32 summation
 order differs (and the tensor core's own sum of each 32 products).
 
-Routing (`supports`): the registry picks this tier on Hopper for M > triton.linear.DECODE_MAX_M
-outside batch-invariant mode (below, the weight-streaming decode kernels are faster; in that
-mode the decode kernels' K split decides the bits, which the tilelang and triton tiers follow);
-``DEEPINFER_KERNELS=fp8_gemm=cuda`` (or ``fp8_linear=cuda``) sends every call here. H200: 1.03-1.25x
-the TileLang kernel at M = 512-16K, K = 8192; 0.98x at K = 1280 (NOTES.md, fifteenth session).
+The cuda tier (`linear.py`) runs it at M > 64 (in batch-invariant mode with `invariant_config`).
+H200: 1.03-1.25x the TileLang kernel at M = 512-16K, K = 8192; 0.98x at K = 1280 (NOTES.md,
+fifteenth session).
 
 Compiled by NVRTC at first use (once per process per config; no GPU needed to compile).
 """
@@ -18,7 +16,6 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -173,79 +170,13 @@ def invariant_config(n: int, k: int) -> Fp8GemmCudaConfig:
     return config_for(k, replace(DEFAULT, k_split=decode_tile_split(n, k)))
 
 
-def route_reason(
-    op: str, x: torch.Tensor, rows: int, batch_invariant: bool, out_dtype: torch.dtype
-) -> str | None:
-    """Why the registry should not send this call of `op` (on x, `rows` rows, writing out_dtype)
-    here (device, mode, M), or None; with ``DEEPINFER_KERNELS=<op>=cuda`` every M and mode."""
-    from ..registry import REGISTRY
-
-    if x.device.type != "cuda":
-        return f"input on {x.device.type}"
-    if torch.cuda.get_device_capability(x.device) != (9, 0):
-        return "needs sm_90a (Hopper wgmma)"
-    if out_dtype not in (torch.bfloat16, torch.float32):
-        return f"out_dtype {out_dtype}: the cuda GEMM writes bfloat16 or float32"
-    if REGISTRY.settings.overrides.get(op) == "cuda":
-        return None
-    from ..triton.linear import DECODE_MAX_M, TILELANG_INVARIANT
-
-    if rows <= DECODE_MAX_M:
-        return f"M={rows} <= {DECODE_MAX_M}: the decode kernels (triton/linear.py) are faster"
-    if batch_invariant and not (INVARIANT_PREFILL and TILELANG_INVARIANT):
-        return (
-            "batch-invariant mode: the decode kernels' K split decides the bits (tilelang, triton)"
-        )
-    return None
-
-
-def supports(
-    x_fp8: torch.Tensor,
-    x_scale: torch.Tensor,
-    w: torch.Tensor,
-    w_scale: torch.Tensor,
-    out_dtype: torch.dtype = torch.bfloat16,
-    *,
-    batch_invariant: bool = False,
-    **_: Any,
-) -> str | None:
-    """Registry check for `fp8_gemm`: why this tier should not run the call, or None."""
-    why = route_reason("fp8_gemm", x_fp8, x_fp8.shape[0], batch_invariant, out_dtype)
-    return why or call_reason(
-        x_fp8, x_scale, w, w_scale, out_dtype, _call_config(w, batch_invariant)
-    )
-
-
-def _call_config(w: torch.Tensor, batch_invariant: bool) -> Fp8GemmCudaConfig | None:
+def call_config(w: torch.Tensor, batch_invariant: bool) -> Fp8GemmCudaConfig | None:
     """The config a call on w [N, K] without one runs: `invariant_config` in batch-invariant mode
     (None, `config_for`'s choice, otherwise; also for a K the split cannot cut)."""
     n, k = w.shape
     if not batch_invariant or k % BLOCK_K:
         return None
     return invariant_config(n, k)
-
-
-def supports_linear(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    w_scale: torch.Tensor,
-    *,
-    batch_invariant: bool = False,
-    **_: Any,
-) -> str | None:
-    """Registry check for `fp8_linear` (x [..., K] float, quantised per 32 first): as `supports`,
-    with the activations' own layout (made contiguous by the quantiser) left out."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    why = route_reason("fp8_linear", x, rows, batch_invariant, x.dtype)
-    if why is not None:
-        return why
-    for name, t in (("w", w), ("w_scale", w_scale)):
-        if not t.is_contiguous() or t.data_ptr() % 16:
-            return f"{name} must be contiguous and 16-byte aligned (the TMA copies it)"
-    if w_scale.dtype not in (torch.float8_e8m0fnu, torch.float32):
-        return f"w_scale is {w_scale.dtype}, the cuda GEMM reads float8_e8m0fnu or float32"
-    cfg = _call_config(w, batch_invariant) if w.dim() == 2 else None
-    return shape_reason(w.shape[0], x.shape[-1], cfg) or module.nvrtc_reason()
 
 
 def defines(cfg: Fp8GemmCudaConfig, sb_f32: bool, out_f32: bool) -> dict[str, int]:
@@ -286,7 +217,7 @@ def fp8_gemm(
     of two) -> [M, N] out_dtype (bfloat16 or float32). ValueError naming the problem when
     `call_reason` refuses the call. A row's sums never depend on M here; batch_invariant (without
     a config): `invariant_config`, whose sums are the TileLang decode kernel's."""
-    cfg = config or _call_config(w, batch_invariant) or config_for(w.shape[1])
+    cfg = config or call_config(w, batch_invariant) or config_for(w.shape[1])
     why = call_reason(x_fp8, x_scale, w, w_scale, out_dtype, cfg)
     if why is not None:
         raise ValueError(f"cuda fp8_gemm: {why}")
@@ -309,20 +240,3 @@ def fp8_gemm(
         shared_bytes(k, cfg),
     )
     return out
-
-
-def fp8_linear(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    w_scale: torch.Tensor,
-    *,
-    batch_invariant: bool = False,
-    config: Fp8GemmCudaConfig | None = None,
-) -> torch.Tensor:
-    """x [..., K] bfloat16 or float32 -> [..., N] x.dtype: per-32 FP8 activation quantisation,
-    then `fp8_gemm` on w [N, K] e4m3 / w_scale [ceil(N/32), K/32]
-    (`triton.quant.quantised_linear`); batch_invariant and config as `fp8_gemm`."""
-    from ..triton.quant import quantised_linear
-
-    kw = dict(batch_invariant=batch_invariant, config=config)
-    return quantised_linear(fp8_gemm, x, w, w_scale, **kw)

@@ -38,8 +38,8 @@ for _op in ("fp8_gemm", "fp8_linear"):
 
 # TileLang FP8-wgmma GEMM with per-32 promotion: the prefill GEMMs on Hopper that the cuda tier
 # (below; tried first, settings.TIERS) declines (no NVRTC, or a shape it refuses; see
-# `tilelang.fp8_gemm._route_reason`); decode sizes go to the triton tier (which routes M = 2..64
-# to the TileLang decode kernel).
+# `tilelang.fp8_gemm._route_reason`); decode sizes the cuda tier declines go to the triton tier
+# (which routes M = 2..64 to the TileLang decode kernel).
 for _op, _check in (("fp8_gemm", "supports"), ("fp8_linear", "supports_linear")):
     REGISTRY.register(
         Implementation(
@@ -54,19 +54,23 @@ for _op, _check in (("fp8_gemm", "supports"), ("fp8_linear", "supports_linear"))
         )
     )
 
-# CUDA C++ FP8-wgmma GEMM with per-32 promotion (`cuda/fp8_gemm.py`): the prefill GEMMs on Hopper
-# (M > 64; in batch-invariant mode with the decode kernel's K split), faster than the TileLang one.
+# CUDA C++ FP8-wgmma GEMMs with per-32 promotion (`cuda/linear.py`): on Hopper the swap-AB decode
+# kernel at M <= 64 and the prefill kernel above, in both modes (the TileLang decode kernel's bits
+# in batch-invariant mode), faster than the TileLang and Triton kernels.
 for _op, _check in (("fp8_gemm", "supports"), ("fp8_linear", "supports_linear")):
     REGISTRY.register(
         Implementation(
             _op,
             "cuda",
-            f"deepinfer_kernels.cuda.fp8_gemm:{_op}",
+            f"deepinfer_kernels.cuda.linear:{_op}",
             devices=("cuda",),
             min_capability=(9, 0),
             requires=("triton",),  # the decode routing constants; fp8_linear's quantiser
-            supports=f"deepinfer_kernels.cuda.fp8_gemm:{_check}",
-            routing="M > 64 (batch-invariant mode: the decode kernel's K split)",
+            supports=f"deepinfer_kernels.cuda.linear:{_check}",
+            routing=(
+                "M <= 64 the swap-AB decode kernel (K split <= 8), larger M the prefill kernel "
+                "(batch-invariant mode: the decode kernel's K split)"
+            ),
         )
     )
 
