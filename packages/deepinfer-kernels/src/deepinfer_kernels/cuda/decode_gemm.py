@@ -77,6 +77,7 @@ class DecodeGemmCudaConfig:
 DEFAULT = DecodeGemmCudaConfig()
 
 
+@functools.lru_cache(maxsize=4096)  # pure; called on every routed call
 def pick_config(m: int, n: int, k: int, sms: int = 132) -> DecodeGemmCudaConfig:
     """The config a call of M tokens on an [N, K] weight runs on `sms` SMs: the weight tile (64
     or 128 rows) whose CTAs (weight tiles x K chunks x token tiles) fill the SMs' slots most
@@ -105,6 +106,7 @@ def token_tile(m: int) -> int:
     return next((t for t in (8, 16, 32) if m <= t), MAX_TOKENS)
 
 
+@functools.lru_cache(maxsize=4096)  # pure; called on every routed call
 def k_split(n: int, k: int) -> int:
     """K chunks for an [N, K] weight: the TileLang decode kernel's (`decode_tile_split`), so the
     sums are that kernel's."""
@@ -146,6 +148,7 @@ def consumer_regs(cfg: DecodeGemmCudaConfig) -> int:
     return min(240, free // (128 * cfg.consumers) // 8 * 8)
 
 
+@functools.lru_cache(maxsize=4096)  # pure; called on every routed call
 def shape_reason(n: int, k: int, m: int = 1, cfg: DecodeGemmCudaConfig | None = None) -> str | None:
     """Why the kernel cannot take w [N, K] at M tokens with this config, or None: K a positive
     multiple of 128 split into at most 8 whole-stage chunks, N a positive multiple of 8, the

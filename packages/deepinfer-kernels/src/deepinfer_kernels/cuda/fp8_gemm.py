@@ -84,6 +84,7 @@ def config_for(k: int, base: Fp8GemmCudaConfig = DEFAULT) -> Fp8GemmCudaConfig:
     return cfg
 
 
+@functools.lru_cache(maxsize=4096)  # pure; called on every routed call
 def shape_reason(n: int, k: int, cfg: Fp8GemmCudaConfig | None = None) -> str | None:
     """Why the kernel cannot take w [N, K] with this config, or None: K a multiple of 128 (whole
     ring stages; sa rows of 16-byte multiples for the TMA), N a multiple of 8 (paired column
@@ -162,6 +163,7 @@ GPU-tested), instead of to the TileLang prefill kernel with that split. H200, 51
 M = 2K / 8K / 16K: 1.10 / 1.10 / 1.06x auto mode's time, against 1.29 / 1.22 / 1.16x there."""
 
 
+@functools.lru_cache(maxsize=4096)  # pure; called on every routed call
 def invariant_config(n: int, k: int) -> Fp8GemmCudaConfig:
     """The config batch-invariant mode runs an [N, K] weight with: the TileLang decode kernel's K
     split (`decode_gemm.decode_tile_split`), as many stages as then fit."""
