@@ -54,6 +54,7 @@ _TMA_L2_256B = 3  # CUtensorMapL2promotion: CU_TENSOR_MAP_L2_PROMOTION_L2_256B
 _TMA_SWIZZLE_128B = 3  # CUtensorMapSwizzle: CU_TENSOR_MAP_SWIZZLE_128B
 
 
+@functools.lru_cache(maxsize=4096)  # pure in its ints; a weight's maps are the same every call
 def tensor_map_2d(
     address: int,
     rows: int,
@@ -68,7 +69,8 @@ def tensor_map_2d(
     (each at most 256; box_bytes a multiple of 16), out-of-bounds bytes read as zero; no swizzle,
     or with swizzle_128b the 16-byte chunks of each box row land XOR-permuted by the row's
     shared-memory address bits 7..9 (what wgmma's 128-byte swizzle layout reads; box_bytes at
-    most 128). It holds the address and shape only: valid while that memory is."""
+    most 128). It holds the address and shape only: valid while that memory is (the same
+    arguments give the same map, so it is cached; callers must not change it)."""
     if row_bytes % 16 or address % 16 or box_bytes % 16:
         raise ValueError(
             f"tensor_map_2d: row bytes {row_bytes}, the address and box bytes {box_bytes} must "
@@ -253,9 +255,7 @@ class Kernel:
                 holders.append(a.words)
             else:
                 raise TypeError(f"{self.name}: unsupported kernel argument {type(a).__name__}")
-        params = (ctypes.c_void_p * len(holders))(
-            *(ctypes.cast(ctypes.byref(h), ctypes.c_void_p) for h in holders)
-        )
+        params = (ctypes.c_void_p * len(holders))(*map(ctypes.addressof, holders))
         stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
         if not programmatic:
             _cu_check(
