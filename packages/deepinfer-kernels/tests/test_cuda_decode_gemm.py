@@ -73,8 +73,9 @@ def test_budgets_fit_the_sm(consumers, min_blocks, tokens, k_steps, split):
     stages = dg.stages_for(tokens, k, split, cfg)
     if stages < 2:
         return
-    per_cta = dg.shared_bytes(tokens, k, split, cfg) + dg.STATIC_SHARED + 1024
-    assert min_blocks * per_cta <= dg.SM_SHARED
+    per_cta = dg.shared_bytes(tokens, k, split, cfg) + dg.STATIC_SHARED
+    assert per_cta <= module.MAX_SHARED
+    assert min_blocks * (per_cta + 1024) <= dg.SM_SHARED
     launch = min(255, dg.REGS_PER_SM // (cfg.threads * min_blocks)) // 8 * 8
     regs = dg.PRODUCER_REGS * 128 + dg.consumer_regs(cfg) * 128 * consumers
     assert regs <= launch * cfg.threads and dg.consumer_regs(cfg) % 8 == 0

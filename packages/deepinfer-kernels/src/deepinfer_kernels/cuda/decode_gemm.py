@@ -127,11 +127,13 @@ def table_bytes(k: int, split: int, cfg: DecodeGemmCudaConfig) -> int:
 
 
 def stages_for(tokens: int, k: int, split: int, cfg: DecodeGemmCudaConfig) -> int:
-    """cfg.stages, or (0) as many as `min_blocks` CTAs per SM leave room for (at most 12)."""
+    """cfg.stages, or (0) as many as `min_blocks` CTAs per SM leave room for (at most 12, and
+    within the shared memory one CTA may take)."""
     if cfg.stages:
         return cfg.stages
-    per_cta = SM_SHARED // cfg.min_blocks - 1024 - STATIC_SHARED - 1024  # reserve, align slack
-    return min(12, (per_cta - table_bytes(k, split, cfg)) // stage_bytes(tokens, cfg))
+    per_cta = min(SM_SHARED // cfg.min_blocks - 1024, module.MAX_SHARED)  # 1 KiB CTA reserve
+    free = per_cta - STATIC_SHARED - 1024 - table_bytes(k, split, cfg)  # barriers, align slack
+    return min(12, free // stage_bytes(tokens, cfg))
 
 
 def shared_bytes(tokens: int, k: int, split: int, cfg: DecodeGemmCudaConfig) -> int:
@@ -166,6 +168,8 @@ def shape_reason(n: int, k: int, m: int = 1, cfg: DecodeGemmCudaConfig | None = 
     stages = stages_for(tokens, k, split, cfg)
     if stages < 2:
         return f"fewer than 2 stages fit at K={k} with {cfg.min_blocks} CTAs per SM"
+    if shared_bytes(tokens, k, split, cfg) > module.MAX_SHARED - STATIC_SHARED:
+        return f"{stages} stages need more shared memory than a CTA may take"
     if tokens * (cfg.rows + 4) * 4 > stages * stage_bytes(tokens, cfg):
         return f"the chunk's sums ({tokens} x {cfg.rows}) do not fit in {stages} stages"
     if consumer_regs(cfg) < 64:
