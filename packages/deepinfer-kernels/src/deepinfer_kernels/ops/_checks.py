@@ -14,10 +14,10 @@ def need(cond: bool, message: str) -> None:
 
 
 def need_dtype(t: torch.Tensor, name: str, *dtypes: torch.dtype) -> None:
-    need(
-        t.dtype in dtypes,
-        f"{name} must have dtype {' or '.join(str(d) for d in dtypes)}, got {t.dtype}",
-    )
+    if t.dtype not in dtypes:  # the message is built only for a failure (hot path)
+        raise ValueError(
+            f"{name} must have dtype {' or '.join(str(d) for d in dtypes)}, got {t.dtype}"
+        )
 
 
 def cuda_input_reason(x: torch.Tensor, *args: object, **kwargs: object) -> str | None:

@@ -8,7 +8,7 @@ import torch
 
 from ..quant import FP8_BLOCK
 from ..registry import REGISTRY, Implementation
-from ._checks import FLOAT_DTYPES, need, need_dtype
+from ._checks import FLOAT_DTYPES, need_dtype
 
 REGISTRY.declare(
     "fp8_gemm",
@@ -75,11 +75,17 @@ for _op, _check in (("fp8_gemm", "supports"), ("fp8_linear", "supports_linear"))
     )
 
 
+# The checks of the two GEMM ops run on every call (eager prefill, graph capture): their messages
+# are built only when a check fails.
+
+
 def _check_weight(w: torch.Tensor, w_scale: torch.Tensor, k: int) -> None:
     need_dtype(w, "w", torch.float8_e4m3fn)
-    need(w.dim() == 2 and w.shape[1] == k, f"w must be [N, {k}], got {list(w.shape)}")
-    want = [-(-w.shape[0] // FP8_BLOCK), -(-k // FP8_BLOCK)]
-    need(list(w_scale.shape) == want, f"w_scale must be {want}, got {list(w_scale.shape)}")
+    if not (w.dim() == 2 and w.shape[1] == k):
+        raise ValueError(f"w must be [N, {k}], got {list(w.shape)}")
+    want = (-(-w.shape[0] // FP8_BLOCK), -(-k // FP8_BLOCK))
+    if tuple(w_scale.shape) != want:
+        raise ValueError(f"w_scale must be {list(want)}, got {list(w_scale.shape)}")
     need_dtype(w_scale, "w_scale", torch.float8_e8m0fnu, torch.float32)
 
 
@@ -96,15 +102,19 @@ def fp8_gemm(
     w_scale [ceil(N/32), K/32] e8m0 (or fp32 powers of two) -> [M, N] out_dtype.
     """
     need_dtype(x_fp8, "x_fp8", torch.float8_e4m3fn)
-    need(x_fp8.dim() == 2, f"x_fp8 must be [M, K], got {list(x_fp8.shape)}")
+    if x_fp8.dim() != 2:
+        raise ValueError(f"x_fp8 must be [M, K], got {list(x_fp8.shape)}")
     m, k = x_fp8.shape
-    need(k % FP8_BLOCK == 0, f"x_fp8: K must be a multiple of {FP8_BLOCK}, got {k}")
-    need(
-        list(x_scale.shape) == [m, k // FP8_BLOCK] and x_scale.dtype == torch.float32,
-        f"x_scale must be [{m}, {k // FP8_BLOCK}] fp32, got {list(x_scale.shape)} {x_scale.dtype}",
-    )
+    if k % FP8_BLOCK:
+        raise ValueError(f"x_fp8: K must be a multiple of {FP8_BLOCK}, got {k}")
+    if tuple(x_scale.shape) != (m, k // FP8_BLOCK) or x_scale.dtype != torch.float32:
+        raise ValueError(
+            f"x_scale must be [{m}, {k // FP8_BLOCK}] fp32, got {list(x_scale.shape)} "
+            f"{x_scale.dtype}"
+        )
     _check_weight(w, w_scale, k)
-    need(out_dtype in FLOAT_DTYPES, f"out_dtype must be one of {FLOAT_DTYPES}, got {out_dtype}")
+    if out_dtype not in FLOAT_DTYPES:
+        raise ValueError(f"out_dtype must be one of {FLOAT_DTYPES}, got {out_dtype}")
     return REGISTRY.call(
         "fp8_gemm", x_fp8, x_scale, w, w_scale, out_dtype, batch_invariant=REGISTRY.batch_invariant
     )
@@ -118,6 +128,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch
     """
     need_dtype(x, "x", *FLOAT_DTYPES)
     k = x.shape[-1]
-    need(k % FP8_BLOCK == 0, f"x: last dimension must be a multiple of {FP8_BLOCK}, got {k}")
+    if k % FP8_BLOCK:
+        raise ValueError(f"x: last dimension must be a multiple of {FP8_BLOCK}, got {k}")
     _check_weight(w, w_scale, k)
     return REGISTRY.call("fp8_linear", x, w, w_scale, batch_invariant=REGISTRY.batch_invariant)
