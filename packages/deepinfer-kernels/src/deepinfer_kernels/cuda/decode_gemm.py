@@ -37,7 +37,9 @@ MAX_TOKENS = 64  # the widest token tile (wgmma N)
 MAX_SPLIT = 8  # K chunks per weight tile: a cluster of at most 8 CTAs (the portable size)
 SM_SHARED = 228 * 1024  # shared memory of one SM; each resident CTA takes 1 KiB more of it
 REGS_PER_SM = 65536
-PRODUCER_REGS = 24  # the TMA warpgroup's registers after setmaxnreg (decode_gemm.cu)
+PRODUCER_REGS = {1: 24, 2: 40, 4: 40}
+"""The TMA warpgroup's registers after setmaxnreg by `share` (decode_gemm.cu): the multicast's
+mask and offsets spill at 24."""
 STATIC_SHARED = 256  # the ring's barriers (static shared memory), rounded up
 
 
@@ -48,12 +50,16 @@ class DecodeGemmCudaConfig:
     (1..4; every CTA of a call should be resident at once); stages: 128-deep K stages in the
     ring (0: as many as `min_blocks` CTAs per SM leave room for, at most 12); programmatic: launch
     as a programmatic dependent of the kernel before (its prologue and first weight stages
-    overlap that kernel's end; see the module's contract). None of these changes a sum."""
+    overlap that kernel's end; see the module's contract); share: weight tiles (1, 2 or 4) that
+    share each stage's token tile through TMA multicast, the CTAs of one cluster with the K
+    split (K chunks x share <= 8; sixteenth session: compiled, not yet run on a GPU). None of
+    these changes a sum."""
 
     consumers: int = 2
     min_blocks: int = 2
     stages: int = 0
     programmatic: bool = True
+    share: int = 1
 
     def __post_init__(self) -> None:
         checks = (
@@ -61,6 +67,7 @@ class DecodeGemmCudaConfig:
             ("min_blocks", 1 <= self.min_blocks <= 4, "1..4"),
             ("stages", self.stages == 0 or 2 <= self.stages <= 12, "0 (auto) or 2..12"),
             ("programmatic", isinstance(self.programmatic, bool), "a bool"),
+            ("share", self.share in (1, 2, 4), "1, 2 or 4"),
         )
         check_fields(self, checks)
 
@@ -146,7 +153,7 @@ def consumer_regs(cfg: DecodeGemmCudaConfig) -> int:
     """Registers per consumer thread after setmaxnreg: what `min_blocks` CTAs per SM leave once
     the producer warpgroup has given its registers back (a multiple of 8, at most 240)."""
     launch = min(255, REGS_PER_SM // (cfg.threads * cfg.min_blocks)) // 8 * 8
-    free = launch * cfg.threads - PRODUCER_REGS * 128
+    free = launch * cfg.threads - PRODUCER_REGS[cfg.share] * 128
     return min(240, free // (128 * cfg.consumers) // 8 * 8)
 
 
@@ -162,8 +169,11 @@ def shape_reason(n: int, k: int, m: int = 1, cfg: DecodeGemmCudaConfig | None = 
         return f"N={n} must be a positive multiple of 8"
     cfg = cfg or pick_config(max(m, 1), n, k)
     split = k_split(n, k)
-    if split > MAX_SPLIT:
-        return f"the K split {split} is over the {MAX_SPLIT} CTAs of a portable cluster"
+    if split * cfg.share > MAX_SPLIT:
+        return (
+            f"the K split {split} x share {cfg.share} is over the {MAX_SPLIT} CTAs of a "
+            "portable cluster"
+        )
     tokens = token_tile(m)
     stages = stages_for(tokens, k, split, cfg)
     if stages < 2:
@@ -201,7 +211,7 @@ def defines(
 ) -> dict[str, int]:
     """The kernel's compile-time constants."""
     return dict(
-        CONSUMERS=cfg.consumers, TOKENS=tokens, STAGES=stages, SPLIT=split,
+        CONSUMERS=cfg.consumers, TOKENS=tokens, STAGES=stages, SPLIT=split, SHARE=cfg.share,
         MIN_BLOCKS=cfg.min_blocks, CONSUMER_REGS=consumer_regs(cfg),
         SB_F32=int(sb_f32), OUT_F32=int(out_f32),
     )  # fmt: skip
@@ -257,11 +267,14 @@ def decode_gemm(
     tokens, split = token_tile(m), k_split(n, k)
     stages = stages_for(tokens, k, split, cfg)
     w_map = module.tensor_map_2d(w.data_ptr(), n, k, BLOCK_K, cfg.rows, swizzle_128b=True)
-    x_map = module.tensor_map_2d(x_fp8.data_ptr(), m, k, BLOCK_K, tokens, swizzle_128b=True)
+    # each of the `share` CTAs loads (and multicasts) tokens / share rows of the token tile
+    x_map = module.tensor_map_2d(
+        x_fp8.data_ptr(), m, k, BLOCK_K, tokens // cfg.share, swizzle_128b=True
+    )
     sx_map = module.tensor_map_2d(x_scale.data_ptr(), m, k // 8, 16, tokens)
     flags = (w_scale.dtype == torch.float32, out_dtype == torch.float32)
     _kernel(tokens, split, stages, cfg, flags, dev).launch(
-        (-(-n // cfg.rows) * split, -(-m // tokens)),
+        (-(-n // (cfg.rows * cfg.share)) * split, cfg.share * -(-m // tokens)),
         cfg.threads,
         (w_map, x_map, sx_map, w_scale, out, m, n, k),
         shared_bytes(tokens, k, split, cfg),
