@@ -55,3 +55,11 @@ def cubin_report(flag: str, cubin: bytes, tmp_path: Path) -> str:
     return subprocess.run(
         [tools[1], flag, str(path)], capture_output=True, text=True, check=True
     ).stdout
+
+
+def unspilled_sass(cubin: bytes, tmp_path: Path) -> str:
+    """The SASS of a cubin (`cubin_report`), asserting that the kernel keeps nothing in local
+    memory (no LDL / STL)."""
+    sass = cubin_report("-sass", cubin, tmp_path)
+    assert not re.search(r"\b(LDL|STL)\b", sass), "the kernel spills to local memory"
+    return sass

@@ -199,11 +199,7 @@ def call_reason(
     them: dtypes, shapes, layout, alignment; then this kernel's shape limits), or None."""
     why = operand_reason(x_fp8, x_scale, w, w_scale, out_dtype)
     why = why or shape_reason(w.shape[0], w.shape[1], x_fp8.shape[0], cfg)
-    if why is not None:
-        return why
-    if x_fp8.device.type != "cuda":
-        return f"input on {x_fp8.device.type}"
-    return module.nvrtc_reason()
+    return why or module.launch_reason(x_fp8)
 
 
 def defines(

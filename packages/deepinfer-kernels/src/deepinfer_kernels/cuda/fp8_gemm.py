@@ -148,12 +148,7 @@ def call_reason(
     """Why `fp8_gemm` cannot run this call here (`operand_reason`, the shape limits, device,
     NVRTC), or None."""
     why = operand_reason(x_fp8, x_scale, w, w_scale, out_dtype)
-    why = why or shape_reason(w.shape[0], w.shape[1], cfg)
-    if why is not None:
-        return why
-    if x_fp8.device.type != "cuda":
-        return f"input on {x_fp8.device.type}"
-    return module.nvrtc_reason()
+    return why or shape_reason(w.shape[0], w.shape[1], cfg) or module.launch_reason(x_fp8)
 
 
 INVARIANT_PREFILL = True

@@ -124,6 +124,14 @@ def nvrtc() -> ctypes.CDLL:
     return found
 
 
+def launch_reason(x: torch.Tensor) -> str | None:
+    """Why a cuda kernel cannot run on x's device from here (not a CUDA tensor; no NVRTC), or
+    None: the last check of every cuda kernel's call."""
+    if x.device.type != "cuda":
+        return f"input on {x.device.type}"
+    return nvrtc_reason()
+
+
 def nvrtc_reason() -> str | None:
     """Why CUDA kernels cannot be compiled here, or None (cheap: the search runs once)."""
     found = _find_nvrtc()

@@ -474,11 +474,7 @@ def call_reason(
         if not aligned(t):
             return f"{name} is not 16-byte aligned ({how})"
     why = shape_reason(x.shape[1], next(iter(weights.values())).shape[1], cfg)
-    if why is not None:
-        return why
-    if x.device.type != "cuda":
-        return f"input on {x.device.type}"
-    return module.nvrtc_reason()
+    return why or module.launch_reason(x)
 
 
 def defines(kind: str, d: int, i: int, cfg: Config) -> dict[str, int]:
