@@ -36,10 +36,6 @@ def _cuda_configs():
         "cuda c1 mb3": C(consumers=1, min_blocks=3, programmatic=False),
         "cuda c1 mb3 pdl": C(consumers=1, min_blocks=3),
         "cuda c1 mb4 pdl": C(consumers=1, min_blocks=4),
-        # two / four weight tiles share each token tile by TMA multicast (not yet run)
-        "cuda c1 mb3 x2 pdl": C(consumers=1, min_blocks=3, share=2),
-        "cuda c2 mb2 x2 pdl": C(share=2),
-        "cuda c1 mb3 x4 pdl": C(consumers=1, min_blocks=3, share=4),
     }
 
 

@@ -27,29 +27,13 @@ needs_hopper = pytest.mark.skipif(
     not (HOPPER and HAVE_NVRTC), reason="needs a Hopper GPU and NVRTC"
 )
 C = dg.DecodeGemmCudaConfig
-CONFIGS = [
-    dg.DEFAULT,
-    C(consumers=1, min_blocks=3),
-    C(stages=2),
-    C(programmatic=False),
-    # two weight tiles share each token tile by TMA multicast (sixteenth session: compiled, first
-    # GPU run pending)
-    C(consumers=1, min_blocks=3, share=2),
-]
+CONFIGS = [dg.DEFAULT, C(consumers=1, min_blocks=3), C(stages=2), C(programmatic=False)]
 
 
 @settings(max_examples=30, deadline=None)
-@given(
-    field=st.sampled_from(["consumers", "min_blocks", "stages", "share"]),
-    value=st.integers(-3, 40),
-)
+@given(field=st.sampled_from(["consumers", "min_blocks", "stages"]), value=st.integers(-3, 40))
 def test_config_rejects_bad_values_naming_the_field(field, value):
-    allowed = {
-        "consumers": (1, 2),
-        "min_blocks": range(1, 5),
-        "stages": [0, *range(2, 13)],
-        "share": (1, 2, 4),
-    }
+    allowed = {"consumers": (1, 2), "min_blocks": range(1, 5), "stages": [0, *range(2, 13)]}
     if value in allowed[field]:
         assert getattr(C(**{field: value}), field) == value
     else:
@@ -93,7 +77,7 @@ def test_budgets_fit_the_sm(consumers, min_blocks, tokens, k_steps, split):
     assert per_cta <= module.MAX_SHARED
     assert min_blocks * (per_cta + 1024) <= dg.SM_SHARED
     launch = min(255, dg.REGS_PER_SM // (cfg.threads * min_blocks)) // 8 * 8
-    regs = dg.PRODUCER_REGS[cfg.share] * 128 + dg.consumer_regs(cfg) * 128 * consumers
+    regs = dg.PRODUCER_REGS * 128 + dg.consumer_regs(cfg) * 128 * consumers
     assert regs <= launch * cfg.threads and dg.consumer_regs(cfg) % 8 == 0
 
 
@@ -128,9 +112,6 @@ def test_shape_reasons():
     assert "multiple of 8" in dg.shape_reason(5124, 8192)
     assert dg.k_split(8, 1 << 16) > dg.MAX_SPLIT  # a small N with a long K: more chunks
     assert "portable cluster" in dg.shape_reason(8, 1 << 16)
-    assert dg.k_split(5120, 8192) == 4
-    assert dg.shape_reason(5120, 8192, 16, C(share=2)) is None
-    assert "share 4" in dg.shape_reason(5120, 8192, 16, C(share=4))
     assert "2 stages" in dg.shape_reason(5120, 1 << 21, 64, C(min_blocks=4))
 
 
@@ -155,19 +136,13 @@ def test_call_reasons_name_the_problem():
 @needs_nvrtc
 @pytest.mark.parametrize("tokens", [8, 16, 32, 64])
 @pytest.mark.parametrize(
-    ("cfg", "split"),
-    [
-        (dg.DEFAULT, 4),
-        (C(consumers=1, min_blocks=3), 1),
-        (C(stages=2), 8),
-        (C(consumers=1, min_blocks=3, share=2), 4),
-        (C(share=4), 2),
-    ],
+    ("cfg", "split"), [(dg.DEFAULT, 4), (C(consumers=1, min_blocks=3), 1), (C(stages=2), 8)]
 )
 def test_kernel_compiles_without_local_memory(tokens, cfg, split, tmp_path):
     """No spills; one e4m3 wgmma of the token tile's N per slice (4 per stage); the promotion one
-    FFMA per accumulator and slice (tokens / 2 accumulators per thread); with `share` the token
-    box is multicast (one multicast TMA per stage)."""
+    FFMA per accumulator and slice (tokens / 2 accumulators per thread); when `pipelined` (all but
+    the 64-token tiles of 128-row tiles) the first three slices' waits leave the next slice's
+    wgmma in flight, and ptxas serializes none of them."""
     stages = dg.stages_for(tokens, 8192, split, cfg)
     cub, log = module.compile_file_and_log(
         dg.SOURCE, dg.ARCH, dg.defines(tokens, split, stages, cfg, False, False)
@@ -176,7 +151,9 @@ def test_kernel_compiles_without_local_memory(tokens, cfg, split, tmp_path):
     sass = unspilled_sass(cub, tmp_path)
     assert re.findall(r"QGMMA\.64x(\d+)x32\.F32\.E4M3\.E4M3", sass) == [str(tokens)] * 4
     assert len(re.findall(r"\bFFMA\b", sass)) == 4 * tokens // 2
-    assert bool(re.findall(r"UTMALDG\.2D\.MULTICAST", sass)) == (cfg.share > 1)
+    waits = re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x(\d)", sass)
+    assert waits == (["1", "1", "1", "0"] if dg.pipelined(tokens, cfg) else ["0"] * 4)
+    assert dg.pipelined(tokens, cfg) == (tokens < 64 or cfg.consumers == 1)
 
 
 # -- GPU ---------------------------------------------------------------------------------------

@@ -10,9 +10,10 @@ while the kernel before it ends, and it reads the activations (and writes the ou
 that kernel has finished. The contract this asks of the caller: the kernel launched just before
 does not write the weights or their scales (inference never does; a weight update followed at
 once by this GEMM should pass `DecodeGemmCudaConfig(programmatic=False)`). H200, 16 calls per
-CUDA graph (NOTES.md, sixteenth session): 5120x8192 at M = 1 / 16 / 32 / 64 13.8 / 14.2 / 16.1 /
-22.6 us (72 / 70 / 61 / 44% of the copy ceiling) against 15.7 / 16.3 / 18.6 / 24.9 for the
-GEMV / TileLang kernel; without the programmatic launch it is as fast as the TileLang kernel.
+CUDA graph over 16 weights (NOTES.md, seventeenth session): 5120x8192 at M = 1 / 16 / 32 / 64
+13.1 / 13.2 / 15.0 / 21.6 us (76 / 75 / 66 / 46% of the copy ceiling; the sixteenth session's
+GEMV / TileLang routes 15.7 / 16.3 / 18.6 / 24.9); without the programmatic launch it is about
+as fast as the TileLang kernel.
 
 Same contract as `ref.linear.fp8_gemm`. Compiled by NVRTC at first use (once per process per
 config; no GPU needed to compile).
@@ -37,9 +38,7 @@ MAX_TOKENS = 64  # the widest token tile (wgmma N)
 MAX_SPLIT = 8  # K chunks per weight tile: a cluster of at most 8 CTAs (the portable size)
 SM_SHARED = 228 * 1024  # shared memory of one SM; each resident CTA takes 1 KiB more of it
 REGS_PER_SM = 65536
-PRODUCER_REGS = {1: 24, 2: 40, 4: 40}
-"""The TMA warpgroup's registers after setmaxnreg by `share` (decode_gemm.cu): the multicast's
-mask and offsets spill at 24."""
+PRODUCER_REGS = 24  # the TMA warpgroup's registers after setmaxnreg (decode_gemm.cu)
 STATIC_SHARED = 256  # the ring's barriers (static shared memory), rounded up
 
 
@@ -50,16 +49,12 @@ class DecodeGemmCudaConfig:
     (1..4; every CTA of a call should be resident at once); stages: 128-deep K stages in the
     ring (0: as many as `min_blocks` CTAs per SM leave room for, at most 12); programmatic: launch
     as a programmatic dependent of the kernel before (its prologue and first weight stages
-    overlap that kernel's end; see the module's contract); share: weight tiles (1, 2 or 4) that
-    share each stage's token tile through TMA multicast, the CTAs of one cluster with the K
-    split (K chunks x share <= 8; sixteenth session: compiled, not yet run on a GPU). None of
-    these changes a sum."""
+    overlap that kernel's end; see the module's contract). None of these changes a sum."""
 
     consumers: int = 2
     min_blocks: int = 2
     stages: int = 0
     programmatic: bool = True
-    share: int = 1
 
     def __post_init__(self) -> None:
         checks = (
@@ -67,7 +62,6 @@ class DecodeGemmCudaConfig:
             ("min_blocks", 1 <= self.min_blocks <= 4, "1..4"),
             ("stages", self.stages == 0 or 2 <= self.stages <= 12, "0 (auto) or 2..12"),
             ("programmatic", isinstance(self.programmatic, bool), "a bool"),
-            ("share", self.share in (1, 2, 4), "1, 2 or 4"),
         )
         check_fields(self, checks)
 
@@ -153,8 +147,15 @@ def consumer_regs(cfg: DecodeGemmCudaConfig) -> int:
     """Registers per consumer thread after setmaxnreg: what `min_blocks` CTAs per SM leave once
     the producer warpgroup has given its registers back (a multiple of 8, at most 240)."""
     launch = min(255, REGS_PER_SM // (cfg.threads * cfg.min_blocks)) // 8 * 8
-    free = launch * cfg.threads - PRODUCER_REGS[cfg.share] * 128
+    free = launch * cfg.threads - PRODUCER_REGS * 128
     return min(240, free // (128 * cfg.consumers) // 8 * 8)
+
+
+def pipelined(tokens: int, cfg: DecodeGemmCudaConfig) -> bool:
+    """Whether the consumers keep the next slice's wgmma in flight while they promote one: where
+    a second partial fits their registers (two partials, the sums and the scales take 5/4 x
+    tokens, addresses ~40 more; otherwise ptxas spills). Bits unchanged either way."""
+    return tokens * 5 // 4 + 40 <= consumer_regs(cfg)
 
 
 @functools.lru_cache(maxsize=4096)  # pure; called on every routed call
@@ -169,11 +170,8 @@ def shape_reason(n: int, k: int, m: int = 1, cfg: DecodeGemmCudaConfig | None = 
         return f"N={n} must be a positive multiple of 8"
     cfg = cfg or pick_config(max(m, 1), n, k)
     split = k_split(n, k)
-    if split * cfg.share > MAX_SPLIT:
-        return (
-            f"the K split {split} x share {cfg.share} is over the {MAX_SPLIT} CTAs of a "
-            "portable cluster"
-        )
+    if split > MAX_SPLIT:
+        return f"the K split {split} is over the {MAX_SPLIT} CTAs of a portable cluster"
     tokens = token_tile(m)
     stages = stages_for(tokens, k, split, cfg)
     if stages < 2:
@@ -207,9 +205,9 @@ def defines(
 ) -> dict[str, int]:
     """The kernel's compile-time constants."""
     return dict(
-        CONSUMERS=cfg.consumers, TOKENS=tokens, STAGES=stages, SPLIT=split, SHARE=cfg.share,
+        CONSUMERS=cfg.consumers, TOKENS=tokens, STAGES=stages, SPLIT=split,
         MIN_BLOCKS=cfg.min_blocks, CONSUMER_REGS=consumer_regs(cfg),
-        SB_F32=int(sb_f32), OUT_F32=int(out_f32),
+        PIPELINED=int(pipelined(tokens, cfg)), SB_F32=int(sb_f32), OUT_F32=int(out_f32),
     )  # fmt: skip
 
 
@@ -263,14 +261,11 @@ def decode_gemm(
     tokens, split = token_tile(m), k_split(n, k)
     stages = stages_for(tokens, k, split, cfg)
     w_map = module.tensor_map_2d(w.data_ptr(), n, k, BLOCK_K, cfg.rows, swizzle_128b=True)
-    # each of the `share` CTAs loads (and multicasts) tokens / share rows of the token tile
-    x_map = module.tensor_map_2d(
-        x_fp8.data_ptr(), m, k, BLOCK_K, tokens // cfg.share, swizzle_128b=True
-    )
+    x_map = module.tensor_map_2d(x_fp8.data_ptr(), m, k, BLOCK_K, tokens, swizzle_128b=True)
     sx_map = module.tensor_map_2d(x_scale.data_ptr(), m, k // 8, 16, tokens)
     flags = (w_scale.dtype == torch.float32, out_dtype == torch.float32)
     _kernel(tokens, split, stages, cfg, flags, dev).launch(
-        (-(-n // (cfg.rows * cfg.share)) * split, cfg.share * -(-m // tokens)),
+        (-(-n // cfg.rows) * split, -(-m // tokens)),
         cfg.threads,
         (w_map, x_map, sx_map, w_scale, out, m, n, k),
         shared_bytes(tokens, k, split, cfg),
