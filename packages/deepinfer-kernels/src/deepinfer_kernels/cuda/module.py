@@ -51,8 +51,7 @@ TensorMap (by value), None (a null pointer)."""
 
 _TMA_UINT8 = 0  # CUtensorMapDataType: CU_TENSOR_MAP_DATA_TYPE_UINT8
 _TMA_L2_256B = 3  # CUtensorMapL2promotion: CU_TENSOR_MAP_L2_PROMOTION_L2_256B
-_TMA_SWIZZLE_64B = 2  # CUtensorMapSwizzle: CU_TENSOR_MAP_SWIZZLE_64B
-_TMA_SWIZZLE_128B = 3  # CU_TENSOR_MAP_SWIZZLE_128B
+_TMA_SWIZZLE_128B = 3  # CUtensorMapSwizzle: CU_TENSOR_MAP_SWIZZLE_128B
 
 
 @functools.lru_cache(maxsize=4096)  # pure in its ints; a weight's maps are the same every call
@@ -64,36 +63,31 @@ def tensor_map_2d(
     box_rows: int,
     *,
     swizzle_128b: bool = False,
-    swizzle_64b: bool = False,
 ) -> TensorMap:
     """A tile-mode TMA descriptor of the contiguous 2-D bytes [rows, row_bytes] at device
     `address` (row_bytes and the address multiples of 16) whose boxes are box_bytes x box_rows
     (each at most 256; box_bytes a multiple of 16), out-of-bounds bytes read as zero; no swizzle,
     or with swizzle_128b the 16-byte chunks of each box row land XOR-permuted by the row's
     shared-memory address bits 7..9 (what wgmma's 128-byte swizzle layout reads; box_bytes at
-    most 128), or with swizzle_64b chunks 0..3 by bits 7..8 (box_bytes at most 64). It holds
-    the address and shape only: valid while that memory is (the same arguments give the same
-    map, so it is cached; callers must not change it)."""
+    most 128). It holds the address and shape only: valid while that memory is (the same
+    arguments give the same map, so it is cached; callers must not change it)."""
     if row_bytes % 16 or address % 16 or box_bytes % 16:
         raise ValueError(
             f"tensor_map_2d: row bytes {row_bytes}, the address and box bytes {box_bytes} must "
             "be multiples of 16"
         )
-    widest = 128 if swizzle_128b else 64 if swizzle_64b else 256
-    if swizzle_128b and swizzle_64b:
-        raise ValueError("tensor_map_2d: one swizzle, 64 or 128 bytes")
-    if not (0 < box_bytes <= widest and 0 < box_rows <= 256):
+    if not (0 < box_bytes <= (128 if swizzle_128b else 256) and 0 < box_rows <= 256):
         raise ValueError(
-            f"tensor_map_2d: box {box_bytes} x {box_rows} must be at most {widest} x 256"
+            f"tensor_map_2d: box {box_bytes} x {box_rows} must be at most "
+            f"{128 if swizzle_128b else 256} x 256"
         )
-    swizzle = _TMA_SWIZZLE_128B if swizzle_128b else _TMA_SWIZZLE_64B if swizzle_64b else 0
     m = TensorMap()
     _cu_check(
         _driver().cuTensorMapEncodeTiled(
             ctypes.byref(m.words), _TMA_UINT8, 2, ctypes.c_void_p(address),
             (ctypes.c_uint64 * 2)(row_bytes, rows), (ctypes.c_uint64 * 1)(row_bytes),
             (ctypes.c_uint32 * 2)(box_bytes, box_rows), (ctypes.c_uint32 * 2)(1, 1),
-            0, swizzle, _TMA_L2_256B, 0,
+            0, _TMA_SWIZZLE_128B if swizzle_128b else 0, _TMA_L2_256B, 0,
         ),
         "cuTensorMapEncodeTiled",
     )  # fmt: skip
