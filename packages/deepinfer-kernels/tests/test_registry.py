@@ -250,3 +250,10 @@ def test_report_shows_routing_of_tiers_that_can_run(monkeypatch):
     lines = report().splitlines()
     for impl in routed:
         assert f"      {impl.tier}: {impl.routing}" in lines
+
+
+def test_device_capability_is_none_off_cuda():
+    from deepinfer_kernels.registry import device_capability
+
+    assert device_capability(torch.device("cpu")) is None
+    assert device_capability(torch.device("meta")) is None

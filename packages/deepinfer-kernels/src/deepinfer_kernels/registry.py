@@ -7,6 +7,7 @@ chosen, so importing deepinfer_kernels never imports triton, tilelang or a vendo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import importlib.util
 from collections.abc import Callable, Iterator
@@ -17,6 +18,19 @@ from typing import Any
 import torch
 
 from .settings import TIERS, KernelSettings
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def device_capability(device: torch.device) -> tuple[int, int] | None:
+    """The CUDA compute capability of `device` (None off CUDA), looked up once per GPU: the
+    registry and the tiers' checks ask on every call."""
+    if device.type != "cuda":
+        return None
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @dataclass(frozen=True)
@@ -159,9 +173,7 @@ class OpRegistry:
         return None
 
     def _candidates(self, op: str, device: torch.device) -> list[Implementation]:
-        capability = None
-        if device.type == "cuda":
-            capability = torch.cuda.get_device_capability(device)
+        capability = device_capability(device)
         key = (op, device.type, capability)
         found = self._static.get(key)
         if found is None:
@@ -198,7 +210,7 @@ class OpRegistry:
         reasons = []
         candidates = self._candidates(op, device)
         if not candidates:
-            capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+            capability = device_capability(device)
             reasons = [
                 f"{i.tier}: {self.static_reason(i, device.type, capability)}"
                 for i in self.implementations(op)

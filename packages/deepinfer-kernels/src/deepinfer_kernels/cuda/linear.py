@@ -23,11 +23,11 @@ def route_reason(
 ) -> str | None:
     """Why the registry should not send this call of `op` (on x, `rows` rows, writing out_dtype)
     here (device, mode), or None; with ``DEEPINFER_KERNELS=<op>=cuda`` every mode."""
-    from ..registry import REGISTRY
+    from ..registry import REGISTRY, device_capability
 
     if x.device.type != "cuda":
         return f"input on {x.device.type}"
-    if torch.cuda.get_device_capability(x.device) != (9, 0):
+    if device_capability(x.device) != (9, 0):
         return "needs sm_90a (Hopper wgmma)"
     if out_dtype not in (torch.bfloat16, torch.float32):
         return f"out_dtype {out_dtype}: the cuda GEMM writes bfloat16 or float32"
