@@ -9,9 +9,9 @@
 // 128-deep K stages (weight box, token box, the tokens' 4 scales per stage); per k32 slice each
 // consumer warpgroup runs one `wgmma.m64nTOKENSk32` into a fresh partial and promotes it:
 // acc += part * (sw * sx), one FFMA per accumulator and slice (the TileLang decode kernel's
-// arithmetic, tilelang/decode_gemm.py). The next slice's wgmma is issued before a slice is
-// promoted (two partials, one wgmma group in flight), so the promotion's FFMAs, which grow with
-// TOKENS, overlap the tensor core instead of following it.
+// arithmetic, tilelang/decode_gemm.py). With PIPELINED (where a second partial fits the
+// registers) the next slice's wgmma of the stage is issued before a slice is promoted, so the
+// promotion's FFMAs, which grow with TOKENS, overlap the tensor core instead of following it.
 //
 // K is cut into SPLIT chunks (the TileLang kernel's split, from (N, K) only), one CTA each, the
 // SPLIT CTAs of a weight tile one cluster: each leaves its chunk's sums in its shared memory,
@@ -23,9 +23,8 @@
 // A programmatic dependent launch (decode_gemm.py) overlaps the prologue and the first STAGES
 // weight boxes (which the kernel before does not write) with that kernel's end; the tokens are
 // read after `griddepcontrol.wait`. Compile-time constants: CONSUMERS (1, 2), TOKENS (8, 16, 32,
-// 64), STAGES, SPLIT (1, 2, 4, 8), MIN_BLOCKS (CTAs per SM the registers are cut for), CONSUMER_REGS
-// (setmaxnreg), PIPELINED (0, 1: a second partial, the next slice's wgmma in flight), SB_F32,
-// OUT_F32.
+// 64), STAGES, SPLIT (1, 2, 4, 8), MIN_BLOCKS (CTAs per SM the registers are cut for),
+// CONSUMER_REGS (setmaxnreg), PIPELINED (0, 1), SB_F32, OUT_F32.
 
 #include "common.cuh"
 #include "wgmma_fp8.cuh"
