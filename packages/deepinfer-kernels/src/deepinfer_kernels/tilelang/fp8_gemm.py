@@ -346,7 +346,7 @@ def route_reason(
 
 def _route_reason(op: str, x: torch.Tensor, rows: int, batch_invariant: bool) -> str | None:
     """`route_reason` for a call of `op` on x (reads the registry's override and the device)."""
-    from ..registry import REGISTRY
+    from ..registry import REGISTRY, device_capability
 
     if x.device.type != "cuda":
         return f"input on {x.device.type}"
@@ -354,7 +354,7 @@ def _route_reason(op: str, x: torch.Tensor, rows: int, batch_invariant: bool) ->
 
     return route_reason(
         "cuda",
-        torch.cuda.get_device_capability(x.device),
+        device_capability(x.device),
         selected=REGISTRY.settings.overrides.get(op) == "tilelang",
         batch_invariant=batch_invariant,
         rows=rows,
