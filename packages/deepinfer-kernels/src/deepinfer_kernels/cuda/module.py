@@ -285,15 +285,17 @@ class Kernel:
         )
 
 
+# torch's compiled code reads the current stream's handle through this, without building a
+# Stream object (~5 us less per launch); None where a torch build lacks it
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def _current_stream() -> int:
     """torch's current CUDA stream on the current device (under graph capture: the capturing
-    stream), as a CUstream handle. torch's compiled code reads it through
-    `torch._C._cuda_getCurrentRawStream`, without building a Stream object (~5 us less per
-    launch); the public call where that is missing."""
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if raw is None:
+    stream), as a CUstream handle."""
+    if _RAW_STREAM is None:
         return torch.cuda.current_stream().cuda_stream
-    return raw(torch.cuda.current_device())
+    return _RAW_STREAM(torch.cuda.current_device())
 
 
 def compile_file(path: Path, arch: str, defines: dict[str, int]) -> bytes:
