@@ -142,7 +142,8 @@ def test_kernel_compiles_without_local_memory(tokens, cfg, split, tmp_path):
     """No spills; one e4m3 wgmma of the token tile's N per slice (4 per stage); the promotion one
     FFMA per accumulator and slice (tokens / 2 accumulators per thread); when `pipelined` (all but
     the 64-token tiles of 128-row tiles) the first three slices' waits leave the next slice's
-    wgmma in flight, and ptxas serializes none of them."""
+    wgmma in flight, and ptxas serializes none of them; the scales of `scale_vec` slices come
+    with one shared load (the sw, each of a thread's tokens' sx) per stage or slice."""
     stages = dg.stages_for(tokens, 8192, split, cfg)
     cub, log = module.compile_file_and_log(
         dg.SOURCE, dg.ARCH, dg.defines(tokens, split, stages, cfg, False, False)
@@ -154,6 +155,8 @@ def test_kernel_compiles_without_local_memory(tokens, cfg, split, tmp_path):
     waits = re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x(\d)", sass)
     assert waits == (["1", "1", "1", "0"] if dg.pipelined(tokens, cfg) else ["0"] * 4)
     assert dg.pipelined(tokens, cfg) == (tokens < 64 or cfg.consumers == 1)
+    scale_loads = (1 + tokens // 4) * 4 // dg.scale_vec(tokens)
+    assert scale_loads <= len(re.findall(r"\bLDS", sass)) <= scale_loads + 8  # + the epilogue's
 
 
 # -- GPU ---------------------------------------------------------------------------------------

@@ -24,7 +24,9 @@
 // weight boxes (which the kernel before does not write) with that kernel's end; the tokens are
 // read after `griddepcontrol.wait`. Compile-time constants: CONSUMERS (1, 2), TOKENS (8, 16, 32,
 // 64), STAGES, SPLIT (1, 2, 4, 8), MIN_BLOCKS (CTAs per SM the registers are cut for),
-// CONSUMER_REGS (setmaxnreg), PIPELINED (0, 1), SB_F32, OUT_F32.
+// CONSUMER_REGS (setmaxnreg), PIPELINED (0, 1), SCALE_VEC (1, 2, 4: the slices whose scales one
+// shared load brings; each slice's token scales are one load per token otherwise, and from 32
+// tokens those loads are a large share of the consumers' issue), SB_F32, OUT_F32.
 
 #include "common.cuh"
 #include "wgmma_fp8.cuh"
@@ -48,6 +50,7 @@ static_assert(TOKENS == 8 || TOKENS == 16 || TOKENS == 32 || TOKENS == 64, "TOKE
 static_assert(SPLIT == 1 || SPLIT == 2 || SPLIT == 4 || SPLIT == 8, "SPLIT: 1, 2, 4 or 8");
 static_assert(STAGES >= 2 && STAGES <= 12, "STAGES: 2..12");
 static_assert(PIPELINED == 0 || PIPELINED == 1, "PIPELINED: 0 or 1");
+static_assert(SCALE_VEC == 1 || SCALE_VEC == 2 || SCALE_VEC == 4, "SCALE_VEC: 1, 2 or 4");
 static_assert(TOKENS * PART_STRIDE * 4 <= STAGES * STAGE_BYTES, "the sums fit in the ring");
 static_assert(ROWS % (4 * SPLIT) == 0, "every CTA of a cluster writes whole 4-column groups");
 
@@ -75,6 +78,19 @@ static __device__ __forceinline__ void slice_wgmma(float (&d)[N / 8][4], u32 w, 
   asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
 }
 
+// V consecutive floats at shared address p (4V-byte aligned).
+template <int V>
+static __device__ __forceinline__ void lds_vec(float (&v)[V], u32 p) {
+  if constexpr (V == 1) {
+    v[0] = lds32(p);
+  } else if constexpr (V == 2) {
+    asm volatile("ld.shared.v2.f32 {%0,%1}, [%2];" : "=f"(v[0]), "=f"(v[1]) : "r"(p));
+  } else {
+    const float4 f = lds128(p);
+    v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+  }
+}
+
 // The 4 floats at shared address p (16-byte aligned) of cluster CTA `rank`.
 static __device__ __forceinline__ float4 lds128_cluster(u32 p, int rank) {
   u32 remote;
@@ -88,7 +104,7 @@ static __device__ __forceinline__ float4 lds128_cluster(u32 p, int rank) {
 }
 
 // Dynamic shared memory: [STAGES][w ROWS x 128 | x TOKENS x 128 (>= 1 KiB) | sx TOKENS x 4
-// floats (1 KiB)], then the sw table [chunk's K / 32][RB] floats; the chunk's sums [TOKENS]
+// floats (1 KiB)], then the sw table [stage][RB][slice] floats; the chunk's sums [TOKENS]
 // [PART_STRIDE] floats reuse the ring once it is drained. 1 KiB of slack aligns the ring.
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) __cluster_dims__(SPLIT, 1, 1)
     decode_gemm(const __grid_constant__ TensorMap w_map, const __grid_constant__ TensorMap x_map,
@@ -113,9 +129,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) __cluster_dims
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  // the chunk's sw for the tile's rows, as floats (rows past N: 0)
+  // the chunk's sw for the tile's rows, as floats (rows past N: 0); a row block's 4 slices of a
+  // stage side by side
   for (int i = threadIdx.x; i < steps * SLICES * RB; i += THREADS) {
-    const int q = i / RB, row = n0 / 32 + i % RB;
+    const int q = i / (RB * SLICES) * SLICES + i % SLICES, row = n0 / 32 + i / SLICES % RB;
     float v = 0.f;
     if (row < (n_cols + 31) / 32) {
 #if SB_F32
@@ -184,6 +201,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) __cluster_dims
     const u32 sx = stage + W_BYTES + X_BYTES;
     mbar_wait(&full[s], (kt / STAGES) & 1);
     if (PIPELINED) slice_wgmma<TOKENS>(part[0], stage + w_off, stage + W_BYTES, 0);
+    float swv[SCALE_VEC], sxv[TB][2][SCALE_VEC];  // slices q - q % SCALE_VEC onwards
 #pragma unroll
     for (int q = 0; q < SLICES; ++q) {
       const bool ahead = PIPELINED && q + 1 < SLICES;
@@ -192,12 +210,18 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) __cluster_dims
       else if (!PIPELINED)
         slice_wgmma<TOKENS>(part[0], stage + w_off, stage + W_BYTES, q);
       // slice q's scales while the wgmmas run: sw of the row block times each token's sx
-      const float sw = lds32(sw_table + ((kt * SLICES + q) * RB + rb) * 4);
+      if (q % SCALE_VEC == 0) {
+        lds_vec(swv, sw_table + ((kt * RB + rb) * SLICES + q) * 4);
+#pragma unroll
+        for (int j = 0; j < TB; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) lds_vec(sxv[j][e], sx + ((8 * j + tok + e) * 4 + q) * 4);
+      }
       float p[TB][2];
 #pragma unroll
       for (int j = 0; j < TB; ++j)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) p[j][e] = sw * lds32(sx + ((8 * j + tok + e) * 4 + q) * 4);
+        for (int e = 0; e < 2; ++e) p[j][e] = swv[q % SCALE_VEC] * sxv[j][e][q % SCALE_VEC];
       if (ahead)  // slice q is done, the next one may still run
         asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
       else

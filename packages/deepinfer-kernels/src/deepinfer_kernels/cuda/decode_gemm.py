@@ -158,6 +158,13 @@ def pipelined(tokens: int, cfg: DecodeGemmCudaConfig) -> bool:
     return tokens * 5 // 4 + 40 <= consumer_regs(cfg)
 
 
+def scale_vec(tokens: int) -> int:
+    """Slices whose scales the consumers read with one shared load: a stage's 4 up to 32 tokens
+    (a thread's 2 x tokens / 8 token scales x 4 slices in registers), 1 at 64 tokens (NVRTC 13:
+    2 slices spill 2-4 words there, 4 spill 164; the sums and partials fill the registers)."""
+    return 4 if tokens <= 32 else 1
+
+
 @functools.lru_cache(maxsize=4096)  # pure; called on every routed call
 def shape_reason(n: int, k: int, m: int = 1, cfg: DecodeGemmCudaConfig | None = None) -> str | None:
     """Why the kernel cannot take w [N, K] at M tokens with this config, or None: K a positive
@@ -207,7 +214,8 @@ def defines(
     return dict(
         CONSUMERS=cfg.consumers, TOKENS=tokens, STAGES=stages, SPLIT=split,
         MIN_BLOCKS=cfg.min_blocks, CONSUMER_REGS=consumer_regs(cfg),
-        PIPELINED=int(pipelined(tokens, cfg)), SB_F32=int(sb_f32), OUT_F32=int(out_f32),
+        PIPELINED=int(pipelined(tokens, cfg)), SCALE_VEC=scale_vec(tokens),
+        SB_F32=int(sb_f32), OUT_F32=int(out_f32),
     )  # fmt: skip
 
 
