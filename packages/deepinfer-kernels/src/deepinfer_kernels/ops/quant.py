@@ -42,6 +42,19 @@ for _op in ("act_quant_fp8", "rms_norm_act_quant_fp8", "swiglu_act_quant_fp8"):
     )
 
 
+REGISTRY.register(
+    Implementation(
+        "act_quant_fp8",
+        "vendor",
+        "deepinfer_kernels.vendor.tile_kernels:act_quant_fp8",
+        devices=("cuda",),
+        min_capability=(9, 0),
+        requires=("tile_kernels",),
+        supports="deepinfer_kernels.vendor.tile_kernels:quant_reason",
+    )
+)
+
+
 _FAKE_QUANT_OPS = {
     "fake_quant_fp8_ue8m0": "x [..., K], block (32) -> x.dtype, FP8 e4m3 per block, UE8M0 scales",
     "fake_quant_fp4_ue8m0": "x [..., K], block (32) -> x.dtype, FP4 e2m1 per block, UE8M0 scales",
