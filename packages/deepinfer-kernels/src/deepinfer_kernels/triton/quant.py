@@ -17,14 +17,15 @@ from ._common import quant_groups_fp8
 # the same bits (a row's groups do not depend on the tile). Gathered rows keep one row x 1024
 # columns x 4 warps per program (4 rows: 0.8x at 8192 rows); the SwiGLU kernel (two inputs)
 # takes 4 rows x 512 x 4 warps (49152 x 2304: 182.5 us against 205.9 for this tile).
-_TILE_ROWS, _TILE_WIDTH, _TILE_WARPS = 4, 1024, 8
+# A tile: (rows, columns, warps) per program.
+_TILE = (4, 1024, 8)
 _GATHER_TILE = (1, 1024, 4)
 _SWIGLU_TILE = (4, 512, 4)
 
 
-def _tile_grid(rows: int, k: int, block_rows: int = _TILE_ROWS, width: int = _TILE_WIDTH):
-    """The grid of a [rows, k] call on block_rows x width tiles."""
-    return triton.cdiv(rows, block_rows), triton.cdiv(k, width)
+def _tile_grid(rows: int, k: int, tile: tuple[int, int, int]) -> tuple[int, int]:
+    """The grid of a [rows, k] call on `tile`s."""
+    return triton.cdiv(rows, tile[0]), triton.cdiv(k, tile[1])
 
 
 @triton.jit
@@ -76,9 +77,10 @@ def act_quant_fp8(x: torch.Tensor, **_: object) -> tuple[torch.Tensor, torch.Ten
     q, s = _outputs(x)
     rows, k = x.numel() // x.shape[-1], x.shape[-1]
     if rows:
-        _act_quant_kernel[_tile_grid(rows, k)](
-            x, q, s, rows, k, FLOOR=ACT_AMAX_FLOOR, WIDTH=_TILE_WIDTH, DEQ_OUT=False,
-            BLOCK_ROWS=_TILE_ROWS, num_warps=_TILE_WARPS,
+        block_rows, width, warps = _TILE
+        _act_quant_kernel[_tile_grid(rows, k, _TILE)](
+            x, q, s, rows, k, FLOOR=ACT_AMAX_FLOOR, WIDTH=width, DEQ_OUT=False,
+            BLOCK_ROWS=block_rows, num_warps=warps,
         )  # fmt: skip
     return q, s
 
@@ -111,10 +113,9 @@ def act_fake_quant_bf16(
                       device=x.device)  # fmt: skip
     n = out.numel() // k
     if n:
-        block_rows, width, warps = (
-            _GATHER_TILE if rows is not None else (_TILE_ROWS, _TILE_WIDTH, _TILE_WARPS)
-        )
-        _act_quant_kernel[_tile_grid(n, k, block_rows, width)](
+        tile = _GATHER_TILE if rows is not None else _TILE
+        block_rows, width, warps = tile
+        _act_quant_kernel[_tile_grid(n, k, tile)](
             x, out, out, n, k, FLOOR=ACT_AMAX_FLOOR, WIDTH=width, DEQ_OUT=True, rows_ptr=rows,
             PERMUTE_K=permute_k, BLOCK_ROWS=block_rows, num_warps=warps,
         )  # fmt: skip
@@ -222,7 +223,7 @@ def swiglu_act_quant_fp8(
     if rows:
         w = route_weight.contiguous().float() if route_weight is not None else gate
         block_rows, width, warps = _SWIGLU_TILE
-        _swiglu_quant_kernel[_tile_grid(rows, k, block_rows, width)](
+        _swiglu_quant_kernel[_tile_grid(rows, k, _SWIGLU_TILE)](
             gate,
             up,
             w,
