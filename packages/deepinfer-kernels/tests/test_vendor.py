@@ -62,7 +62,9 @@ def stand_in(monkeypatch):
     root.quant = sub
     monkeypatch.setitem(sys.modules, "tile_kernels", root)
     monkeypatch.setitem(sys.modules, "tile_kernels.quant", sub)
-    return seen, clamp
+    vtk.import_reason.cache_clear()
+    yield seen, clamp
+    vtk.import_reason.cache_clear()
 
 
 # the stand-in only records shapes: sharing it across examples is safe
@@ -91,6 +93,17 @@ def test_a_changed_library_clamp_is_refused(stand_in):
     assert vtk.quant_reason(x) is None
     clamp["value"] = 1e-6
     assert "amax clamp is 1e-06" in vtk.quant_reason(x)
+
+
+def test_a_library_that_does_not_import_is_declined(monkeypatch):
+    """Installed but broken (a missing dependency): the tier declines with the error."""
+    monkeypatch.setitem(sys.modules, "tile_kernels", None)  # `import tile_kernels` raises
+    vtk.import_reason.cache_clear()
+    try:
+        x = types.SimpleNamespace(dtype=torch.bfloat16, shape=(2, 64), device=torch.device("cuda"))
+        assert vtk.quant_reason(x).startswith("tile_kernels does not import: ModuleNotFoundError")
+    finally:
+        vtk.import_reason.cache_clear()
 
 
 needs_tk = pytest.mark.skipif(not HAVE_TK, reason="needs a CUDA GPU and tile_kernels installed")

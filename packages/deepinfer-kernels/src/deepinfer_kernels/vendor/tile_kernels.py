@@ -13,6 +13,8 @@ casts the fp32 product without the reference's rounding to bf16 first; its gate 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..quant import ACT_AMAX_FLOOR, FP8_BLOCK
@@ -20,16 +22,30 @@ from ..quant import ACT_AMAX_FLOOR, FP8_BLOCK
 _DTYPES = (torch.bfloat16, torch.float32)
 
 
+@functools.cache
+def import_reason() -> str | None:
+    """Why `tile_kernels` does not import here (it is installed: the registry checked), or None.
+    Asked once per process: a failed import (say TileLang missing, or its CUDA set-up failing)
+    makes the tier decline instead of failing the call."""
+    try:
+        import tile_kernels  # noqa: F401
+    except Exception as exc:  # a third-party import can fail in many ways; any means "not here"
+        return f"tile_kernels does not import: {type(exc).__name__}: {exc}"
+    return None
+
+
 def quant_reason(x: torch.Tensor, *_: object, **__: object) -> str | None:
     """Why `act_quant_fp8` cannot take x [..., K] here, or None: CUDA, bf16 or fp32, K a multiple
-    of 64 (the library's), and the library's amax clamp left at the reference's floor
-    (`tile_kernels.set_amax_clamp_for_quant` is process-wide)."""
+    of 64 (the library's), the library importable, and its amax clamp left at the reference's
+    floor (`tile_kernels.set_amax_clamp_for_quant` is process-wide)."""
     if x.dtype not in _DTYPES:
         return f"x is {x.dtype}; TileKernels casts bf16 or fp32"
     if x.shape[-1] % 64:
         return f"K={x.shape[-1]}; TileKernels' per-token cast takes a multiple of 64"
     if x.device.type != "cuda":
         return f"input on {x.device.type}"
+    if (why := import_reason()) is not None:
+        return why
     from tile_kernels import get_amax_clamp_for_quant
 
     clamp = get_amax_clamp_for_quant("e4m3", False)
