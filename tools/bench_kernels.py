@@ -243,37 +243,31 @@ def quant_rows():
 
     from deepinfer_kernels.triton import quant as tq
 
-    tiers = {"": tq}
+    vtk = None
     if importlib.util.find_spec("tile_kernels") is not None:
         from deepinfer_kernels.vendor import tile_kernels as vtk
-
-        tiers["[vendor]"] = vtk
     rows = []
     for m in (8192, 64):
         x = torch.randn(m, 5120, device="cuda").bfloat16()
         w = (torch.rand(5120, device="cuda") + 0.5).bfloat16()
-        nbytes = x.numel() * 2 + x.numel() + x.numel() // 8
-        for tag, mod in tiers.items():
-            fns = [("act_quant_fp8", lambda mod=mod, x=x: mod.act_quant_fp8(x))]
-            if mod is tq:  # TileKernels' fused RMSNorm is slower (NOTES.md): not a vendor op
-                fns.append(
-                    (
-                        "rms_norm_act_quant_fp8",
-                        lambda x=x, w=w: tq.rms_norm_act_quant_fp8(x, w, 1e-6),
-                    )
+        cases = [
+            ("act_quant_fp8", lambda x=x: tq.act_quant_fp8(x)),
+            ("rms_norm_act_quant_fp8", lambda x=x, w=w: tq.rms_norm_act_quant_fp8(x, w, 1e-6)),
+        ]
+        if vtk is not None:  # TileKernels' fused RMSNorm is slower (NOTES.md): not a vendor op
+            cases.append(("act_quant_fp8[vendor]", lambda x=x: vtk.act_quant_fp8(x)))
+        for name, fn in cases:
+            rows.append(
+                dict(
+                    op=name,
+                    shape=f"{m}x5120 bf16",
+                    ms=bench_ms(fn),
+                    flops=0.0,
+                    bytes=x.numel() * 2 + x.numel() + x.numel() // 8,
+                    torch_ms=float("nan"),
+                    mm_only_ms=float("nan"),
                 )
-            for name, fn in fns:
-                rows.append(
-                    dict(
-                        op=name + tag,
-                        shape=f"{m}x5120 bf16",
-                        ms=bench_ms(fn),
-                        flops=0.0,
-                        bytes=nbytes,
-                        torch_ms=float("nan"),
-                        mm_only_ms=float("nan"),
-                    )
-                )
+            )
     gate = torch.randn(8192 * 6, 2304, device="cuda").bfloat16()
     up = torch.randn_like(gate)
     rw = torch.rand(8192 * 6, 1, device="cuda")

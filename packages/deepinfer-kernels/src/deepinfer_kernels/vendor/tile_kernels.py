@@ -1,8 +1,8 @@
 """Activation quantisation from DeepSeek's TileKernels (PyPI `tile-kernels`, TileLang kernels):
 `act_quant_fp8` by `per_token_cast` at 32 channels per scale with the scales rounded up to powers
 of two (`round_sf`), as fp32 [rows, K / 32]: the reference's format and arithmetic, bit for bit
-(amax floored at 1e-4, the library's default clamp). H200: 8192 x 5120 bf16 in 37 us against
-104 us for the triton tier's kernel (NOTES.md, eighteenth session). TileKernels is not a
+(amax floored at 1e-4, the library's default clamp). H200: 8192 x 5120 bf16 in 36.5 us, about
+the triton tier's 37.6 (NOTES.md, eighteenth session). TileKernels is not a
 dependency: install it with `pip install --no-deps tile-kernels` (its metadata asks for a newer
 torch than it needs).
 
@@ -17,6 +17,7 @@ import functools
 
 import torch
 
+from ..ops._checks import cuda_input_reason
 from ..quant import ACT_AMAX_FLOOR, FP8_BLOCK
 
 _DTYPES = (torch.bfloat16, torch.float32)
@@ -42,9 +43,7 @@ def quant_reason(x: torch.Tensor, *_: object, **__: object) -> str | None:
         return f"x is {x.dtype}; TileKernels casts bf16 or fp32"
     if x.shape[-1] % 64:
         return f"K={x.shape[-1]}; TileKernels' per-token cast takes a multiple of 64"
-    if x.device.type != "cuda":
-        return f"input on {x.device.type}"
-    if (why := import_reason()) is not None:
+    if (why := cuda_input_reason(x) or import_reason()) is not None:
         return why
     from tile_kernels import get_amax_clamp_for_quant
 
