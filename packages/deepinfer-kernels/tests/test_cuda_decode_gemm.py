@@ -139,11 +139,13 @@ def test_call_reasons_name_the_problem():
     ("cfg", "split"), [(dg.DEFAULT, 4), (C(consumers=1, min_blocks=3), 1), (C(stages=2), 8)]
 )
 def test_kernel_compiles_without_local_memory(tokens, cfg, split, tmp_path):
-    """No spills; one e4m3 wgmma of the token tile's N per slice (4 per stage); the promotion one
-    FFMA per accumulator and slice (tokens / 2 accumulators per thread); when `pipelined` (all but
-    the 64-token tiles of 128-row tiles) the first three slices' waits leave the next slice's
-    wgmma in flight, and ptxas serializes none of them; the scales of `scale_vec` slices come
-    with one shared load (the sw, each of a thread's tokens' sx) per stage or slice."""
+    """No spills; one e4m3 wgmma per slice (4 per stage), of the token tile's N (or, with the
+    tokens as A at 64, of the warpgroup's 64 rows); the promotion one FFMA per accumulator and
+    slice (tokens / 2 accumulators per thread); when `pipelined` (all but the 64-token tiles of
+    128-row tiles) the first three slices' waits leave the next slice's wgmma in flight, and
+    ptxas serializes none of them; the scale products one FMUL per token and slice (tokens as A:
+    4 per slice, 2 tokens x 2 row blocks); the scales of `scale_vec` slices come with one shared
+    load (the sw, each of a thread's tokens' sx) per stage or slice (tokens as A: 4 per stage)."""
     stages = dg.stages_for(tokens, 8192, split, cfg)
     cub, log = module.compile_file_and_log(
         dg.SOURCE, dg.ARCH, dg.defines(tokens, split, stages, cfg, False, False)
@@ -155,7 +157,10 @@ def test_kernel_compiles_without_local_memory(tokens, cfg, split, tmp_path):
     waits = re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x(\d)", sass)
     assert waits == (["1", "1", "1", "0"] if dg.pipelined(tokens, cfg) else ["0"] * 4)
     assert dg.pipelined(tokens, cfg) == (tokens < 64 or cfg.consumers == 1)
-    scale_loads = (1 + tokens // 4) * 4 // dg.scale_vec(tokens)
+    assert dg.tokens_as_a(tokens) == (tokens == 64)
+    as_a = dg.tokens_as_a(tokens)
+    assert len(re.findall(r"\bFMUL\b", sass)) == (16 if as_a else tokens)
+    scale_loads = 4 if as_a else (1 + tokens // 4) * 4 // dg.scale_vec(tokens)
     assert scale_loads <= len(re.findall(r"\bLDS", sass)) <= scale_loads + 8  # + the epilogue's
 
 

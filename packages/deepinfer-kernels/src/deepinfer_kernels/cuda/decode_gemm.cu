@@ -13,6 +13,12 @@
 // registers) the next slice's wgmma of the stage is issued before a slice is promoted, so the
 // promotion's FFMAs, which grow with TOKENS, overlap the tensor core instead of following it.
 //
+// With TOKENS_AS_A (64-token tiles) the operands trade places: the token tile is A and each
+// warpgroup's 64 weight rows are B (`wgmma.m64n64k32`, the same dot products: both are K-major
+// 128-byte-swizzled boxes). A thread's 32 sums are then 2 tokens x 16 rows of 2 row blocks, so
+// a slice needs 4 scale products instead of 16, and a stage's scales come in 4 vector loads
+// instead of 68 scalar ones: the loop's issue, the bound at 64 tokens, shrinks by a third.
+//
 // K is cut into SPLIT chunks (the TileLang kernel's split, from (N, K) only), one CTA each, the
 // SPLIT CTAs of a weight tile one cluster: each leaves its chunk's sums in its shared memory,
 // and the cluster adds them in chunk order through distributed shared memory (chunk 0 + chunk 1
@@ -24,9 +30,9 @@
 // weight boxes (which the kernel before does not write) with that kernel's end; the tokens are
 // read after `griddepcontrol.wait`. Compile-time constants: CONSUMERS (1, 2), TOKENS (8, 16, 32,
 // 64), STAGES, SPLIT (1, 2, 4, 8), MIN_BLOCKS (CTAs per SM the registers are cut for),
-// CONSUMER_REGS (setmaxnreg), PIPELINED (0, 1), SCALE_VEC (1, 2, 4: the slices whose scales one
+// CONSUMER_REGS (setmaxnreg), PIPELINED (0, 1), TOKENS_AS_A (0, 1), SCALE_VEC (1, 2, 4: the slices whose scales one
 // shared load brings; each slice's token scales are one load per token otherwise, and from 32
-// tokens those loads are a large share of the consumers' issue), SB_F32, OUT_F32.
+// tokens those loads are a large share of the consumers' issue; rows as A only), SB_F32, OUT_F32.
 
 #include "common.cuh"
 #include "wgmma_fp8.cuh"
@@ -35,7 +41,8 @@
 #define SLICES 4     // k32 slices per stage, each with its own scales
 #define ROWS (64 * CONSUMERS)
 #define THREADS (128 * (CONSUMERS + 1))
-#define TB (TOKENS / 8)  // n8 column groups of a wgmma's accumulators
+#define WN (TOKENS_AS_A ? 64 : TOKENS)  // the wgmma's N (A is 64 rows either way)
+#define NJ (WN / 8)                      // n8 column groups of a wgmma's accumulators
 #define RB (ROWS / 32)   // 32-row blocks of sw per CTA
 #define W_BYTES (ROWS * BLOCK_K)
 #define X_BYTES (TOKENS * BLOCK_K < 1024 ? 1024 : TOKENS * BLOCK_K)  // 1024-aligned stage parts
@@ -50,6 +57,7 @@ static_assert(TOKENS == 8 || TOKENS == 16 || TOKENS == 32 || TOKENS == 64, "TOKE
 static_assert(SPLIT == 1 || SPLIT == 2 || SPLIT == 4 || SPLIT == 8, "SPLIT: 1, 2, 4 or 8");
 static_assert(STAGES >= 2 && STAGES <= 12, "STAGES: 2..12");
 static_assert(PIPELINED == 0 || PIPELINED == 1, "PIPELINED: 0 or 1");
+static_assert(TOKENS_AS_A == 0 || TOKENS == 64, "TOKENS_AS_A: 64-token tiles only");
 static_assert(SCALE_VEC == 1 || SCALE_VEC == 2 || SCALE_VEC == 4, "SCALE_VEC: 1, 2 or 4");
 static_assert(TOKENS * PART_STRIDE * 4 <= STAGES * STAGE_BYTES, "the sums fit in the ring");
 static_assert(ROWS % (4 * SPLIT) == 0, "every CTA of a cluster writes whole 4-column groups");
@@ -181,67 +189,95 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) __cluster_dims
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGS));
   const int c = wg - 1;
   const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
-  const int row = 64 * c + 16 * warp + (lane >> 2);  // and row + 8: the same 32-row block
-  const int rb = row / 32;
-  const int tok = 2 * (lane & 3);  // tokens 8 j + tok + {0, 1}
+  // The accumulator fragment: element [j][e] of a thread is A row 16 warp + lane / 4 + 8 (e / 2),
+  // B row 8 j + 2 (lane % 4) + e % 2 of the warpgroup's tile.
+  const int a_row = 16 * warp + (lane >> 2), b_row = 2 * (lane & 3);
 
   // With PIPELINED, slice q + 1's wgmma runs while slice q is promoted: slice q's partial is
   // part[q % 2]. Within a stage only: a group left in flight across the K loop's back edge makes
   // ptxas serialize every wgmma (C7514).
-  float acc[TB][4], part[PIPELINED + 1][TB][4];
+  float acc[NJ][4], part[PIPELINED + 1][NJ][4];
 #pragma unroll
-  for (int j = 0; j < TB; ++j)
+  for (int j = 0; j < NJ; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
   const u32 w_off = c * 64 * BLOCK_K;  // this warpgroup's 64 rows of a stage's weight box
+  // the wgmma's operands in a stage: A the weight rows and B the tokens, or the reverse
+  const u32 a_off = TOKENS_AS_A ? W_BYTES : w_off, b_off = TOKENS_AS_A ? w_off : W_BYTES;
 
   for (int kt = 0; kt < steps; ++kt) {
     const int s = kt % STAGES;
     const u32 stage = base + s * STAGE_BYTES;
     const u32 sx = stage + W_BYTES + X_BYTES;
+    const u32 sw = sw_table + kt * RB * SLICES * 4;  // the stage's [RB][slice] weight scales
     mbar_wait(&full[s], (kt / STAGES) & 1);
-    if (PIPELINED) slice_wgmma<TOKENS>(part[0], stage + w_off, stage + W_BYTES, 0);
-    float swv[SCALE_VEC], sxv[TB][2][SCALE_VEC];  // slices q - q % SCALE_VEC onwards
+    if (PIPELINED) slice_wgmma<WN>(part[0], stage + a_off, stage + b_off, 0);
+#if TOKENS_AS_A
+    // a thread's 2 tokens and its rows' 2 row blocks, a stage's 4 slices each
+    float sxv[2][SLICES], swv[2][SLICES];
+#else
+    float swv[SCALE_VEC], sxv[NJ][2][SCALE_VEC];  // slices q - q % SCALE_VEC onwards
+#endif
 #pragma unroll
     for (int q = 0; q < SLICES; ++q) {
       const bool ahead = PIPELINED && q + 1 < SLICES;
       if (ahead)
-        slice_wgmma<TOKENS>(part[(q + 1) & 1], stage + w_off, stage + W_BYTES, q + 1);
+        slice_wgmma<WN>(part[(q + 1) & 1], stage + a_off, stage + b_off, q + 1);
       else if (!PIPELINED)
-        slice_wgmma<TOKENS>(part[0], stage + w_off, stage + W_BYTES, q);
-      // slice q's scales while the wgmmas run: sw of the row block times each token's sx
-      if (q % SCALE_VEC == 0) {
-        lds_vec(swv, sw_table + ((kt * RB + rb) * SLICES + q) * 4);
+        slice_wgmma<WN>(part[0], stage + a_off, stage + b_off, q);
+      // slice q's scale products while the wgmmas run: p[x][y] multiplies element [j][e] with
+      // x, y = e % 2, 0 (rows as A: one row block, each token's sx) or e / 2, j / 4 (tokens as A)
+#if TOKENS_AS_A
+      if (q == 0) {
 #pragma unroll
-        for (int j = 0; j < TB; ++j)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) lds_vec(sxv[j][e], sx + ((8 * j + tok + e) * 4 + q) * 4);
+        for (int h = 0; h < 2; ++h) {
+          lds_vec(sxv[h], sx + (a_row + 8 * h) * 16);
+          lds_vec(swv[h], sw + ((2 * c + h) * SLICES) * 4);
+        }
       }
-      float p[TB][2];
+      float p[2][2];
 #pragma unroll
-      for (int j = 0; j < TB; ++j)
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int b = 0; b < 2; ++b) p[h][b] = swv[b][q] * sxv[h][q];
+#else
+      if (q % SCALE_VEC == 0) {
+        lds_vec(swv, sw + ((64 * c + a_row) / 32 * SLICES + q) * 4);
+#pragma unroll
+        for (int j = 0; j < NJ; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) lds_vec(sxv[j][e], sx + ((8 * j + b_row + e) * 4 + q) * 4);
+      }
+      float p[NJ][2];
+#pragma unroll
+      for (int j = 0; j < NJ; ++j)
 #pragma unroll
         for (int e = 0; e < 2; ++e) p[j][e] = swv[q % SCALE_VEC] * sxv[j][e][q % SCALE_VEC];
+#endif
       if (ahead)  // slice q is done, the next one may still run
         asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
       else
         asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
       if (q == SLICES - 1 && lane == 0) mbar_arrive(&empty[s]);  // the stage is read
-      const float(&d)[TB][4] = part[PIPELINED ? q & 1 : 0];
+      const float(&d)[NJ][4] = part[PIPELINED ? q & 1 : 0];
 #pragma unroll
-      for (int j = 0; j < TB; ++j)
+      for (int j = 0; j < NJ; ++j)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[j][e] = fmaf(d[j][e], p[j][e & 1], acc[j][e]);
+        for (int e = 0; e < 4; ++e)
+          acc[j][e] = fmaf(d[j][e], TOKENS_AS_A ? p[e >> 1][j >> 2] : p[j][e & 1], acc[j][e]);
     }
   }
 
   // the chunk's sums into the drained ring (both consumer warpgroups are past their last wgmma)
   asm volatile("bar.sync 1, %0;" ::"n"(128 * CONSUMERS) : "memory");
 #pragma unroll
-  for (int j = 0; j < TB; ++j)
+  for (int j = 0; j < NJ; ++j)
 #pragma unroll
-    for (int e = 0; e < 4; ++e)
-      sts32(base + ((8 * j + tok + (e & 1)) * PART_STRIDE + row + 8 * (e >> 1)) * 4, acc[j][e]);
+    for (int e = 0; e < 4; ++e) {
+      const int ra = a_row + 8 * (e >> 1), rb = 8 * j + b_row + (e & 1);
+      const int t = TOKENS_AS_A ? ra : rb, n = 64 * c + (TOKENS_AS_A ? rb : ra);
+      sts32(base + (t * PART_STRIDE + n) * 4, acc[j][e]);
+    }
   cluster_sync();
 
   // this CTA's share of the tile's columns: the chunks' sums in chunk order, then the output

@@ -1,6 +1,7 @@
 """Swap-AB FP8 decode GEMM in CUDA C++ (`decode_gemm.cu`), M <= 64 tokens: the weight is the FP8
 wgmma's A operand (64 rows per consumer warpgroup, fed by the TMA through a ring of 128-deep K
-stages), the tokens its B operand; each k32 slice's partial is promoted with its weight and
+stages), the tokens its B operand (64-token tiles the other way round: fewer scale products per
+thread, the same dot products); each k32 slice's partial is promoted with its weight and
 token scales (the TileLang decode kernel's arithmetic, `tilelang/decode_gemm.py`, with the same
 K split from (N, K): the same bits). The K chunks of a weight tile run as one thread-block cluster
 and are summed in chunk order through distributed shared memory, so a call is one kernel.
@@ -10,10 +11,9 @@ while the kernel before it ends, and it reads the activations (and writes the ou
 that kernel has finished. The contract this asks of the caller: the kernel launched just before
 does not write the weights or their scales (inference never does; a weight update followed at
 once by this GEMM should pass `DecodeGemmCudaConfig(programmatic=False)`). H200, 16 calls per
-CUDA graph over 16 weights (NOTES.md, seventeenth session): 5120x8192 at M = 1 / 16 / 32 / 64
-13.1 / 13.2 / 15.0 / 21.6 us (76 / 75 / 66 / 46% of the copy ceiling; the sixteenth session's
-GEMV / TileLang routes 15.7 / 16.3 / 18.6 / 24.9); without the programmatic launch it is about
-as fast as the TileLang kernel.
+CUDA graph over 16 weights (NOTES.md, nineteenth session): 5120x8192 at M = 16 / 32 / 64 13.2 /
+14.3 / 16.2 us (75 / 70 / 62% of the copy ceiling; the sixteenth session's GEMV / TileLang routes
+16.3 / 18.6 / 24.9); without the programmatic launch it is about as fast as the TileLang kernel.
 
 Same contract as `ref.linear.fp8_gemm`. Compiled by NVRTC at first use (once per process per
 config; no GPU needed to compile).
@@ -158,6 +158,13 @@ def pipelined(tokens: int, cfg: DecodeGemmCudaConfig) -> bool:
     return tokens * 5 // 4 + 40 <= consumer_regs(cfg)
 
 
+def tokens_as_a(tokens: int) -> bool:
+    """Whether the token tile is the wgmma's A operand and the weight rows its B: at 64 tokens,
+    where a thread's sums then span 2 tokens x 2 row blocks (4 scale products per slice) instead
+    of 16 tokens x 1. Bits unchanged (the same dot products)."""
+    return tokens == MAX_TOKENS
+
+
 def scale_vec(tokens: int) -> int:
     """Slices whose scales the consumers read with one shared load: a stage's 4 up to 32 tokens
     (a thread's 2 x tokens / 8 token scales x 4 slices in registers), 1 at 64 tokens (NVRTC 13:
@@ -214,7 +221,8 @@ def defines(
     return dict(
         CONSUMERS=cfg.consumers, TOKENS=tokens, STAGES=stages, SPLIT=split,
         MIN_BLOCKS=cfg.min_blocks, CONSUMER_REGS=consumer_regs(cfg),
-        PIPELINED=int(pipelined(tokens, cfg)), SCALE_VEC=scale_vec(tokens),
+        PIPELINED=int(pipelined(tokens, cfg)), TOKENS_AS_A=int(tokens_as_a(tokens)),
+        SCALE_VEC=scale_vec(tokens),
         SB_F32=int(sb_f32), OUT_F32=int(out_f32),
     )  # fmt: skip
 
