@@ -56,6 +56,17 @@ def test_token_tile_holds_m(m):
     assert t >= min(m, 64) and (t == 8 or t // 2 < m)
 
 
+@settings(max_examples=50, deadline=None)
+@given(m=st.integers(1, 300))
+def test_token_boxes_stop_within_8_rows_of_m(m):
+    """The TMA's token boxes: whole 8-row groups of the tile that hold M's rows (the tile when
+    several tiles hold them), so at most 7 rows past the tensor are zero-filled per box."""
+    tokens = dg.token_tile(m)
+    box = dg.box_rows(m, tokens)
+    assert box % 8 == 0 and box <= tokens
+    assert box == tokens if m > tokens else 0 <= box - m < 8
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     consumers=st.sampled_from([1, 2]),
@@ -174,6 +185,7 @@ SHAPES = [
     (33, 2112, 7168),
     (64, 32768, 1280),
     (5, 1536, 512),
+    (21, 1536, 512),
     (7, 200, 4096),
     (77, 8, 128),
 ]

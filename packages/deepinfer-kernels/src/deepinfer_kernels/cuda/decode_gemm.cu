@@ -48,7 +48,6 @@
 #define X_BYTES (TOKENS * BLOCK_K < 1024 ? 1024 : TOKENS * BLOCK_K)  // 1024-aligned stage parts
 #define SX_BYTES 1024  // TOKENS x 4 floats, padded
 #define STAGE_BYTES (W_BYTES + X_BYTES + SX_BYTES)
-#define STAGE_TX (W_BYTES + TOKENS * BLOCK_K + TOKENS * 16)  // bytes the three boxes bring
 #define PART_STRIDE (ROWS + 4)  // floats per token of the chunk's sums (conflict-free stores)
 #define PRODUCER_REGS 24
 
@@ -117,7 +116,7 @@ static __device__ __forceinline__ float4 lds128_cluster(u32 p, int rank) {
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) __cluster_dims__(SPLIT, 1, 1)
     decode_gemm(const __grid_constant__ TensorMap w_map, const __grid_constant__ TensorMap x_map,
                 const __grid_constant__ TensorMap sx_map, const void* __restrict__ sw_ptr,
-                void* __restrict__ out, int m_rows, int n_cols, int k_len) {
+                void* __restrict__ out, int m_rows, int n_cols, int k_len, int box_rows) {
   extern __shared__ u8 smem_raw[];
   __shared__ __align__(8) u64 full[STAGES];
   __shared__ __align__(8) u64 empty[STAGES];
@@ -130,6 +129,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) __cluster_dims
   const int k_groups = k_len / 32;
   const int g0 = rank * steps * SLICES;  // the chunk's first k32 group
 
+  // the bytes a stage's three boxes bring: the token boxes are box_rows rows (M rounded up to 8
+  // when one tile holds it: rows past the tensor, which the TMA fills with zeros, cost it time);
+  // the tile's rows past them are never written and feed only sums that are not stored
+  const u32 stage_tx = W_BYTES + box_rows * (BLOCK_K + 16);
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(&full[s]);
@@ -162,7 +165,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) __cluster_dims
       // the weight boxes of the first stages before the wait: the kernel before does not
       // write the weights
       for (int s = 0; s < first; ++s) {
-        mbar_expect(&full[s], STAGE_TX);
+        mbar_expect(&full[s], stage_tx);
         tma_box(base + s * STAGE_BYTES, &w_map, k0 + s * BLOCK_K, n0, &full[s]);
       }
       asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -171,7 +174,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) __cluster_dims
         const u32 stage = base + s * STAGE_BYTES;
         if (kt >= first) {
           mbar_wait(&empty[s], (kt / STAGES - 1) & 1);
-          mbar_expect(&full[s], STAGE_TX);
+          mbar_expect(&full[s], stage_tx);
           tma_box(stage, &w_map, k0 + kt * BLOCK_K, n0, &full[s]);
         }
         tma_box(stage + W_BYTES, &x_map, k0 + kt * BLOCK_K, t0, &full[s]);
