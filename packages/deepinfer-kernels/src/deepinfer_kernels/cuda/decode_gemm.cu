@@ -30,9 +30,10 @@
 // weight boxes (which the kernel before does not write) with that kernel's end; the tokens are
 // read after `griddepcontrol.wait`. Compile-time constants: CONSUMERS (1, 2), TOKENS (8, 16, 32,
 // 64), STAGES, SPLIT (1, 2, 4, 8), MIN_BLOCKS (CTAs per SM the registers are cut for),
-// CONSUMER_REGS (setmaxnreg), PIPELINED (0, 1), TOKENS_AS_A (0, 1), SCALE_VEC (1, 2, 4: the slices whose scales one
-// shared load brings; each slice's token scales are one load per token otherwise, and from 32
-// tokens those loads are a large share of the consumers' issue; rows as A only), SB_F32, OUT_F32.
+// CONSUMER_REGS (setmaxnreg), PIPELINED (0, 1), TOKENS_AS_A (0, 1), SCALE_VEC (1, 2, 4, rows as
+// A only: the slices whose scales one shared load brings; each slice's token scales are one load
+// per token otherwise, and from 32 tokens those loads are a large share of the consumers'
+// issue), SB_F32, OUT_F32.
 
 #include "common.cuh"
 #include "wgmma_fp8.cuh"
@@ -131,7 +132,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) __cluster_dims
 
   // the bytes a stage's three boxes bring: the token boxes are box_rows rows (M rounded up to 8
   // when one tile holds it: rows past the tensor, which the TMA fills with zeros, cost it time);
-  // the tile's rows past them are never written and feed only sums that are not stored
+  // the tile's rows past them are never loaded and feed only sums that are not stored
   const u32 stage_tx = W_BYTES + box_rows * (BLOCK_K + 16);
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {

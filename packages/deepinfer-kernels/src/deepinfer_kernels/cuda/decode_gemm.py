@@ -174,9 +174,10 @@ def tokens_as_a(tokens: int) -> bool:
 
 
 def scale_vec(tokens: int) -> int:
-    """Slices whose scales the consumers read with one shared load: a stage's 4 up to 32 tokens
-    (a thread's 2 x tokens / 8 token scales x 4 slices in registers), 1 at 64 tokens (NVRTC 13:
-    2 slices spill 2-4 words there, 4 spill 164; the sums and partials fill the registers)."""
+    """Slices whose token scales the consumers read with one shared load when the weight rows
+    are A: a stage's 4 (a thread's 2 x tokens / 8 token scales x 4 slices in registers). At 64
+    tokens, where the tokens are A, a thread reads its 2 tokens' stage of scales in one load
+    each and this is not used."""
     return 4 if tokens <= 32 else 1
 
 
