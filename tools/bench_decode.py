@@ -15,14 +15,17 @@ CHAIN_L = 16
 """Calls per captured graph in the chained harness: L distinct weight sets (> L2 in total)."""
 
 
-PARTS = ("cuda", "dense", "probes", "shapes", "prefill", "moe", "dense64")
+PARTS = ("cuda", "dense", "probes", "shapes", "prefill", "moe", "dense64", "msweep")
 """`decode4_rows`' sections, in the order they run: the CUDA decode GEMM's candidates beside the
 registry's two modes at 5120x8192 (M = 64 / 32 / 16 / 1), 2112x7168 and 32768x1280 (M = 64 / 16 /
 1); dense 5120x8192 at M = 64 / 32 / 16 / 1 with the TileLang candidates; floor probes; 2112x7168
 and 32768x1280 at M = 64 / 16 / 1 with the candidates; batch-invariant mode at prefill sizes
 (eager); the MoE layer; (only when named) 5120x8192 and 32768x1280 at M = 64 with the 128-row-tile
-candidates."""
-DEFAULT_PARTS = PARTS[:-1]
+candidates, and the registry's `fp8_gemm` at those shapes across M = 1..256 (partial token tiles,
+the decode kernel's M = 64 against the prefill kernel's 65)."""
+DEFAULT_PARTS = PARTS[:-2]
+SWEEP_M = (1, 8, 16, 24, 32, 33, 40, 48, 56, 63, 64, 65, 72, 96, 128, 192, 256)
+"""The M of the `msweep` part."""
 
 
 def _cuda_configs():
@@ -126,6 +129,23 @@ def decode4_rows(rows: list | None = None, parts: tuple[str, ...] = PARTS):
                 nbytes,
             )
 
+    def chain_weights(n, k):
+        """CHAIN_L distinct [n, k] FP8 weight sets (w, w_scale) and their bytes per call."""
+        sets_w = [
+            quant.quantize_fp8_blocks(torch.randn(n, k, device="cuda") * 0.02)
+            for _ in range(CHAIN_L)
+        ]
+        return sets_w, n * k + (n // 32 + 1) * (k // 32)
+
+    def m_sweep(n, k):
+        """The registry's `ops.fp8_gemm` at every M of SWEEP_M, both harnesses."""
+        from deepinfer_kernels import ops
+
+        sets_w, nbytes = chain_weights(n, k)
+        for m in SWEEP_M:
+            both("ops.fp8_gemm", f"{m}x{n}x{k}", ops.fp8_gemm, token_sets(sets_w, m, k), nbytes)
+        del sets_w
+
     def dense_cuda(n, k, ms_list):
         """The triton tier's two modes (auto: the GEMV at M=1, the TileLang decode kernel above;
         inv: that kernel at every M), the registry's choice (`ops.fp8_gemm`: the CUDA decode
@@ -134,11 +154,7 @@ def decode4_rows(rows: list | None = None, parts: tuple[str, ...] = PARTS):
         from deepinfer_kernels import ops
         from deepinfer_kernels.cuda import decode_gemm as cdg
 
-        sets_w = [
-            quant.quantize_fp8_blocks(torch.randn(n, k, device="cuda") * 0.02)
-            for _ in range(CHAIN_L)
-        ]
-        nbytes = n * k + (n // 32 + 1) * (k // 32)
+        sets_w, nbytes = chain_weights(n, k)
         for m in ms_list:
             sets = token_sets(sets_w, m, k)
             shape = f"{m}x{n}x{k}"
@@ -167,11 +183,7 @@ def decode4_rows(rows: list | None = None, parts: tuple[str, ...] = PARTS):
     def dense(n, k, ms_list, only=""):
         """Rows at each M; the candidates of the M's token tile whose names contain `only`."""
         weights.clear()
-        weights[(n, k)] = [
-            quant.quantize_fp8_blocks(torch.randn(n, k, device="cuda") * 0.02)
-            for _ in range(CHAIN_L)
-        ]
-        nbytes = n * k + (n // 32 + 1) * (k // 32)
+        weights[(n, k)], nbytes = chain_weights(n, k)
         split = tld.decode_tile_split(n, k)
         # split > 1: the kernel stores fp32 partials whatever the output dtype, so the check runs
         # the timed kernel itself in fp32; split 1 stores the output dtype directly
@@ -341,6 +353,9 @@ def decode4_rows(rows: list | None = None, parts: tuple[str, ...] = PARTS):
         prefill_invariant(5120, 8192)
     if "moe" in parts:
         moe()
+    if "msweep" in parts:
+        m_sweep(5120, 8192)
+        m_sweep(32768, 1280)
     return rows
 
 
