@@ -1,10 +1,12 @@
-"""The CUDA swap-AB FP8 decode GEMM (`cuda/decode_gemm.py`, `decode_gemm.cu`).
+"""The CUDA FP8 decode GEMM (`cuda/decode_gemm.py`, `decode_gemm.cu`).
 
-CPU: the config's checks, token tiles, the shared-memory and register budgets, the shape and call
-reasons, and (where NVRTC loads) every token tile compiled for sm_90a without local memory, one
-wgmma of the token tile's N and one FFMA per accumulator per k32 slice. GPU (Hopper): against the
-ref tier, bitwise the TileLang decode kernel's sums (same K split, same order), rows independent
-of the batch, CUDA-graph replay, and a programmatic launch after a kernel that writes its input."""
+CPU: the config's checks, token tiles and boxes, the shared-memory and register budgets, the shape
+and call reasons, and (where NVRTC loads) every token tile compiled for sm_90a without local
+memory, one wgmma per k32 slice (N: the token tile, or at 64 tokens, the tokens as A, the
+warpgroup's rows), one FFMA per accumulator and slice, and the scale products and loads. GPU
+(Hopper): against the ref tier, bitwise the TileLang decode kernel's sums (same K split, same
+order), rows independent of the batch, CUDA-graph replay, and a programmatic launch after a
+kernel that writes its input."""
 
 from __future__ import annotations
 

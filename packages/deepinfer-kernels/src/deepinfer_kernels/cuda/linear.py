@@ -1,5 +1,5 @@
 """The cuda tier's dense FP8 GEMM (the registry's `fp8_gemm` and `fp8_linear` on Hopper): M <= 64
-tokens on the swap-AB decode kernel (`decode_gemm.py`), larger M on the prefill kernel
+tokens on the decode kernel (`decode_gemm.py`), larger M on the prefill kernel
 (`fp8_gemm.py`). In batch-invariant mode both give a row the TileLang decode kernel's bits (the
 same K split and fold order: the decode kernel always, the prefill kernel with
 `invariant_config`), so a row's result does not depend on M across the two either.
