@@ -22,9 +22,9 @@ registry's two modes at 5120x8192 (M = 64 / 32 / 16 / 1), 2112x7168 and 32768x12
 and 32768x1280 at M = 64 / 16 / 1 with the candidates; batch-invariant mode at prefill sizes
 (eager); the MoE layer; (only when named) 5120x8192 and 32768x1280 at M = 64 with the 128-row-tile
 candidates, and the registry's `fp8_gemm` at those shapes across M = 1..256 (partial token tiles,
-the decode kernel's M = 64 against the prefill kernel's 65)."""
+the decode kernel's token tiles up to `cuda.decode_gemm.MAX_M`, the prefill kernel above)."""
 DEFAULT_PARTS = PARTS[:-2]
-SWEEP_M = (1, 8, 16, 24, 32, 33, 40, 48, 56, 63, 64, 65, 72, 96, 128, 192, 256)
+SWEEP_M = (1, 8, 16, 24, 32, 33, 40, 48, 56, 63, 64, 65, 72, 96, 128, 129, 160, 192, 193, 256)
 """The M of the `msweep` part."""
 
 

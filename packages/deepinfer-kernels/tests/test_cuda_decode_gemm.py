@@ -60,13 +60,13 @@ def test_token_tile_holds_m(m):
 
 @settings(max_examples=50, deadline=None)
 @given(m=st.integers(1, 300))
-def test_token_boxes_stop_within_8_rows_of_m(m):
-    """The TMA's token boxes: whole 8-row groups of the tile that hold M's rows (the tile when
-    several tiles hold them), so at most 7 rows past the tensor are zero-filled per box."""
+def test_tail_boxes_stop_within_8_rows_of_m(m):
+    """The last token tile's TMA boxes: whole 8-row groups that hold its rows (the tile when M
+    fills it), so at most 7 rows past the tensor are zero-filled per box."""
     tokens = dg.token_tile(m)
-    box = dg.box_rows(m, tokens)
-    assert box % 8 == 0 and box <= tokens
-    assert box == tokens if m > tokens else 0 <= box - m < 8
+    box, tail_rows = dg.tail_box(m, tokens), m - (-(-m // tokens) - 1) * tokens
+    assert box % 8 == 0 and 0 < box <= tokens
+    assert 0 <= box - tail_rows < 8
 
 
 @settings(max_examples=40, deadline=None)
@@ -180,7 +180,7 @@ def test_kernel_compiles_without_local_memory(tokens, cfg, split, tmp_path):
 # -- GPU ---------------------------------------------------------------------------------------
 
 # (M, N, K): V4.1's decode N and K (K splits 1..8 by `decode_tile_split`), odd M, N not a
-# multiple of the tiles, M past one token tile
+# multiple of the tiles, M past one token tile (up to MAX_M, a partial last tile)
 SHAPES = [
     (1, 5120, 8192),
     (16, 5120, 8192),
@@ -190,6 +190,8 @@ SHAPES = [
     (21, 1536, 512),
     (7, 200, 4096),
     (77, 8, 128),
+    (130, 2112, 7168),
+    (192, 1536, 512),
 ]
 
 
@@ -221,7 +223,7 @@ def test_rows_do_not_depend_on_the_batch():
 
     xq, xs, wq, ws = gemm_inputs(200, 5120, 8192, seed=7)
     full = dg.decode_gemm(xq, xs, wq, ws)
-    for lo, hi in ((0, 1), (1, 8), (5, 21), (3, 67), (150, 200)):
+    for lo, hi in ((0, 1), (1, 8), (5, 21), (3, 67), (10, 140), (150, 200)):
         assert torch.equal(dg.decode_gemm(xq[lo:hi], xs[lo:hi], wq, ws), full[lo:hi]), (lo, hi)
 
 

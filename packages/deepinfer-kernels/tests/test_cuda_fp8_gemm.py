@@ -210,6 +210,7 @@ def test_registry_sends_prefill_here():
         assert REGISTRY.resolve("fp8_gemm", xq, xs, wq, ws, torch.bfloat16).tier == "cuda"
         assert REGISTRY.resolve("fp8_linear", x, wq, ws).tier == "cuda"
         assert REGISTRY.resolve("fp8_linear", x[:64], wq, ws).tier == "cuda"  # decode kernel
+        assert REGISTRY.resolve("fp8_linear", x[:150], wq, ws).tier == "cuda"  # its token tiles
         xq2, xs2 = quant.act_quant_fp8(x)
         want = ref_linear.fp8_gemm(xq2, xs2, wq, ws, torch.float32)
         assert rel(ops.fp8_linear(x, wq, ws), want) < 1e-2

@@ -116,24 +116,33 @@ static __device__ __forceinline__ float4 lds128_cluster(u32 p, int rank) {
 // [PART_STRIDE] floats reuse the ring once it is drained. 1 KiB of slack aligns the ring.
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) __cluster_dims__(SPLIT, 1, 1)
     decode_gemm(const __grid_constant__ TensorMap w_map, const __grid_constant__ TensorMap x_map,
-                const __grid_constant__ TensorMap sx_map, const void* __restrict__ sw_ptr,
-                void* __restrict__ out, int m_rows, int n_cols, int k_len, int box_rows) {
+                const __grid_constant__ TensorMap sx_map,
+                const __grid_constant__ TensorMap x_tail_map,
+                const __grid_constant__ TensorMap sx_tail_map, const void* __restrict__ sw_ptr,
+                void* __restrict__ out, int m_rows, int n_cols, int k_len, int tail_box) {
   extern __shared__ u8 smem_raw[];
   __shared__ __align__(8) u64 full[STAGES];
   __shared__ __align__(8) u64 empty[STAGES];
   const u32 base = (smem_u32(smem_raw) + 1023u) & ~1023u;
   const u32 sw_table = base + STAGES * STAGE_BYTES;
   const int rank = blockIdx.x % SPLIT;  // the K chunk (and the CTA's rank in its cluster)
-  const int n0 = blockIdx.x / SPLIT * ROWS;
-  const int t0 = blockIdx.y * TOKENS;
+  // the token tiles of a weight tile are neighbours in launch order: they run together and share
+  // the tile's weight boxes in L2
+  const int tiles_t = (m_rows + TOKENS - 1) / TOKENS;
+  const int n0 = blockIdx.x / SPLIT / tiles_t * ROWS;
+  const int t0 = blockIdx.x / SPLIT % tiles_t * TOKENS;
   const int steps = k_len / BLOCK_K / SPLIT;  // stages of the chunk
   const int k_groups = k_len / 32;
   const int g0 = rank * steps * SLICES;  // the chunk's first k32 group
 
-  // the bytes a stage's three boxes bring: the token boxes are box_rows rows (M rounded up to 8
-  // when one tile holds it: rows past the tensor, which the TMA fills with zeros, cost it time);
-  // the tile's rows past them are never loaded and feed only sums that are not stored
-  const u32 stage_tx = W_BYTES + box_rows * (BLOCK_K + 16);
+  // the bytes a stage's three boxes bring. A partial last token tile loads tail_box rows (its
+  // rows rounded up to 8) through the tail maps: rows past the tensor, which the TMA fills with
+  // zeros, cost it time; the tile's rows past the box are never loaded and feed only sums that
+  // are not stored
+  const bool tail = t0 + TOKENS > m_rows;
+  const TensorMap* xm = tail ? &x_tail_map : &x_map;
+  const TensorMap* sxm = tail ? &sx_tail_map : &sx_map;
+  const u32 stage_tx = W_BYTES + (tail ? tail_box : TOKENS) * (BLOCK_K + 16);
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(&full[s]);
@@ -178,8 +187,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) __cluster_dims
           mbar_expect(&full[s], stage_tx);
           tma_box(stage, &w_map, k0 + kt * BLOCK_K, n0, &full[s]);
         }
-        tma_box(stage + W_BYTES, &x_map, k0 + kt * BLOCK_K, t0, &full[s]);
-        tma_box(stage + W_BYTES + X_BYTES, &sx_map, (k0 / BLOCK_K + kt) * 16, t0, &full[s]);
+        tma_box(stage + W_BYTES, xm, k0 + kt * BLOCK_K, t0, &full[s]);
+        tma_box(stage + W_BYTES + X_BYTES, sxm, (k0 / BLOCK_K + kt) * 16, t0, &full[s]);
       }
       // every load is issued: the next kernel may start its prologue (it waits for this grid's
       // end before it reads what this one writes)

@@ -1,5 +1,5 @@
-"""Swap-AB FP8 decode GEMM in CUDA C++ (`decode_gemm.cu`), M <= 64 tokens: the weight is the FP8
-wgmma's A operand (64 rows per consumer warpgroup, fed by the TMA through a ring of 128-deep K
+"""Swap-AB FP8 decode GEMM in CUDA C++ (`decode_gemm.cu`), up to `MAX_M` tokens: the weight is the
+FP8 wgmma's A operand (64 rows per consumer warpgroup, fed by the TMA through a ring of 128-deep K
 stages), the tokens its B operand (64-token tiles the other way round: fewer scale products per
 thread, the same dot products); each k32 slice's partial is promoted with its weight and
 token scales (the TileLang decode kernel's arithmetic, `tilelang/decode_gemm.py`, with the same
@@ -30,6 +30,13 @@ import torch
 from . import module
 from .fp8_gemm import operand_reason
 from .module import check_fields
+
+MAX_M = 192
+"""The most tokens the cuda tier sends here (`linear.py`; more go to the prefill kernel). Above 64
+a call runs several 64-token tiles, each streaming the weight (the later ones from L2). H200,
+16-call graphs, us, this kernel / the prefill kernel (twentieth session): 5120x8192 M=65 27.2 /
+47.0, M=128 31.4 / 47.8, M=192 38.1 / 47.8, M=256 52.4 / 48.6; 2112x7168 M=128 13.6 / 42.4;
+7168x2048 M=160 18.1 / 16.5 (the one shape that loses at 129-192)."""
 
 SOURCE = Path(__file__).with_name("decode_gemm.cu")
 ARCH = "sm_90a"
@@ -107,12 +114,12 @@ def token_tile(m: int) -> int:
     return next((t for t in (8, 16, 32) if m <= t), MAX_TOKENS)
 
 
-def box_rows(m: int, tokens: int) -> int:
-    """Rows of the token boxes the TMA loads per stage: M rounded up to 8 when one token tile
-    holds it, else the tile. Rows past the tensor are zero-filled by the TMA at a cost (H200,
-    5120x8192 on a 64-token tile: M=33 19.5 us against 16.0 at M=64); the tile's rows past
-    the box are never loaded and only feed sums that are not stored."""
-    return min(tokens, -(-m // 8) * 8)
+def tail_box(m: int, tokens: int) -> int:
+    """Rows of the token boxes the TMA loads per stage for the last token tile of M tokens: its
+    rows rounded up to 8 (a full tile: the tile). Rows past the tensor are zero-filled by the TMA
+    at a cost (H200, 5120x8192 on one 64-token tile: M=33 19.5 us against 16.0 at M=64); the
+    tile's rows past the box are never loaded and only feed sums that are not stored."""
+    return -(-(m - (-(-m // tokens) - 1) * tokens) // 8) * 8
 
 
 @functools.lru_cache(maxsize=4096)  # pure; called on every routed call
@@ -272,7 +279,7 @@ def decode_gemm(
     """``(x_fp8 * x_scale) @ (w * w_scale)^T`` with fp32 sums. x_fp8 [M, K] e4m3, x_scale
     [M, K/32] fp32 powers of two, w [N, K] e4m3, w_scale [ceil(N/32), K/32] e8m0 (or fp32 powers
     of two) -> [M, N] out_dtype (bfloat16 or float32); any M (token tiles of up to 64), meant for
-    M <= 64. A row's bits are the TileLang decode kernel's, whatever M and config (without one:
+    M <= MAX_M. A row's bits are the TileLang decode kernel's, whatever M and config (without one:
     `pick_config`). ValueError naming the problem when `call_reason` refuses the call."""
     why = call_reason(x_fp8, x_scale, w, w_scale, out_dtype, config)
     if why is not None:
@@ -286,14 +293,18 @@ def decode_gemm(
     tokens, split = token_tile(m), k_split(n, k)
     stages = stages_for(tokens, k, split, cfg)
     w_map = module.tensor_map_2d(w.data_ptr(), n, k, BLOCK_K, cfg.rows, swizzle_128b=True)
-    box = box_rows(m, tokens)
-    x_map = module.tensor_map_2d(x_fp8.data_ptr(), m, k, BLOCK_K, box, swizzle_128b=True)
-    sx_map = module.tensor_map_2d(x_scale.data_ptr(), m, k // 8, 16, box)
+    maps = [
+        (
+            module.tensor_map_2d(x_fp8.data_ptr(), m, k, BLOCK_K, box, swizzle_128b=True),
+            module.tensor_map_2d(x_scale.data_ptr(), m, k // 8, 16, box),
+        )
+        for box in (tokens, tail_box(m, tokens))
+    ]
     flags = (w_scale.dtype == torch.float32, out_dtype == torch.float32)
     _kernel(tokens, split, stages, cfg, flags, dev).launch(
-        (-(-n // cfg.rows) * split, -(-m // tokens)),
+        (-(-n // cfg.rows) * split * -(-m // tokens), 1),
         cfg.threads,
-        (w_map, x_map, sx_map, w_scale, out, m, n, k, box),
+        (w_map, *maps[0], *maps[1], w_scale, out, m, n, k, tail_box(m, tokens)),
         shared_bytes(tokens, k, split, cfg),
         programmatic=cfg.programmatic,
     )

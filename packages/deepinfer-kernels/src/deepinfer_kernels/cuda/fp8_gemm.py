@@ -4,9 +4,9 @@ scales by the CUDA cores; the TMA feeds a ring of 128-deep K stages; one produce
 consumer warpgroups of 64 rows. Same contract as `ref.linear.fp8_gemm`: only the fp32 summation
 order differs (and the tensor core's own sum of each 32 products).
 
-The cuda tier (`linear.py`) runs it at M > 64 (in batch-invariant mode with `invariant_config`).
-H200: 1.03-1.25x the TileLang kernel at M = 512-16K, K = 8192; 0.98x at K = 1280 (NOTES.md,
-fifteenth session).
+The cuda tier (`linear.py`) runs it at M > `decode_gemm.MAX_M` (in batch-invariant mode with
+`invariant_config`). H200: 1.03-1.25x the TileLang kernel at M = 512-16K, K = 8192; 0.98x at
+K = 1280 (NOTES.md, fifteenth session).
 
 Compiled by NVRTC at first use (once per process per config; no GPU needed to compile).
 """
@@ -152,10 +152,11 @@ def call_reason(
 
 
 INVARIANT_PREFILL = True
-"""Batch-invariant mode sends M > 64 here with `invariant_config` (the TileLang decode kernel's K
-split, so that a row's bits are the same at every M: `test_invariant_rows_match_the_decode_kernel`,
-GPU-tested), instead of to the TileLang prefill kernel with that split. H200, 5120x8192 weights,
-M = 2K / 8K / 16K: 1.10 / 1.10 / 1.06x auto mode's time, against 1.29 / 1.22 / 1.16x there."""
+"""Batch-invariant mode sends M > `decode_gemm.MAX_M` here with `invariant_config` (the TileLang
+decode kernel's K split, so that a row's bits are the same at every M:
+`test_invariant_rows_match_the_decode_kernel`, GPU-tested), instead of to the TileLang prefill
+kernel with that split. H200, 5120x8192 weights, M = 2K / 8K / 16K: 1.10 / 1.10 / 1.06x auto
+mode's time, against 1.29 / 1.22 / 1.16x there."""
 
 
 @functools.lru_cache(maxsize=4096)  # pure; called on every routed call

@@ -1,7 +1,7 @@
-"""The cuda tier's dense FP8 GEMM (the registry's `fp8_gemm` and `fp8_linear` on Hopper): M <= 64
-tokens on the decode kernel (`decode_gemm.py`), larger M on the prefill kernel
-(`fp8_gemm.py`). In batch-invariant mode both give a row the TileLang decode kernel's bits (the
-same K split and fold order: the decode kernel always, the prefill kernel with
+"""The cuda tier's dense FP8 GEMM (the registry's `fp8_gemm` and `fp8_linear` on Hopper): M <=
+`decode_gemm.MAX_M` (192) tokens on the decode kernel (`decode_gemm.py`), larger M on the prefill
+kernel (`fp8_gemm.py`). In batch-invariant mode both give a row the TileLang decode kernel's bits
+(the same K split and fold order: the decode kernel always, the prefill kernel with
 `invariant_config`), so a row's result does not depend on M across the two either.
 
 ``DEEPINFER_KERNELS=fp8_gemm=cuda`` (or ``fp8_linear=cuda``) sends every call here that the
@@ -33,9 +33,9 @@ def route_reason(
         return f"out_dtype {out_dtype}: the cuda GEMM writes bfloat16 or float32"
     if REGISTRY.settings.overrides.get(op) == "cuda":
         return None
-    from ..triton.linear import DECODE_MAX_M, TILELANG_INVARIANT
+    from ..triton.linear import TILELANG_INVARIANT
 
-    if rows <= DECODE_MAX_M or not batch_invariant:
+    if _decode(rows) or not batch_invariant:
         return None
     if not (prefill.INVARIANT_PREFILL and TILELANG_INVARIANT):
         return (
@@ -45,9 +45,7 @@ def route_reason(
 
 
 def _decode(rows: int) -> bool:
-    from ..triton.linear import DECODE_MAX_M
-
-    return rows <= DECODE_MAX_M
+    return rows <= decode_gemm.MAX_M
 
 
 def supports(
@@ -110,7 +108,7 @@ def fp8_gemm(
     batch_invariant: bool = False,
 ) -> torch.Tensor:
     """``(x_fp8 * x_scale) @ (w * w_scale)^T``: x_fp8 [M, K] e4m3, x_scale [M, K/32] fp32, w
-    [N, K] e4m3, w_scale [ceil(N/32), K/32] -> [M, N] out_dtype; M <= 64 on the decode kernel
+    [N, K] e4m3, w_scale [ceil(N/32), K/32] -> [M, N] out_dtype; M <= 192 on the decode kernel
     (the same bits in either mode), larger M on the prefill kernel (batch_invariant: with the
     decode kernel's K split)."""
     if _decode(x_fp8.shape[0]):

@@ -55,7 +55,7 @@ for _op, _check in (("fp8_gemm", "supports"), ("fp8_linear", "supports_linear"))
     )
 
 # CUDA C++ FP8-wgmma GEMMs with per-32 promotion (`cuda/linear.py`): on Hopper the decode kernel
-# at M <= 64 (swap-AB up to 32 tokens) and the prefill kernel above, in both modes (the TileLang
+# at M <= 192 (swap-AB up to 32 tokens) and the prefill kernel above, in both modes (the TileLang
 # decode kernel's bits in batch-invariant mode), faster than the TileLang and Triton kernels.
 for _op, _check in (("fp8_gemm", "supports"), ("fp8_linear", "supports_linear")):
     REGISTRY.register(
@@ -68,7 +68,7 @@ for _op, _check in (("fp8_gemm", "supports"), ("fp8_linear", "supports_linear"))
             requires=("triton",),  # the decode routing constants; fp8_linear's quantiser
             supports=f"deepinfer_kernels.cuda.linear:{_check}",
             routing=(
-                "M <= 64 the decode kernel (K split <= 8), larger M the prefill kernel "
+                "M <= 192 the decode kernel (K split <= 8), larger M the prefill kernel "
                 "(batch-invariant mode: the decode kernel's K split)"
             ),
         )
