@@ -103,8 +103,9 @@ def test_budgets_fit_the_sm(consumers, min_blocks, tokens, k_steps, split):
 )
 def test_pick_config_keeps_every_cta_resident(m, n, k, sms):
     """Every CTA of the call has a slot at once when the tile's most CTAs per SM hold them (4 for
-    64-row tiles, 2 for 128), and the consumers keep at least 64 registers."""
-    cfg = dg.pick_config(m, n, k, sms)
+    64-row tiles, 2 for 128), and the consumers keep at least 64 registers (the fill rule: the
+    measured shapes of `TUNED` aside)."""
+    cfg = dg.fill_config(m, n, k, sms)
     ctas = -(-n // cfg.rows) * dg.k_split(n, k) * -(-m // dg.token_tile(m))
     most = 4 if cfg.consumers == 1 else 2
     assert ctas <= cfg.min_blocks * sms or cfg.min_blocks == most
@@ -175,6 +176,22 @@ def test_kernel_compiles_without_local_memory(tokens, cfg, split, tmp_path):
     assert len(re.findall(r"\bFMUL\b", sass)) == (16 if as_a else tokens)
     scale_loads = 4 if as_a else (1 + tokens // 4) * 4 // dg.scale_vec(tokens)
     assert scale_loads <= len(re.findall(r"\bLDS", sass)) <= scale_loads + 8  # + the epilogue's
+
+
+def test_tuned_configs_run_and_pick_config_takes_them():
+    """Every `TUNED` entry has a config per M bucket that the kernel takes at that bucket's M;
+    `pick_config` returns it on 132 SMs, and the fill rule on other SM counts."""
+    configs = {"2": C(2, 2), "3": C(1, 3), "4": C(1, 4)}
+    for (n, k), digits in dg.TUNED.items():
+        assert len(digits) == len(dg.TUNED_M)
+        lo = 1
+        for top, digit in zip(dg.TUNED_M, digits, strict=True):
+            for m in (lo, top):
+                assert dg.pick_config(m, n, k, 132) == configs[digit], (n, k, m)
+                assert dg.shape_reason(n, k, m, configs[digit]) is None, (n, k, m)
+            lo = top + 1
+        for m, sms in ((1, 114), (dg.TUNED_M[-1] + 1, 132)):
+            assert dg.pick_config(m, n, k, sms) == dg.fill_config(m, n, k, sms)
 
 
 # -- GPU ---------------------------------------------------------------------------------------

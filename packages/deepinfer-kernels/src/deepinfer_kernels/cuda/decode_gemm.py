@@ -85,16 +85,49 @@ class DecodeGemmCudaConfig:
 DEFAULT = DecodeGemmCudaConfig()
 
 
+TUNED_M = (8, 16, 32, 48, 64, 96, 128, 192)
+"""The M buckets of `TUNED`: a call of M tokens takes the first that holds M."""
+
+TUNED = {
+    (5120, 8192): "33333422",
+    (32768, 1280): "22222222",
+    (1280, 5120): "33333434",
+    (4608, 5120): "33333334",
+    (5120, 2304): "23444332",
+    (2112, 7168): "23433334",
+    (7168, 2048): "24444224",
+    (4096, 5120): "43333434",
+}
+"""Measured configs for [N, K] weights on 132 SMs, one digit per `TUNED_M` bucket: 3 / 4 = 64-row
+tiles at 3 / 4 CTAs per SM, 2 = 128-row tiles at 2. The fastest of the three at M = 1 / 16 / 32 /
+48 / 64 / 96 / 128 / 192 on an H200 (twentieth session, 16-call graphs over 16 weights; the
+times are in NOTES.md): V4.1's dense shapes (wo_b, wq_b, wq_a, the shared expert's W1/W3 and W2)
+and the benchmark's V3 shapes. The fill rule (`fill_config`) was up to 21% slower on them
+(5120x2304 M=32 8.40 us against 6.95, 4096x5120 M=64 13.15 against 11.07)."""
+
+_TUNED_CONFIGS = {"2": (2, 2), "3": (1, 3), "4": (1, 4)}
+
+
 @functools.lru_cache(maxsize=4096)  # pure; called on every routed call
 def pick_config(m: int, n: int, k: int, sms: int = 132) -> DecodeGemmCudaConfig:
-    """The config a call of M tokens on an [N, K] weight runs on `sms` SMs: the weight tile (64
-    or 128 rows) whose CTAs (weight tiles x K chunks x token tiles) fill the SMs' slots most
-    evenly (128 rows on a tie: half the token-tile reloads), and as many CTAs per SM as hold
-    them all at once: 64-row tiles 3 or 4, 128-row tiles 2 (more would leave their consumers
-    under 64 registers; more CTAs than that run in waves). H200, 16-call graphs
-    (sixteenth session, us, 64-row at 3 per SM / 128-row at 2): 5120x8192 (320 / 160 CTAs) M=16
-    14.2 / 15.9, M=64 22.6 / 26.6; 32768x1280 (512 / 256; 64-row at 4 per SM) M=16 14.9 / 14.1,
-    M=64 22.1 / 20.3. The choice never changes a sum."""
+    """The config a call of M tokens on an [N, K] weight runs on `sms` SMs: the measured one of
+    `TUNED` where it has the shape (on 132 SMs, M <= 192), else `fill_config`'s. The choice never
+    changes a sum."""
+    tuned = TUNED.get((n, k)) if sms == 132 else None
+    if tuned is not None and m <= TUNED_M[-1]:
+        digit = tuned[next(i for i, top in enumerate(TUNED_M) if m <= top)]
+        return DecodeGemmCudaConfig(*_TUNED_CONFIGS[digit])
+    return fill_config(m, n, k, sms)
+
+
+def fill_config(m: int, n: int, k: int, sms: int) -> DecodeGemmCudaConfig:
+    """The rule for shapes not measured: the weight tile (64 or 128 rows) whose CTAs (weight
+    tiles x K chunks x token tiles) fill the SMs' slots most evenly (128 rows on a tie: half the
+    token-tile reloads), and as many CTAs per SM as hold them all at once: 64-row tiles 3 or 4,
+    128-row tiles 2 (more would leave their consumers under 64 registers; more CTAs than that run
+    in waves). H200, 16-call graphs (sixteenth session, us, 64-row at 3 per SM / 128-row at 2):
+    5120x8192 (320 / 160 CTAs) M=16 14.2 / 15.9, M=64 22.6 / 26.6; 32768x1280 (512 / 256; 64-row
+    at 4 per SM) M=16 14.9 / 14.1, M=64 22.1 / 20.3."""
     split, tiles_t = k_split(n, k), -(-m // token_tile(m))
 
     def ctas(consumers: int) -> int:
