@@ -168,8 +168,8 @@ TILELANG_INVARIANT = True
 (its rows do not depend on M: the K split comes from (N, K), token tiles of 16/32/64 give the
 same bits, GPU-tested), so a row's bits are the same at M=1 and at M=8192; shapes it cannot run
 stay on the Triton kernels, whose invariant split matches among themselves. With
-`cuda.fp8_gemm.INVARIANT_PREFILL` on, the registry sends M > 64 to the cuda tier's prefill kernel
-instead, which cuts K the same way (`invariant_config`); with only
+`cuda.fp8_gemm.INVARIANT_PREFILL` on, the registry sends M > `cuda.decode_gemm.MAX_M` to the cuda
+tier's prefill kernel instead, which cuts K the same way (`invariant_config`); with only
 `tilelang.fp8_gemm.INVARIANT_PREFILL`, to the TileLang prefill kernel (the same split, slower)."""
 
 
