@@ -1,13 +1,15 @@
-// Swap-AB FP8 decode GEMM on wgmma (sm_90a) for V4.1's block-scaled format, M <= 64 tokens:
+// Swap-AB FP8 decode GEMM on wgmma (sm_90a) for V4.1's block-scaled format, decode sizes (any M
+// in token tiles of up to 64; the cuda tier sends it M <= 192):
 // out[M, N] = sum_k (x[m, k] * sx[m, k / 32]) * (w[n, k] * sw[n / 32, k / 32]), x [M, K] and
 // w [N, K] e4m3, sx fp32 powers of two, sw UE8M0 bytes (or fp32 with SB_F32), fp32 sums; out
 // bf16 (or fp32 with OUT_F32).
 //
 // At decode sizes the GEMM streams the weight, so the weight is the wgmma's A operand: a CTA
 // owns ROWS weight rows (CONSUMERS warpgroups of 64) and one K chunk; its TOKENS (8..64) token
-// rows are the B operand (zero past M, from the TMA). One producer thread feeds a ring of STAGES
-// 128-deep K stages (weight box, token box, the tokens' 4 scales per stage); per k32 slice each
-// consumer warpgroup runs one `wgmma.m64nTOKENSk32` into a fresh partial and promotes it:
+// rows are the B operand (rows past M feed only sums that are not stored). One producer thread
+// feeds a ring of STAGES 128-deep K stages (weight box, token box, the tokens' 4 scales per
+// stage); per k32 slice each consumer warpgroup runs one `wgmma.m64nTOKENSk32` into a fresh
+// partial and promotes it:
 // acc += part * (sw * sx), one FFMA per accumulator and slice (the TileLang decode kernel's
 // arithmetic, tilelang/decode_gemm.py). With PIPELINED (where a second partial fits the
 // registers) the next slice's wgmma of the stage is issued before a slice is promoted, so the

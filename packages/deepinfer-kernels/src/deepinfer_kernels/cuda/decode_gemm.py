@@ -326,18 +326,19 @@ def decode_gemm(
     tokens, split = token_tile(m), k_split(n, k)
     stages = stages_for(tokens, k, split, cfg)
     w_map = module.tensor_map_2d(w.data_ptr(), n, k, BLOCK_K, cfg.rows, swizzle_128b=True)
-    maps = [
+    tail = tail_box(m, tokens)
+    maps = [  # the full token tiles' boxes, then the last tile's
         (
             module.tensor_map_2d(x_fp8.data_ptr(), m, k, BLOCK_K, box, swizzle_128b=True),
             module.tensor_map_2d(x_scale.data_ptr(), m, k // 8, 16, box),
         )
-        for box in (tokens, tail_box(m, tokens))
+        for box in (tokens, tail)
     ]
     flags = (w_scale.dtype == torch.float32, out_dtype == torch.float32)
     _kernel(tokens, split, stages, cfg, flags, dev).launch(
         (-(-n // cfg.rows) * split * -(-m // tokens), 1),
         cfg.threads,
-        (w_map, *maps[0], *maps[1], w_scale, out, m, n, k, tail_box(m, tokens)),
+        (w_map, *maps[0], *maps[1], w_scale, out, m, n, k, tail),
         shared_bytes(tokens, k, split, cfg),
         programmatic=cfg.programmatic,
     )
