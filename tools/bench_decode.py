@@ -21,8 +21,9 @@ registry's two modes at 5120x8192 (M = 64 / 32 / 16 / 1), 2112x7168 and 32768x12
 1); dense 5120x8192 at M = 64 / 32 / 16 / 1 with the TileLang candidates; floor probes; 2112x7168
 and 32768x1280 at M = 64 / 16 / 1 with the candidates; batch-invariant mode at prefill sizes
 (eager); the MoE layer; (only when named) 5120x8192 and 32768x1280 at M = 64 with the 128-row-tile
-candidates, and the registry's `fp8_gemm` at those shapes across M = 1..256 (partial token tiles,
-the decode kernel's token tiles up to `cuda.decode_gemm.MAX_M`, the prefill kernel above)."""
+candidates, and the registry's `fp8_gemm` at those shapes and 1280x5120 across M = 1..256
+(partial token tiles, the decode kernel's token tiles where `cuda.decode_gemm.takes`, the prefill
+kernel elsewhere)."""
 DEFAULT_PARTS = PARTS[:-2]
 SWEEP_M = (1, 8, 16, 24, 32, 33, 40, 48, 56, 63, 64, 65, 72, 96, 128, 129, 160, 192, 193, 256)
 """The M of the `msweep` part."""
@@ -356,6 +357,7 @@ def decode4_rows(rows: list | None = None, parts: tuple[str, ...] = PARTS):
     if "msweep" in parts:
         m_sweep(5120, 8192)
         m_sweep(32768, 1280)
+        m_sweep(1280, 5120)
     return rows
 
 

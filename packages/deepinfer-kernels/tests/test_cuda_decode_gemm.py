@@ -94,13 +94,16 @@ def test_budgets_fit_the_sm(consumers, min_blocks, tokens, k_steps, split):
     assert regs <= launch * cfg.threads and dg.consumer_regs(cfg) % 8 == 0
 
 
-@settings(max_examples=60, deadline=None)
-@given(
-    m=st.integers(1, 300),
+# [N, K] weights the kernel takes, on the H200's SM count or another
+WEIGHTS_AND_SMS = dict(
     n=st.integers(1, 8192).map(lambda v: 8 * v),
     k=st.integers(1, 128).map(lambda v: 128 * v),
     sms=st.sampled_from([114, 132]),
 )
+
+
+@settings(max_examples=60, deadline=None)
+@given(m=st.integers(1, 300), **WEIGHTS_AND_SMS)
 def test_pick_config_keeps_every_cta_resident(m, n, k, sms):
     """Every CTA of the call has a slot at once when the tile's most CTAs per SM hold them (4 for
     64-row tiles, 2 for 128), and the consumers keep at least 64 registers (the fill rule: the
@@ -179,19 +182,55 @@ def test_kernel_compiles_without_local_memory(tokens, cfg, split, tmp_path):
 
 
 def test_tuned_configs_run_and_pick_config_takes_them():
-    """Every `TUNED` entry has a config per M bucket that the kernel takes at that bucket's M;
-    `pick_config` returns it on 132 SMs, and the fill rule on other SM counts."""
+    """Every `TUNED` entry has a config per M bucket that the kernel takes at that bucket's M, or
+    p (the prefill kernel: `takes` declines in auto mode, `pick_config` falls back to the fill
+    rule); `pick_config` returns it on 132 SMs, and the fill rule on other SM counts."""
     configs = {"2": C(2, 2), "3": C(1, 3), "4": C(1, 4)}
     for (n, k), digits in dg.TUNED.items():
         assert len(digits) == len(dg.TUNED_M)
         lo = 1
         for top, digit in zip(dg.TUNED_M, digits, strict=True):
             for m in (lo, top):
-                assert dg.pick_config(m, n, k, 132) == configs[digit], (n, k, m)
-                assert dg.shape_reason(n, k, m, configs[digit]) is None, (n, k, m)
+                want = configs.get(digit, dg.fill_config(m, n, k, 132))
+                assert dg.pick_config(m, n, k, 132) == want, (n, k, m)
+                assert dg.shape_reason(n, k, m, want) is None, (n, k, m)
+                assert dg.takes(m, n, k) == (digit != "p"), (n, k, m)
+                assert dg.takes(m, n, k, batch_invariant=True), (n, k, m)
             lo = top + 1
         for m, sms in ((1, 114), (dg.TUNED_M[-1] + 1, 132)):
             assert dg.pick_config(m, n, k, sms) == dg.fill_config(m, n, k, sms)
+
+
+def test_takes_at_v4_shapes():
+    """Auto mode: M <= 192 but TUNED's p buckets, up to 256 for weights under PREFILL_N rows;
+    batch-invariant mode every M <= MAX_M; TUNED counts on 132 SMs only."""
+    assert dg.takes(1, 5120, 8192) and dg.takes(192, 5120, 8192)
+    assert not dg.takes(193, 5120, 8192) and dg.takes(256, 5120, 8192, batch_invariant=True)
+    assert dg.takes(256, 1280, 5120) and dg.takes(256, 2112, 7168)
+    assert not dg.takes(257, 1280, 5120) and not dg.takes(257, 1280, 5120, batch_invariant=True)
+    assert dg.takes(64, 32768, 1280) and not dg.takes(96, 32768, 1280)
+    assert dg.takes(160, 32768, 1280) and dg.takes(96, 32768, 1280, batch_invariant=True)
+    assert dg.takes(96, 32768, 1280, sms=114)
+
+
+@settings(max_examples=60, deadline=None)
+@given(m=st.integers(1, 400), **WEIGHTS_AND_SMS)
+def test_takes_is_a_subset_of_batch_invariant_mode(m, n, k, sms):
+    """Batch-invariant mode takes exactly M <= MAX_M; auto mode takes no M it would not, and
+    every M <= 64 (no TUNED bucket gives those to the prefill kernel)."""
+    assert dg.takes(m, n, k, True, sms) == (m <= dg.MAX_M)
+    assert not dg.takes(m, n, k, False, sms) or dg.takes(m, n, k, True, sms)
+    assert dg.takes(m, n, k, False, sms) or m > 64
+
+
+def test_shape_reason_checks_the_config_of_the_sm_count():
+    """Without a config, the check is of the config `pick_config` gives on that many SMs."""
+    for sms in (114, 132):
+        cfg = dg.pick_config(64, 5120, 8192, sms)
+        assert dg.shape_reason(5120, 1 << 21, 64, sms=sms) == dg.shape_reason(
+            5120, 1 << 21, 64, cfg
+        )
+    assert dg.sm_count(torch.device("cpu")) == 132
 
 
 # -- GPU ---------------------------------------------------------------------------------------
@@ -209,6 +248,7 @@ SHAPES = [
     (77, 8, 128),
     (130, 2112, 7168),
     (192, 1536, 512),
+    (250, 1280, 5120),
 ]
 
 

@@ -31,12 +31,19 @@ from . import module
 from .fp8_gemm import operand_reason
 from .module import check_fields
 
-MAX_M = 192
-"""The most tokens the cuda tier sends here (`linear.py`; more go to the prefill kernel). Above 64
-a call runs several 64-token tiles, each streaming the weight (the later ones from L2). H200,
-16-call graphs, us, this kernel / the prefill kernel (twentieth session): 5120x8192 M=65 27.2 /
-47.0, M=128 31.4 / 47.8, M=192 38.1 / 47.8, M=256 52.4 / 48.6; 2112x7168 M=128 13.6 / 42.4;
-7168x2048 M=160 18.1 / 16.5 (the one shape that loses at 129-192)."""
+MAX_M = 256
+"""The most tokens the cuda tier sends here (`linear.py`, see `takes`; more go to the prefill
+kernel). Above 64 a call runs several 64-token tiles, each streaming the weight (the later ones
+from L2). H200, 16-call graphs, us, this kernel / the prefill kernel in auto mode (twenty-first
+session): 5120x8192 M=65 27.3 / 46.6, M=128 29.6 / 47.7, M=192 38.6 / 48.1, M=256 52.9 / 48.1;
+1280x5120 M=256 11.0 / 31.7; 2112x7168 M=256 25.2 / 42.3; 7168x2048 M=160 17.3 / 16.5."""
+
+PREFILL_N = 4096
+"""From 193 tokens, auto mode sends weights of at least this many rows to the prefill kernel:
+with its 128 x 128 tiles they make 64 CTAs or more there. Narrower weights leave that kernel
+short of CTAs, while this one splits K (H200, M = 224 / 256, us, this kernel / prefill: 1280x5120
+10.9 / 31.5, 2112x7168 23.5 / 42.2; 4096x5120 32.0 / 31.8, 4608x5120 33.1 / 32.0, 5120x8192
+52.0 / 47.8)."""
 
 SOURCE = Path(__file__).with_name("decode_gemm.cu")
 ARCH = "sm_90a"
@@ -90,32 +97,58 @@ TUNED_M = (8, 16, 32, 48, 64, 96, 128, 192)
 
 TUNED = {
     (5120, 8192): "33333422",
-    (32768, 1280): "22222222",
+    (32768, 1280): "22222pp2",
     (1280, 5120): "33333434",
     (4608, 5120): "33333334",
     (5120, 2304): "23444332",
     (2112, 7168): "23433334",
-    (7168, 2048): "24444224",
+    (7168, 2048): "2444422p",
     (4096, 5120): "43333434",
 }
 """Measured configs for [N, K] weights on 132 SMs, one digit per `TUNED_M` bucket: 3 / 4 = 64-row
-tiles at 3 / 4 CTAs per SM, 2 = 128-row tiles at 2. The fastest of the three at M = 1 / 16 / 32 /
-48 / 64 / 96 / 128 / 192 on an H200 (twentieth session, 16-call graphs over 16 weights; the
-times are in NOTES.md): V4.1's dense shapes (wo_b, wq_b, wq_a, the shared expert's W1/W3 and W2)
-and the benchmark's V3 shapes. The fill rule (`fill_config`) was up to 21% slower on them
-(5120x2304 M=32 8.40 us against 6.95, 4096x5120 M=64 13.15 against 11.07)."""
+tiles at 3 / 4 CTAs per SM, 2 = 128-row tiles at 2, p = the prefill kernel is faster there (auto
+mode; `takes`). The fastest at M = 1 / 16 / 32 / 48 / 64 / 96 / 128 / 192 on an H200 (twentieth
+session, 16-call graphs over 16 weights; the times are in NOTES.md; the p buckets twenty-first
+session: 32768x1280 at M = 65-112 25.1-25.6 us on the prefill kernel against 26.4-27.2 here,
+7168x2048 at 160-192 16.5-17.0 against 17.3-17.7): V4.1's dense shapes (wo_b, wq_b, wq_a, the
+shared expert's W1/W3 and W2) and the benchmark's V3 shapes. The fill rule (`fill_config`) was up
+to 21% slower on them (5120x2304 M=32 8.40 us against 6.95, 4096x5120 M=64 13.15 against
+11.07)."""
 
 _TUNED_CONFIGS = {"2": (2, 2), "3": (1, 3), "4": (1, 4)}
+
+
+def _tuned_digit(m: int, n: int, k: int, sms: int) -> str | None:
+    """`TUNED`'s digit for M tokens on [N, K] on `sms` SMs, or None (not measured there)."""
+    tuned = TUNED.get((n, k)) if sms == 132 else None
+    if tuned is None or m > TUNED_M[-1]:
+        return None
+    return tuned[next(i for i, top in enumerate(TUNED_M) if m <= top)]
+
+
+def takes(m: int, n: int, k: int, batch_invariant: bool = False, sms: int = 132) -> bool:
+    """Whether the cuda tier runs M tokens on an [N, K] weight here rather than on the prefill
+    kernel: M <= MAX_M; in auto mode not where `TUNED` measured the prefill kernel faster, nor
+    from 193 tokens on weights of `PREFILL_N` rows or more. In batch-invariant mode every M up to
+    MAX_M (both kernels give the same bits there; this one was the faster at 6 of the 8 measured
+    shapes at M = 224-256, and the invariant prefill was up to 12% slower than its auto mode)."""
+    if m > MAX_M:
+        return False
+    if batch_invariant:
+        return True
+    digit = _tuned_digit(m, n, k, sms)
+    if digit is not None:
+        return digit != "p"
+    return m <= TUNED_M[-1] or n < PREFILL_N
 
 
 @functools.lru_cache(maxsize=4096)  # pure; called on every routed call
 def pick_config(m: int, n: int, k: int, sms: int = 132) -> DecodeGemmCudaConfig:
     """The config a call of M tokens on an [N, K] weight runs on `sms` SMs: the measured one of
-    `TUNED` where it has the shape (on 132 SMs, M <= 192), else `fill_config`'s. The choice never
+    `TUNED` where it has one (on 132 SMs, M <= 192), else `fill_config`'s. The choice never
     changes a sum."""
-    tuned = TUNED.get((n, k)) if sms == 132 else None
-    if tuned is not None and m <= TUNED_M[-1]:
-        digit = tuned[next(i for i, top in enumerate(TUNED_M) if m <= top)]
+    digit = _tuned_digit(m, n, k, sms)
+    if digit in _TUNED_CONFIGS:
         return DecodeGemmCudaConfig(*_TUNED_CONFIGS[digit])
     return fill_config(m, n, k, sms)
 
@@ -222,16 +255,18 @@ def scale_vec(tokens: int) -> int:
 
 
 @functools.lru_cache(maxsize=4096)  # pure; called on every routed call
-def shape_reason(n: int, k: int, m: int = 1, cfg: DecodeGemmCudaConfig | None = None) -> str | None:
+def shape_reason(
+    n: int, k: int, m: int = 1, cfg: DecodeGemmCudaConfig | None = None, sms: int = 132
+) -> str | None:
     """Why the kernel cannot take w [N, K] at M tokens with this config, or None: K a positive
     multiple of 128 split into at most 8 whole-stage chunks, N a positive multiple of 8, the
     ring (at least 2 stages) and the chunk's sums within shared memory. Without a config:
-    `pick_config`'s (for 132 SMs)."""
+    `pick_config`'s on `sms` SMs (the one a call on such a device runs)."""
     if k % BLOCK_K or k <= 0:
         return f"K={k} must be a positive multiple of {BLOCK_K}"
     if n % 8 or n <= 0:
         return f"N={n} must be a positive multiple of 8"
-    cfg = cfg or pick_config(max(m, 1), n, k)
+    cfg = cfg or pick_config(max(m, 1), n, k, sms)
     split = k_split(n, k)
     if split > MAX_SPLIT:
         return f"the K split {split} is over the {MAX_SPLIT} CTAs of a portable cluster"
@@ -259,7 +294,8 @@ def call_reason(
     """Why `decode_gemm` cannot run this call here (the operands as the prefill kernel checks
     them: dtypes, shapes, layout, alignment; then this kernel's shape limits), or None."""
     why = operand_reason(x_fp8, x_scale, w, w_scale, out_dtype)
-    why = why or shape_reason(w.shape[0], w.shape[1], x_fp8.shape[0], cfg)
+    sms = sm_count(x_fp8.device)
+    why = why or shape_reason(w.shape[0], w.shape[1], x_fp8.shape[0], cfg, sms)
     return why or module.launch_reason(x_fp8)
 
 
@@ -276,9 +312,17 @@ def defines(
     )  # fmt: skip
 
 
+def sm_count(device: torch.device) -> int:
+    """The SMs of a CUDA device, which pick the config; 132 (the H200's) for any other device,
+    where a call is refused anyway (`call_reason`)."""
+    if device.type != "cuda":
+        return 132
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
 @functools.cache
-def _sm_count(device: int) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 @functools.cache

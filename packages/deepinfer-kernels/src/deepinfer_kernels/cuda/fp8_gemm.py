@@ -4,9 +4,10 @@ scales by the CUDA cores; the TMA feeds a ring of 128-deep K stages; one produce
 consumer warpgroups of 64 rows. Same contract as `ref.linear.fp8_gemm`: only the fp32 summation
 order differs (and the tensor core's own sum of each 32 products).
 
-The cuda tier (`linear.py`) runs it at M > `decode_gemm.MAX_M` (in batch-invariant mode with
-`invariant_config`). H200: 1.03-1.25x the TileLang kernel at M = 512-16K, K = 8192; 0.98x at
-K = 1280 (NOTES.md, fifteenth session).
+The cuda tier (`linear.py`) runs it where `decode_gemm.takes` does not send the call to the
+decode kernel (in batch-invariant mode M > `decode_gemm.MAX_M`, with `invariant_config`). H200:
+1.03-1.25x the TileLang kernel at M = 512-16K, K = 8192; 0.98x at K = 1280 (NOTES.md, fifteenth
+session).
 
 Compiled by NVRTC at first use (once per process per config; no GPU needed to compile).
 """

@@ -55,8 +55,9 @@ for _op, _check in (("fp8_gemm", "supports"), ("fp8_linear", "supports_linear"))
     )
 
 # CUDA C++ FP8-wgmma GEMMs with per-32 promotion (`cuda/linear.py`): on Hopper the decode kernel
-# at M <= 192 (swap-AB up to 32 tokens) and the prefill kernel above, in both modes (the TileLang
-# decode kernel's bits in batch-invariant mode), faster than the TileLang and Triton kernels.
+# up to M = 256 where it is the faster (swap-AB up to 32 tokens; `decode_gemm.takes`) and the
+# prefill kernel otherwise, in both modes (the TileLang decode kernel's bits in batch-invariant
+# mode), faster than the TileLang and Triton kernels.
 for _op, _check in (("fp8_gemm", "supports"), ("fp8_linear", "supports_linear")):
     REGISTRY.register(
         Implementation(
@@ -68,8 +69,9 @@ for _op, _check in (("fp8_gemm", "supports"), ("fp8_linear", "supports_linear"))
             requires=("triton",),  # the decode routing constants; fp8_linear's quantiser
             supports=f"deepinfer_kernels.cuda.linear:{_check}",
             routing=(
-                "M <= 192 the decode kernel (K split <= 8), larger M the prefill kernel "
-                "(batch-invariant mode: the decode kernel's K split)"
+                "M <= 192 (256 for N < 4096, or batch-invariant) the decode kernel (K split <= "
+                "8) but where decode_gemm.TUNED measured the prefill kernel faster, larger M the "
+                "prefill kernel (batch-invariant mode: the decode kernel's K split)"
             ),
         )
     )
