@@ -126,12 +126,13 @@ def _tuned_digit(m: int, n: int, k: int, sms: int) -> str | None:
     return tuned[next(i for i, top in enumerate(TUNED_M) if m <= top)]
 
 
+@functools.lru_cache(maxsize=4096)  # pure; called on every routed call
 def takes(m: int, n: int, k: int, batch_invariant: bool = False, sms: int = 132) -> bool:
     """Whether the cuda tier runs M tokens on an [N, K] weight here rather than on the prefill
     kernel: M <= MAX_M; in auto mode not where `TUNED` measured the prefill kernel faster, nor
     from 193 tokens on weights of `PREFILL_N` rows or more. In batch-invariant mode every M up to
     MAX_M (both kernels give the same bits there; this one was the faster at 6 of the 8 measured
-    shapes at M = 224-256, and the invariant prefill was up to 12% slower than its auto mode)."""
+    shapes at M = 224-256, and the invariant prefill was up to 16% slower than its auto mode)."""
     if m > MAX_M:
         return False
     if batch_invariant:
