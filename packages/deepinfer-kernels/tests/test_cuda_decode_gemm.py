@@ -230,7 +230,7 @@ def test_shape_reason_checks_the_config_of_the_sm_count():
         assert dg.shape_reason(5120, 1 << 21, 64, sms=sms) == dg.shape_reason(
             5120, 1 << 21, 64, cfg
         )
-    assert dg.sm_count(torch.device("cpu")) == 132
+    assert module.sm_count(torch.device("cpu")) == 132
 
 
 # -- GPU ---------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ CONFIGS = [
     fg.Fp8GemmCudaConfig(block_n=64, stages=6, group_m=4),
     fg.Fp8GemmCudaConfig(stages=2),
     fg.invariant_config(5120, 8192),  # K in 4 chunks, their total in shared memory, 4 stages
+    replace(fg.invariant_config(5120, 8192), block_n=64),
     fg.Fp8GemmCudaConfig(persistent=True),  # one CTA per SM over the tiles
     replace(fg.invariant_config(5120, 8192), persistent=True),
 ]
@@ -68,6 +69,21 @@ def test_shape_reasons():
     assert "over" in fg.shape_reason(5120, 1 << 16, fg.DEFAULT)
     assert "shared memory" in fg.shape_reason(5120, 1 << 20)
     assert "k_split=3" in fg.shape_reason(5120, 1024, fg.Fp8GemmCudaConfig(k_split=3))
+
+
+def test_block_n_takes_the_fewer_wave_time():
+    """64-column tiles exactly where the H200 measured them faster (twenty-first session: 5120x8192
+    and 4608x5120 at M = 512, 7168x2048 at 384), 128 at the other measured points and at prefill
+    sizes; never changes a sum, so call_config may pick it in either mode."""
+    faster64 = {(5120, 8192, 512), (4608, 5120, 512), (7168, 2048, 384)}
+    for n, k in ((5120, 8192), (4608, 5120), (7168, 2048)):
+        for m in (256, 384, 512, 2048, 8192):
+            want = 64 if (n, k, m) in faster64 else 128
+            assert fg.block_n_for(m, n, 132) == want, (n, k, m)
+            assert fg.call_config(m, n, k, False).block_n == want
+            assert fg.call_config(m, n, k, True).block_n == want
+    assert fg.call_config(8192, 5120, 8192, True).k_split == fg.invariant_config(5120, 8192).k_split
+    assert fg.call_config(8192, 5120, 8192, False) == fg.DEFAULT
 
 
 def test_invariant_config_is_the_decode_kernels_split():

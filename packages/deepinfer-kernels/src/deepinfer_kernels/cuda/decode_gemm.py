@@ -295,7 +295,7 @@ def call_reason(
     """Why `decode_gemm` cannot run this call here (the operands as the prefill kernel checks
     them: dtypes, shapes, layout, alignment; then this kernel's shape limits), or None."""
     why = operand_reason(x_fp8, x_scale, w, w_scale, out_dtype)
-    sms = sm_count(x_fp8.device)
+    sms = module.sm_count(x_fp8.device)
     why = why or shape_reason(w.shape[0], w.shape[1], x_fp8.shape[0], cfg, sms)
     return why or module.launch_reason(x_fp8)
 
@@ -311,19 +311,6 @@ def defines(
         SCALE_VEC=scale_vec(tokens),
         SB_F32=int(sb_f32), OUT_F32=int(out_f32),
     )  # fmt: skip
-
-
-def sm_count(device: torch.device) -> int:
-    """The SMs of a CUDA device, which pick the config; 132 (the H200's) for any other device,
-    where a call is refused anyway (`call_reason`)."""
-    if device.type != "cuda":
-        return 132
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 @functools.cache
@@ -364,7 +351,7 @@ def decode_gemm(
         raise ValueError(f"cuda decode_gemm: {why}")
     (m, k), n = x_fp8.shape, w.shape[0]
     dev = x_fp8.device.index if x_fp8.device.index is not None else torch.cuda.current_device()
-    cfg = config or pick_config(m, n, k, _sm_count(dev))
+    cfg = config or pick_config(m, n, k, module.sm_count(x_fp8.device))
     out = torch.empty(m, n, dtype=out_dtype, device=x_fp8.device)
     if m == 0:
         return out

@@ -169,13 +169,31 @@ def invariant_config(n: int, k: int) -> Fp8GemmCudaConfig:
     return config_for(k, replace(DEFAULT, k_split=decode_tile_split(n, k)))
 
 
-def call_config(w: torch.Tensor, batch_invariant: bool) -> Fp8GemmCudaConfig | None:
-    """The config a call on w [N, K] without one runs: `invariant_config` in batch-invariant mode
-    (None, `config_for`'s choice, otherwise; also for a K the split cannot cut)."""
-    n, k = w.shape
-    if not batch_invariant or k % BLOCK_K:
-        return None
-    return invariant_config(n, k)
+N64_TILE_TIME = 0.62
+"""A 128 x 64 tile's time over a 128 x 128 tile's, a wave of either on every SM (H200, twenty-first
+session: 0.61-0.65 at 5120x8192, M = 256-512)."""
+
+
+def block_n_for(m: int, n: int, sms: int) -> int:
+    """Output columns per CTA for M rows on N columns: 128, or 64 where the waves of the narrower
+    tiles take less time. One CTA per SM, so a call's time goes by whole waves: 5120x8192 at M =
+    512 is 160 tiles of 128 x 128 on 132 SMs, two waves (95.4 us), or 320 of 128 x 64, three
+    (87.7 us). The choice never changes a sum."""
+    rows = -(-m // BLOCK_M)
+
+    def waves(block_n: int) -> int:
+        return -(-rows * -(-n // block_n) // sms)
+
+    return 64 if waves(64) * N64_TILE_TIME < waves(128) else 128
+
+
+@functools.lru_cache(maxsize=4096)  # pure; called on every routed call
+def call_config(m: int, n: int, k: int, batch_invariant: bool, sms: int = 132) -> Fp8GemmCudaConfig:
+    """The config a call of M rows on an [N, K] weight without one runs on `sms` SMs:
+    `block_n_for`'s tiles, with `invariant_config`'s K split in batch-invariant mode (not for a K
+    the split cannot cut: `shape_reason` refuses those), as many stages as fit."""
+    base = invariant_config(n, k) if batch_invariant and k % BLOCK_K == 0 else DEFAULT
+    return config_for(k, replace(base, block_n=block_n_for(m, n, sms)))
 
 
 def defines(cfg: Fp8GemmCudaConfig, sb_f32: bool, out_f32: bool) -> dict[str, int]:
@@ -214,9 +232,12 @@ def fp8_gemm(
     """``(x_fp8 * x_scale) @ (w * w_scale)^T`` with fp32 sums. x_fp8 [M, K] e4m3, x_scale
     [M, K/32] fp32 powers of two, w [N, K] e4m3, w_scale [ceil(N/32), K/32] e8m0 (or fp32 powers
     of two) -> [M, N] out_dtype (bfloat16 or float32). ValueError naming the problem when
-    `call_reason` refuses the call. A row's sums never depend on M here; batch_invariant (without
-    a config): `invariant_config`, whose sums are the TileLang decode kernel's."""
-    cfg = config or call_config(w, batch_invariant) or config_for(w.shape[1])
+    `call_reason` refuses the call. A row's sums never depend on M here. Without a config:
+    `call_config`'s (batch_invariant: `invariant_config`'s K split, whose sums are the TileLang
+    decode kernel's)."""
+    m = x_fp8.shape[0] if x_fp8.dim() == 2 else 0
+    n, k = w.shape if w.dim() == 2 else (0, 0)  # bad shapes: refused by call_reason
+    cfg = config or call_config(m, n, k, batch_invariant, module.sm_count(x_fp8.device))
     why = call_reason(x_fp8, x_scale, w, w_scale, out_dtype, cfg)
     if why is not None:
         raise ValueError(f"cuda fp8_gemm: {why}")
@@ -231,7 +252,7 @@ def fp8_gemm(
     sb_f32, out_f32 = w_scale.dtype == torch.float32, out_dtype == torch.float32
     ctas = -(-m // BLOCK_M) * -(-n // cfg.block_n)  # one per tile, or per SM (persistent)
     if cfg.persistent:
-        ctas = min(ctas, torch.cuda.get_device_properties(dev).multi_processor_count)
+        ctas = min(ctas, module.sm_count(x_fp8.device))
     _kernel(cfg, sb_f32, out_f32, dev).launch(
         (ctas,),
         THREADS,

@@ -56,7 +56,7 @@ def _decode(
 ) -> bool:
     """Whether `rows` tokens on an [N, K] weight run on the decode kernel (`decode_gemm.takes`)."""
     n, k = w_shape
-    return decode_gemm.takes(rows, n, k, batch_invariant, decode_gemm.sm_count(device))
+    return decode_gemm.takes(rows, n, k, batch_invariant, module.sm_count(device))
 
 
 def supports(
@@ -77,7 +77,7 @@ def supports(
         return why
     if _decode(m, w_shape, batch_invariant, x_fp8.device):
         return decode_gemm.call_reason(x_fp8, x_scale, w, w_scale, out_dtype)
-    cfg = prefill.call_config(w, batch_invariant)
+    cfg = prefill.call_config(m, *w_shape, batch_invariant, module.sm_count(x_fp8.device))
     return prefill.call_reason(x_fp8, x_scale, w, w_scale, out_dtype, cfg)
 
 
@@ -105,9 +105,10 @@ def supports_linear(
         return f"w must be [N, K], got {list(w.shape)}"
     n, k = w_shape
     if _decode(rows, w_shape, batch_invariant, x.device):
-        why = decode_gemm.shape_reason(n, k, rows, sms=decode_gemm.sm_count(x.device))
+        why = decode_gemm.shape_reason(n, k, rows, sms=module.sm_count(x.device))
     else:
-        why = prefill.shape_reason(n, k, prefill.call_config(w, batch_invariant))
+        cfg = prefill.call_config(rows, n, k, batch_invariant, module.sm_count(x.device))
+        why = prefill.shape_reason(n, k, cfg)
     return why or module.nvrtc_reason()
 
 

@@ -132,6 +132,19 @@ def launch_reason(x: torch.Tensor) -> str | None:
     return nvrtc_reason()
 
 
+def sm_count(device: torch.device) -> int:
+    """The SMs of a CUDA device, which the GEMMs' configs depend on; 132 (the H200's) for any
+    other device, where a call is refused anyway (`launch_reason`)."""
+    if device.type != "cuda":
+        return 132
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def nvrtc_reason() -> str | None:
     """Why CUDA kernels cannot be compiled here, or None (cheap: the search runs once)."""
     found = _find_nvrtc()
