@@ -350,7 +350,7 @@ def decode_gemm(
     if why is not None:
         raise ValueError(f"cuda decode_gemm: {why}")
     (m, k), n = x_fp8.shape, w.shape[0]
-    dev = x_fp8.device.index if x_fp8.device.index is not None else torch.cuda.current_device()
+    dev = module.device_index(x_fp8.device)
     cfg = config or pick_config(m, n, k, module.sm_count(x_fp8.device))
     out = torch.empty(m, n, dtype=out_dtype, device=x_fp8.device)
     if m == 0:

@@ -248,7 +248,7 @@ def fp8_gemm(
     a_map = module.tensor_map_2d(x_fp8.data_ptr(), m, k, BLOCK_K, BLOCK_M, swizzle_128b=True)
     b_map = module.tensor_map_2d(w.data_ptr(), n, k, BLOCK_K, cfg.block_n, swizzle_128b=True)
     sa_map = module.tensor_map_2d(x_scale.data_ptr(), m, k // 8, 16, BLOCK_M)
-    dev = x_fp8.device.index if x_fp8.device.index is not None else torch.cuda.current_device()
+    dev = module.device_index(x_fp8.device)
     sb_f32, out_f32 = w_scale.dtype == torch.float32, out_dtype == torch.float32
     ctas = -(-m // BLOCK_M) * -(-n // cfg.block_n)  # one per tile, or per SM (persistent)
     if cfg.persistent:

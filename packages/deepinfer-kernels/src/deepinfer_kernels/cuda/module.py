@@ -132,12 +132,17 @@ def launch_reason(x: torch.Tensor) -> str | None:
     return nvrtc_reason()
 
 
+def device_index(device: torch.device) -> int:
+    """The index of a CUDA device (the current one for a bare ``cuda``)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def sm_count(device: torch.device) -> int:
     """The SMs of a CUDA device, which the GEMMs' configs depend on; 132 (the H200's) for any
     other device, where a call is refused anyway (`launch_reason`)."""
     if device.type != "cuda":
         return 132
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return _sm_count(device_index(device))
 
 
 @functools.cache

@@ -606,7 +606,7 @@ def moe_experts(
     h = torch.empty(p, i, dtype=torch.bfloat16, device=x.device)
     y = torch.empty(p, d, dtype=torch.bfloat16, device=x.device)
     n_tiles = route.tiles.shape[0]
-    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    dev = module.device_index(x.device)
     # TMA kernels: the weight maps first, and room for the tile's token rows (a tile holds at
     # most t tokens) last
     maps1, maps2, tail, x_cap = (), (), (), None
