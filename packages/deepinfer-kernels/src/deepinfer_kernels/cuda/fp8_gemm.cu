@@ -11,13 +11,14 @@
 // keep one slice's wgmma in flight while they promote the one before (two partial buffers).
 // sb for the tile's columns and all of K goes to shared memory once per CTA, as floats.
 //
-// The sums of a row depend on K only (fixed tiles): batch-invariant. With K_SPLIT, K runs in
-// chunks of `chunk_steps` stages, each summed from zero and the chunk sums added in order (the
-// TileLang decode kernel's split, for batch-invariant mode: the same sums as that kernel's); the
-// running total of the chunks waits in shared memory. Compile-time constants: BLOCK_N (64 or 128),
-// STAGES (2..8), GROUP_M (m tiles per raster group: CTAs in launch order walk GROUP_M tiles down
-// before the next column, so the weights a wave reads stay in L2), K_SPLIT, PERSISTENT
-// (`TILE_LOOP`), SB_F32, OUT_F32.
+// The sums of a row depend on K only (fixed tiles): batch-invariant, also where SPLIT_TAIL cuts
+// the last partial wave's tiles into K_SPLIT's chunks (cut otherwise, they depend on M). With
+// K_SPLIT, K runs in chunks of `chunk_steps` stages, each summed from zero and the chunk sums
+// added in order (the TileLang decode kernel's split, for batch-invariant mode: the same sums as
+// that kernel's); the running total of the chunks waits in shared memory. Compile-time
+// constants: BLOCK_N (64 or 128), STAGES (2..8), GROUP_M (m tiles per raster group: CTAs in
+// launch order walk GROUP_M tiles down before the next column, so the weights a wave reads stay
+// in L2), K_SPLIT, PERSISTENT (`TILE_LOOP`), SPLIT_TAIL (`tail_sum`), SB_F32, OUT_F32.
 
 #include "common.cuh"
 #include "wgmma_fp8.cuh"
@@ -40,6 +41,7 @@
 static_assert(BLOCK_N == 64 || BLOCK_N == 128, "BLOCK_N: 64 or 128");
 static_assert(STAGES >= 2 && STAGES <= 8, "STAGES: 2..8");
 static_assert(STAGE_BYTES % 1024 == 0, "stages start on 1024 bytes (the swizzle's period)");
+static_assert(!(SPLIT_TAIL && PERSISTENT), "SPLIT_TAIL: one tile per CTA");
 
 #if K_SPLIT
 // The end of a K chunk but the last: total = acc (the first chunk) or total + acc, then acc = 0.
@@ -116,6 +118,51 @@ static __device__ __forceinline__ void fill_sb_table(u32 sb_table, const void* s
   }
 }
 
+#if SPLIT_TAIL
+// The tiles of the last partial wave, cut along K (the CTAs past the `dp_tiles` whole tiles):
+// each piece stores its sums to `ws` ([tail tile][piece][NB8][256 threads] float4s, coalesced),
+// and the last piece of a tile to arrive (`arrivals`, zeroed by the caller) adds the pieces in
+// piece order (the same bits whichever arrives last) into acc and goes on to store the tile.
+// With K_SPLIT the pieces are the chunks (split = the chunk count): p0 + p1 + ... in order is
+// then what `fold` adds in one CTA, so a cut tile has the uncut tile's bits (batch-invariant).
+// Returns whether this CTA stores the tile. me: the consumer thread, 0..255.
+static __device__ __forceinline__ bool tail_sum(float (&acc)[NB8][4], float4* ws, int* arrivals,
+                                                int tail_tile, int piece, int split, int me) {
+  __shared__ int last;
+  float4* pieces = ws + (u64)tail_tile * split * NB8 * 256 + me;
+#pragma unroll
+  for (int j = 0; j < NB8; ++j)
+    __stcg(pieces + (piece * NB8 + j) * 256,
+           make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]));
+  __threadfence();  // the sums are out before the arrival is counted
+  asm volatile("bar.sync 1, 256;" ::: "memory");
+  if (me == 0) last = atomicAdd(arrivals + tail_tile, 1) == split - 1;
+  asm volatile("bar.sync 1, 256;" ::: "memory");
+  if (!last) return false;
+  __threadfence();  // and the other pieces' sums are read after their arrivals
+  // a piece's NB8 loads all in flight before its sums are added (one L2 round trip per piece)
+  float4 t[NB8];
+#pragma unroll
+  for (int j = 0; j < NB8; ++j)
+    t[j] = piece == 0 ? make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3])
+                      : __ldcg(pieces + j * 256);
+  for (int i = 1; i < split; ++i) {
+    float4 v[NB8];
+#pragma unroll
+    for (int j = 0; j < NB8; ++j)
+      v[j] = i == piece ? make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3])
+                        : __ldcg(pieces + (i * NB8 + j) * 256);
+#pragma unroll
+    for (int j = 0; j < NB8; ++j)
+      t[j] = make_float4(t[j].x + v[j].x, t[j].y + v[j].y, t[j].z + v[j].z, t[j].w + v[j].w);
+  }
+#pragma unroll
+  for (int j = 0; j < NB8; ++j)
+    acc[j][0] = t[j].x, acc[j][1] = t[j].y, acc[j][2] = t[j].z, acc[j][3] = t[j].w;
+  return true;
+}
+#endif
+
 #if PERSISTENT
 // A CTA takes tiles blockIdx.x, + gridDim.x, ... (the ring's stages and phases run on across
 // them, so the producer loads the next tile while the consumers store this one); the consumer
@@ -131,7 +178,8 @@ static __device__ __forceinline__ void fill_sb_table(u32 sb_table, const void* s
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
     fp8_gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap b_map,
              const __grid_constant__ TensorMap sa_map, const void* __restrict__ sb_ptr,
-             void* __restrict__ out, int m_rows, int n_cols, int k_len, int chunk_steps) {
+             void* __restrict__ out, int m_rows, int n_cols, int k_len, int chunk_steps,
+             float4* ws, int* arrivals, int dp_tiles, int split) {
   extern __shared__ u8 smem_raw[];
   __shared__ __align__(8) u64 full[STAGES];
   __shared__ __align__(8) u64 empty[STAGES];
@@ -144,7 +192,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
   const int tiles_m = (m_rows + BLOCK_M - 1) / BLOCK_M;
   const int tiles_n = (n_cols + BLOCK_N - 1) / BLOCK_N;
   int m0, n0;
-#if !PERSISTENT
+  int k0 = 0, steps = k_steps;  // the first of the CTA's K stages of each tile, and how many
+#if SPLIT_TAIL
+  const int piece = blockIdx.x < dp_tiles ? -1 : (blockIdx.x - dp_tiles) % split;
+  const int tile = blockIdx.x < dp_tiles ? blockIdx.x : dp_tiles + (blockIdx.x - dp_tiles) / split;
+  if (piece >= 0) k0 = piece * k_steps / split, steps = (piece + 1) * k_steps / split - k0;
+  tile_origin(tile, tiles_m, tiles_n, m0, n0);
+#elif !PERSISTENT
   tile_origin(blockIdx.x, tiles_m, tiles_n, m0, n0);
 #endif
 
@@ -169,8 +223,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 #if PERSISTENT
         tile_origin(tile, tiles_m, tiles_n, m0, n0);
 #endif
-        for (int kt = 0; kt < k_steps; ++kt) {
-          const int g = done + kt;  // the ring's count
+        for (int i = 0; i < steps; ++i) {
+          const int g = done + i, kt = k0 + i;  // the ring's count, the stage along K
           const int s = g % STAGES;
           if (g >= STAGES) mbar_wait(&empty[s], (g / STAGES - 1) & 1);
           const u32 stage = base + s * STAGE_BYTES;
@@ -179,7 +233,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
           tma_box(stage + A_BYTES, &b_map, kt * BLOCK_K, n0, &full[s]);
           tma_box(stage + A_BYTES + B_BYTES, &sa_map, kt * 16, m0, &full[s]);
         }
-        done += k_steps;
+        done += steps;
       }
     }
     return;
@@ -204,7 +258,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
 
-    for (int kt = 0; kt < k_steps; ++kt) {
+    // the sb table from the CTA's first stage on, so the loop runs as for a whole tile
+    const u32 sb_first = sb_table + k0 * SLICES * SB_STRIDE * 4;
+    for (int kt = 0; kt < steps; ++kt) {
       const int g = done + kt;  // the ring's count
       const int s = g % STAGES;
       const u32 stage = base + s * STAGE_BYTES;
@@ -222,7 +278,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
           asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
           promote(acc, part[(j + 1) & 1], p);
         }
-        slice_scales(p, sa, sb_table, kt * SLICES + j, j);
+        slice_scales(p, sa, sb_first, kt * SLICES + j, j);
       }
       // the stage's last slice (a wait for all: ptxas serializes the wgmmas when a partial stays in
       // flight across the loop's back edge; two stages per loop body, which waits half as often,
@@ -231,18 +287,23 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
       if (lane == 0) mbar_arrive(&empty[s]);
       promote(acc, part[(SLICES - 1) & 1], p);
 #if K_SPLIT
-      if ((kt + 1) % chunk_steps == 0 && kt + 1 < k_steps)
+      if ((kt + 1) % chunk_steps == 0 && kt + 1 < steps)
         fold(acc, total + (threadIdx.x - 128) * 4, kt + 1 == chunk_steps);
 #endif
     }
 #if K_SPLIT
-    if (chunk_steps < k_steps) {  // the last chunk goes on the total of those before
+    if (chunk_steps < steps) {  // the last chunk goes on the total of those before
       const u32 mine = total + (threadIdx.x - 128) * 4;
 #pragma unroll
       for (int j = 0; j < NB8; ++j)
 #pragma unroll
         for (int c = 0; c < 4; ++c) acc[j][c] = lds32(mine + (4 * j + c) * 1024) + acc[j][c];
     }
+#endif
+#if SPLIT_TAIL
+    if (piece >= 0 &&
+        !tail_sum(acc, ws, arrivals, tile - dp_tiles, piece, split, threadIdx.x - 128))
+      return;
 #endif
 
     // out: this thread's rows row, row + 8 of its warpgroup's, columns 8 j + 2 (lane % 4) + {0, 1}
@@ -264,6 +325,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 #endif
       }
     }
-    done += k_steps;
+    done += steps;
   }
 }

@@ -7,7 +7,9 @@ order differs (and the tensor core's own sum of each 32 products).
 The cuda tier (`linear.py`) runs it where `decode_gemm.takes` does not send the call to the
 decode kernel (in batch-invariant mode M > `decode_gemm.MAX_M`, with `invariant_config`). H200:
 1.03-1.25x the TileLang kernel at M = 512-16K, K = 8192; 0.98x at K = 1280 (NOTES.md, fifteenth
-session).
+session). One CTA per SM, so a call's time goes by waves of tiles: `call_config` picks the tile
+width and whether to cut the last partial wave's tiles along K (`tail_split`) by a call-time
+model fitted on the H200 (`tools/bench_prefill.py`; 5120x8192 at M = 512 95 -> 73 us).
 
 Compiled by NVRTC at first use (once per process per config; no GPU needed to compile).
 """
@@ -31,6 +33,10 @@ THREADS = 384  # a producer warpgroup and two consumer warpgroups
 DYNAMIC_SHARED = MAX_SHARED - 2048  # the stage barriers are static (about 1 KiB with padding)
 
 
+MAX_TAIL_SPLIT = 8
+"""The most pieces a tile of the last partial wave is cut into (`Fp8GemmCudaConfig.tail_split`)."""
+
+
 @dataclass(frozen=True)
 class Fp8GemmCudaConfig:
     """block_n: output columns per CTA (64 or 128: the wgmma's N; 192 would spill the two
@@ -40,13 +46,18 @@ class Fp8GemmCudaConfig:
     k_split: K cut into this many equal chunks (1..16; multiples of 128), each summed from zero,
     the chunk sums added in order, their running total in shared memory (`invariant_config`).
     persistent: one CTA per SM walks the tiles (the producer loads the next tile while the
-    consumers store this one; fifteenth session: compiled, not yet run on a GPU)."""
+    consumers store this one; sixteenth session: correct, not faster). tail_split: the tiles of
+    the last partial wave (tiles % SMs) cut along K into this many pieces (1..8, at most one per
+    stage), which the last piece to finish adds in piece order (`call_config`). With a K split
+    the pieces must be its chunks (tail_split = k_split): a cut tile then has the uncut tile's
+    bits; without one a cut row's bits depend on M (auto mode only)."""
 
     block_n: int = 128
     stages: int = 6
     group_m: int = 16
     k_split: int = 1
     persistent: bool = False
+    tail_split: int = 1
 
     def __post_init__(self) -> None:
         checks = (
@@ -55,8 +66,16 @@ class Fp8GemmCudaConfig:
             ("group_m", 1 <= self.group_m <= 64, "1..64"),
             ("k_split", 1 <= self.k_split <= 16, "1..16"),
             ("persistent", isinstance(self.persistent, bool), "a bool"),
+            ("tail_split", 1 <= self.tail_split <= MAX_TAIL_SPLIT, f"1..{MAX_TAIL_SPLIT}"),
         )
         check_fields(self, checks)
+        if self.tail_split > 1 and self.persistent:
+            raise ValueError("Fp8GemmCudaConfig.tail_split > 1 needs persistent False")
+        if self.tail_split > 1 and self.k_split not in (1, self.tail_split):
+            raise ValueError(
+                f"Fp8GemmCudaConfig.tail_split {self.tail_split} with k_split {self.k_split}: the "
+                "pieces of a cut tile must be the K split's chunks (tail_split = k_split)"
+            )
 
 
 DEFAULT = Fp8GemmCudaConfig()
@@ -169,53 +188,102 @@ def invariant_config(n: int, k: int) -> Fp8GemmCudaConfig:
     return config_for(k, replace(DEFAULT, k_split=decode_tile_split(n, k)))
 
 
+# The call-time model `call_config` picks tiles by, fitted to 50 (shape, M) points of V4.1's five
+# prefill weights at M = 256-8192 (H200, twenty-second session, `tools/bench_prefill.py`): its
+# pick is within 4% of the fastest measured config at every point.
 N64_TILE_TIME = 0.62
-"""A 128 x 64 tile's time over a 128 x 128 tile's, a wave of either on every SM (H200, twenty-first
-session: 0.61-0.65 at 5120x8192, M = 256-512)."""
+"""A 128 x 64 tile's time over a 128 x 128 tile's (twenty-first session: 0.61-0.65)."""
+TILE_FIXED_STAGES = 6
+"""A tile's time beyond its K stages (the prologue, the ring's first loads, the stores), in the
+time of one 128-deep stage."""
+CUT_FIXED_STAGES = 10
+"""A cut tile's time beyond its piece's share and a tile's fixed time, in stages: the pieces'
+sums out to L2 and back, and the wait for the last piece."""
+CUT_SLOWDOWN = 0.03
+"""The kernel built with the tail cut runs its whole tiles this much slower: ptxas schedules the
+same K loop otherwise (1-4% measured at M = 4224-8192 without a tail)."""
+CUT_MAX_WAVES = 4
+"""No cut past this many whole waves: the SMs then no longer finish a wave together, and the
+last partial wave costs less than a wave (2112x7168 at M = 8192, 8 waves: 1.01-1.03x the uncut
+time)."""
+MIN_PIECE_STAGES = 4
+"""The fewest 128-deep K stages a piece of a cut tile takes."""
 
 
-def block_n_for(m: int, n: int, sms: int) -> int:
-    """Output columns per CTA for M rows on N columns: 128, or 64 where the waves of the narrower
-    tiles take less time. One CTA per SM, so a call's time goes by whole waves: 5120x8192 at M =
-    512 is 160 tiles of 128 x 128 on 132 SMs, two waves (95.4 us), or 320 of 128 x 64, three
-    (87.7 us). The choice never changes a sum."""
-    rows = -(-m // BLOCK_M)
+def tail_split_for(tiles: int, k: int, sms: int, chunks: int | None = None) -> int:
+    """Pieces per tile of the last partial wave (`Fp8GemmCudaConfig.tail_split`): as many as the
+    SMs that wave leaves idle take, up to `MAX_TAIL_SPLIT` and one per `MIN_PIECE_STAGES` stages of
+    K; 1 (no cut) when every wave is whole or more than `CUT_MAX_WAVES` are. chunks: the count of
+    a K split's chunks (batch-invariant mode), which the pieces must be: that count where it
+    fits, else 1."""
+    waves, tail = divmod(tiles, sms)
+    if tail == 0 or waves > CUT_MAX_WAVES:
+        return 1
+    most = min(sms // tail, MAX_TAIL_SPLIT, k // BLOCK_K // MIN_PIECE_STAGES)
+    if chunks is not None:
+        return chunks if 1 < chunks <= most else 1
+    return max(1, most)
 
-    def waves(block_n: int) -> int:
-        return -(-rows * -(-n // block_n) // sms)
 
-    return 64 if waves(64) * N64_TILE_TIME < waves(128) else 128
+def tiles_of(m: int, n: int, block_n: int) -> int:
+    """Output tiles of M rows on N columns: 128 rows by block_n columns."""
+    return -(-m // BLOCK_M) * -(-n // block_n)
+
+
+def call_time(m: int, n: int, k: int, block_n: int, tail_split: int, sms: int) -> float:
+    """The modelled time of a call in 128-deep stages of a 128 x 128 tile: one CTA per SM, so the
+    whole waves of tiles, then the last partial wave whole or cut along K into tail_split pieces
+    per tile."""
+    steps = k // BLOCK_K
+    width = N64_TILE_TIME if block_n == 64 else 1.0
+    waves, tail = divmod(tiles_of(m, n, block_n), sms)
+    tile = steps + TILE_FIXED_STAGES
+    if tail and tail_split > 1:
+        piece = -(-steps // tail_split) + TILE_FIXED_STAGES + CUT_FIXED_STAGES
+        return width * (waves * tile * (1 + CUT_SLOWDOWN) + piece)
+    return width * (waves + (tail > 0)) * tile
 
 
 @functools.lru_cache(maxsize=4096)  # pure; called on every routed call
 def call_config(m: int, n: int, k: int, batch_invariant: bool, sms: int = 132) -> Fp8GemmCudaConfig:
-    """The config a call of M rows on an [N, K] weight without one runs on `sms` SMs:
-    `block_n_for`'s tiles, with `invariant_config`'s K split in batch-invariant mode (not for a K
-    the split cannot cut: `shape_reason` refuses those), as many stages as fit."""
+    """The config a call of M rows on an [N, K] weight without one runs on `sms` SMs: the tile
+    width (64 or 128 columns) and whether to cut the tail into `tail_split_for`'s pieces, of the
+    least `call_time` (on a tie the wider, uncut); in batch-invariant mode `invariant_config`'s K
+    split (not for a K the split cannot cut: `shape_reason` refuses those), whose chunks are then
+    the pieces of a cut (a row's bits stay those of the uncut tiles at every M); as many stages
+    as fit. Neither the width nor the stages change a sum."""
     base = invariant_config(n, k) if batch_invariant and k % BLOCK_K == 0 else DEFAULT
-    return config_for(k, replace(base, block_n=block_n_for(m, n, sms)))
+    chunks = base.k_split if batch_invariant else None
+    choices = [(128, 1), (64, 1)]
+    choices += [(bn, tail_split_for(tiles_of(m, n, bn), k, sms, chunks)) for bn in (128, 64)]
+    block_n, split = min(choices, key=lambda c: call_time(m, n, k, *c, sms))
+    return config_for(k, replace(base, block_n=block_n, tail_split=split))
 
 
 def defines(cfg: Fp8GemmCudaConfig, sb_f32: bool, out_f32: bool) -> dict[str, int]:
-    """The kernel's compile-time constants."""
+    """The kernel's compile-time constants (the tail's piece count is a launch argument)."""
     return dict(
         BLOCK_N=cfg.block_n, STAGES=cfg.stages, GROUP_M=cfg.group_m,
         K_SPLIT=int(cfg.k_split > 1), PERSISTENT=int(cfg.persistent),
-        SB_F32=int(sb_f32), OUT_F32=int(out_f32),
+        SPLIT_TAIL=int(cfg.tail_split > 1), SB_F32=int(sb_f32), OUT_F32=int(out_f32),
     )  # fmt: skip
 
 
-@functools.cache
 def cubin(cfg: Fp8GemmCudaConfig, sb_f32: bool = False, out_f32: bool = False) -> bytes:
-    """The compiled kernel (NVRTC, once per process per config; no GPU needed)."""
-    return module.compile_file(SOURCE, ARCH, defines(cfg, sb_f32, out_f32))
+    """The compiled kernel (NVRTC, once per process per set of constants; no GPU needed)."""
+    return _cubin(tuple(defines(cfg, sb_f32, out_f32).items()))
 
 
 @functools.cache
-def _kernel(cfg: Fp8GemmCudaConfig, sb_f32: bool, out_f32: bool, device: int) -> module.Kernel:
+def _cubin(constants: tuple[tuple[str, int], ...]) -> bytes:
+    return module.compile_file(SOURCE, ARCH, dict(constants))
+
+
+@functools.cache
+def _kernel(constants: tuple[tuple[str, int], ...], device: int) -> module.Kernel:
     # each call takes the shared memory its K needs, up to DYNAMIC_SHARED: opt in to it all
     return module.load_kernel(
-        cubin(cfg, sb_f32, out_f32), "fp8_gemm", torch.device("cuda", device), DYNAMIC_SHARED
+        _cubin(constants), "fp8_gemm", torch.device("cuda", device), DYNAMIC_SHARED
     )
 
 
@@ -232,9 +300,9 @@ def fp8_gemm(
     """``(x_fp8 * x_scale) @ (w * w_scale)^T`` with fp32 sums. x_fp8 [M, K] e4m3, x_scale
     [M, K/32] fp32 powers of two, w [N, K] e4m3, w_scale [ceil(N/32), K/32] e8m0 (or fp32 powers
     of two) -> [M, N] out_dtype (bfloat16 or float32). ValueError naming the problem when
-    `call_reason` refuses the call. A row's sums never depend on M here. Without a config:
-    `call_config`'s (batch_invariant: `invariant_config`'s K split, whose sums are the TileLang
-    decode kernel's)."""
+    `call_reason` refuses the call. Without a config: `call_config`'s (batch_invariant:
+    `invariant_config`'s K split, whose sums are the TileLang decode kernel's; a row's sums then
+    never depend on M, and in auto mode only where the config's tail_split is 1)."""
     m = x_fp8.shape[0] if x_fp8.dim() == 2 else 0
     n, k = w.shape if w.dim() == 2 else (0, 0)  # bad shapes: refused by call_reason
     cfg = config or call_config(m, n, k, batch_invariant, module.sm_count(x_fp8.device))
@@ -248,15 +316,22 @@ def fp8_gemm(
     a_map = module.tensor_map_2d(x_fp8.data_ptr(), m, k, BLOCK_K, BLOCK_M, swizzle_128b=True)
     b_map = module.tensor_map_2d(w.data_ptr(), n, k, BLOCK_K, cfg.block_n, swizzle_128b=True)
     sa_map = module.tensor_map_2d(x_scale.data_ptr(), m, k // 8, 16, BLOCK_M)
-    dev = module.device_index(x_fp8.device)
-    sb_f32, out_f32 = w_scale.dtype == torch.float32, out_dtype == torch.float32
-    ctas = -(-m // BLOCK_M) * -(-n // cfg.block_n)  # one per tile, or per SM (persistent)
+    sms = module.sm_count(x_fp8.device)
+    tiles = tiles_of(m, n, cfg.block_n)
+    split = min(cfg.tail_split, k // BLOCK_K)  # pieces of one stage at least
+    tail = tiles % sms if split > 1 else 0  # the last partial wave's tiles, cut into pieces
+    ctas = tiles - tail + tail * split  # one per tile or piece, or per SM (persistent)
     if cfg.persistent:
-        ctas = min(ctas, module.sm_count(x_fp8.device))
-    _kernel(cfg, sb_f32, out_f32, dev).launch(
-        (ctas,),
-        THREADS,
-        (a_map, b_map, sa_map, w_scale, out, m, n, k, k // BLOCK_K // cfg.k_split),
-        shared_bytes(k, cfg),
+        ctas = min(ctas, sms)
+    # the pieces' fp32 sums, [tail tile][piece][128 x block_n]; a count of pieces done per tile
+    ws = torch.empty(tail * split * BLOCK_M * cfg.block_n, device=x_fp8.device) if tail else None
+    arrivals = torch.zeros(tail, dtype=torch.int32, device=x_fp8.device) if tail else None
+    sb_f32, out_f32 = w_scale.dtype == torch.float32, out_dtype == torch.float32
+    constants = tuple(defines(cfg, sb_f32, out_f32).items())
+    chunk_steps = k // BLOCK_K // cfg.k_split
+    shape = (m, n, k, chunk_steps)
+    args = (a_map, b_map, sa_map, w_scale, out, *shape, ws, arrivals, tiles - tail, split)
+    _kernel(constants, module.device_index(x_fp8.device)).launch(
+        (ctas,), THREADS, args, shared_bytes(k, cfg)
     )
     return out

@@ -1,0 +1,101 @@
+"""The dense FP8 prefill GEMM across M on the cuda prefill kernel (`cuda/fp8_gemm.py`): the
+registry's `ops.fp8_gemm` in auto mode (the tile width and the last partial wave's cut that
+`call_config` picks) and in batch-invariant mode, beside the kernel on each tile width with and
+without the tail cut, for V4.1's weight shapes. One CUDA graph of calls over distinct weights (the
+engine's harness, `chain_graph_ms`), best of `ROUNDS`; us per call, the auto row's TFLOP/s, and
+the time `call_time` models for each config over the uncut 128-column tiles', to check the
+model's constants (`N64_TILE_TIME`, `TILE_FIXED_STAGES`, `CUT_FIXED_STAGES`, `CUT_SLOWDOWN`,
+`CUT_MAX_WAVES` in `cuda/fp8_gemm.py`) against what the GPU measures.
+
+`python tools/bench_prefill.py [--quick]` on the GPU machine; the table last."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from dataclasses import replace
+
+import torch
+from bench_common import chain_graph_ms
+
+SHAPES = ((5120, 8192), (4608, 5120), (7168, 2048), (2112, 7168), (32768, 1280))
+"""V4.1's dense weights [N, K] that prefill runs on the prefill kernel."""
+M_LIST = (256, 384, 512, 640, 768, 1024, 1536, 2048, 4096, 8192)
+QUICK_M = (512, 1024, 8192)
+ROUNDS = 3
+WEIGHT_BYTES = 1 << 30  # distinct weights per graph: more than the L2 holds, at least 4 sets
+
+
+def shape_rows(n: int, k: int, m_list: tuple[int, ...], sms: int) -> list[dict]:
+    """The rows of one weight shape [N, K], one per M (printed as they come)."""
+    from deepinfer_kernels import REGISTRY, ops, quant
+    from deepinfer_kernels.cuda import fp8_gemm as fg
+
+    sets = max(4, min(16, WEIGHT_BYTES // (n * k)))
+    weights = [
+        quant.quantize_fp8_blocks(torch.randn(n, k, device="cuda") * 0.02) for _ in range(sets)
+    ]
+    rows = []
+    for m in m_list:
+        x, xs = quant.act_quant_fp8(torch.randn(m, k, device="cuda"))
+
+        def us(fn, x=x, xs=xs):
+            runs = [chain_graph_ms(lambda w, s: fn(x, xs, w, s), weights) for _ in range(ROUNDS)]
+            return min(runs) * 1e3
+
+        auto = fg.call_config(m, n, k, False, sms)
+        row = {"shape": f"{n}x{k}", "m": m, "cfg": f"{auto.block_n}/{auto.tail_split}"}
+        row["auto"] = us(ops.fp8_gemm)
+        with REGISTRY.batch_invariant_mode():
+            row["inv"] = us(ops.fp8_gemm)  # captured in the mode
+        for block_n in (128, 64):
+            split = fg.tail_split_for(fg.tiles_of(m, n, block_n), k, sms)
+            for cut in sorted({1, split}):
+                cfg = fg.config_for(k, replace(fg.DEFAULT, block_n=block_n, tail_split=cut))
+                key = f"{block_n}/{cut}"
+                row[key] = us(lambda *a, cfg=cfg: fg.fp8_gemm(*a, config=cfg))
+                row["model " + key] = fg.call_time(m, n, k, block_n, cut, sms)
+        row["tflops"] = 2 * m * n * k / row["auto"] / 1e6
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help=f"only M in {QUICK_M}")
+    args = parser.parse_args()
+    # `timeout` sends SIGTERM: leave through the finally below, so the table still prints
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("bench_prefill: SIGTERM"))
+    if not torch.cuda.is_available():
+        sys.exit("bench_prefill: needs a CUDA GPU")
+    from deepinfer_kernels.cuda import module
+
+    sms = module.sm_count(torch.device("cuda"))
+    rows = []
+    try:
+        for n, k in SHAPES:
+            rows += shape_rows(n, k, QUICK_M if args.quick else M_LIST, sms)
+    finally:  # a run cut off by its time limit still prints what it measured
+        print_table(rows)
+
+
+def print_table(rows: list[dict]) -> None:
+    """One line per (shape, M): the registry's two modes, then each config measured as
+    us (measured / modelled time over the uncut 128-column config's)."""
+    print(f"\n{'shape':>11} {'M':>5} {'auto cfg':>8} {'auto us':>8} {'TF/s':>5} {'inv us':>8}  "
+          "configs (block_n/pieces: us, measured/modelled ratio to 128/1)")  # fmt: skip
+    for r in rows:
+        base, model = r["128/1"], r["model 128/1"]
+        cells = [
+            f"{key} {r[key]:7.1f} {r[key] / base:4.2f}/{r['model ' + key] / model:4.2f}"
+            for key in r
+            if key.startswith(("128/", "64/"))
+        ]
+        print(f"{r['shape']:>11} {r['m']:5} {r['cfg']:>8} {r['auto']:8.1f} {r['tflops']:5.0f} "
+              f"{r['inv']:8.1f}  " + "  ".join(cells))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
