@@ -206,7 +206,8 @@ def test_takes_at_v4_shapes():
     batch-invariant mode every M <= MAX_M; TUNED counts on 132 SMs only."""
     assert dg.takes(1, 5120, 8192) and dg.takes(192, 5120, 8192)
     assert not dg.takes(193, 5120, 8192) and dg.takes(256, 5120, 8192, batch_invariant=True)
-    assert dg.takes(256, 1280, 5120) and dg.takes(256, 2112, 7168)
+    assert dg.takes(256, 1280, 5120) and not dg.takes(256, 2112, 7168)
+    assert dg.takes(192, 2112, 7168) and dg.takes(256, 2112, 7168, batch_invariant=True)
     assert not dg.takes(257, 1280, 5120) and not dg.takes(257, 1280, 5120, batch_invariant=True)
     assert dg.takes(64, 32768, 1280) and not dg.takes(96, 32768, 1280)
     assert dg.takes(160, 32768, 1280) and dg.takes(96, 32768, 1280, batch_invariant=True)

@@ -38,12 +38,13 @@ from L2). H200, 16-call graphs, us, this kernel / the prefill kernel in auto mod
 session): 5120x8192 M=65 27.3 / 46.6, M=128 29.6 / 47.7, M=192 38.6 / 48.1, M=256 52.9 / 48.1;
 1280x5120 M=256 11.0 / 31.7; 2112x7168 M=256 25.2 / 42.3; 7168x2048 M=160 17.3 / 16.5."""
 
-PREFILL_N = 4096
-"""From 193 tokens, auto mode sends weights of at least this many rows to the prefill kernel:
-with its 128 x 128 tiles they make 64 CTAs or more there. Narrower weights leave that kernel
-short of CTAs, while this one splits K (H200, M = 224 / 256, us, this kernel / prefill: 1280x5120
-10.9 / 31.5, 2112x7168 23.5 / 42.2; 4096x5120 32.0 / 31.8, 4608x5120 33.1 / 32.0, 5120x8192
-52.0 / 47.8)."""
+PREFILL_N = 2048
+"""From 193 tokens, auto mode sends weights of at least this many rows to the prefill kernel.
+Narrower weights leave that kernel short of CTAs (this one splits K); from ~2K rows its tail cut
+(`fp8_gemm.call_config`: 66 tiles of 128 x 64 in two pieces each) fills the SMs. H200, M = 224 /
+256, us, this kernel / prefill: 1280x5120 10.9 / 14.4, 11.1 / 14.4; 2112x7168 23.3 / 20.6, 25.6 /
+20.6; 4096x5120 31.8 / 21.1, 33.2 / 21.4; 5120x8192 51.7 / 47.0, 52.5 / 47.2 (twenty-second
+session; before the cut 2112x7168 took 42.2 on the prefill kernel)."""
 
 SOURCE = Path(__file__).with_name("decode_gemm.cu")
 ARCH = "sm_90a"
