@@ -142,6 +142,7 @@ def test_tail_cut_is_modelled_faster_and_fits(m, n, k, sms):
     assert fg.call_time(m, n, k, auto.block_n, auto.tail_split, sms) <= fg.call_time(
         m, n, k, inv.block_n, 1, sms
     )
+    assert inv.tail_split in (1, inv.k_split)  # batch-invariant: pieces are the K split's chunks
     if auto.tail_split > 1:
         tail = fg.tiles_of(m, n, auto.block_n) % sms
         assert tail * auto.tail_split <= sms

@@ -301,8 +301,9 @@ def fp8_gemm(
     [M, K/32] fp32 powers of two, w [N, K] e4m3, w_scale [ceil(N/32), K/32] e8m0 (or fp32 powers
     of two) -> [M, N] out_dtype (bfloat16 or float32). ValueError naming the problem when
     `call_reason` refuses the call. Without a config: `call_config`'s (batch_invariant:
-    `invariant_config`'s K split, whose sums are the TileLang decode kernel's; a row's sums then
-    never depend on M, and in auto mode only where the config's tail_split is 1)."""
+    `invariant_config`'s K split, whose sums are the TileLang decode kernel's). A row's sums do
+    not depend on M wherever the config's tail_split is 1 or its k_split (so in batch-invariant
+    mode always); auto mode's cuts of other counts change the last wave's sums with M."""
     m = x_fp8.shape[0] if x_fp8.dim() == 2 else 0
     n, k = w.shape if w.dim() == 2 else (0, 0)  # bad shapes: refused by call_reason
     cfg = config or call_config(m, n, k, batch_invariant, module.sm_count(x_fp8.device))
