@@ -29,6 +29,16 @@ def bench_graphs(fn, arg_sets) -> float:
     return bench_ms(Rotating(lambda g: g.replay(), [(g,) for g in graphs]))
 
 
+def fp8_weights(n: int, k: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`count` distinct random [n, k] FP8 weights with their block scales (w, w_scale), on CUDA:
+    the sets a benchmark rotates over or chains so the L2 does not serve them."""
+    from deepinfer_kernels import quant
+
+    return [
+        quant.quantize_fp8_blocks(torch.randn(n, k, device="cuda") * 0.02) for _ in range(count)
+    ]
+
+
 def measure_copy_gbs() -> float:
     """Device-to-device copy of 2 GiB: bytes read + bytes written over the time."""
     a = torch.empty(1 << 31, dtype=torch.uint8, device="cuda").random_()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from bench_common import bench_graphs, bench_ms, chain_graph_ms, measure_copy_gbs
+from bench_common import bench_graphs, bench_ms, chain_graph_ms, fp8_weights, measure_copy_gbs
 from bench_moe import MOE_LIMIT, moe_layer_weights, moe_routed_inputs
 
 # -- fourth pass: the engine's harness (L consecutive calls in one graph) ------------------------
@@ -132,11 +132,7 @@ def decode4_rows(rows: list | None = None, parts: tuple[str, ...] = PARTS):
 
     def chain_weights(n, k):
         """CHAIN_L distinct [n, k] FP8 weight sets (w, w_scale) and their bytes per call."""
-        sets_w = [
-            quant.quantize_fp8_blocks(torch.randn(n, k, device="cuda") * 0.02)
-            for _ in range(CHAIN_L)
-        ]
-        return sets_w, n * k + (n // 32 + 1) * (k // 32)
+        return fp8_weights(n, k, CHAIN_L), n * k + (n // 32 + 1) * (k // 32)
 
     def m_sweep(n, k):
         """The registry's `ops.fp8_gemm` at every M of SWEEP_M, both harnesses."""
@@ -298,9 +294,7 @@ def decode4_rows(rows: list | None = None, parts: tuple[str, ...] = PARTS):
         """Batch-invariant mode above decode sizes: `fp8_gemm[inv]` (now the TileLang decode
         kernel at every M, 64-token tiles) against the Triton invariant tiles it replaced
         (`pick_config(..., tilelang_decode=False)`), eager, rotating over 2 weight sets."""
-        ws_sets = [
-            quant.quantize_fp8_blocks(torch.randn(n, k, device="cuda") * 0.02) for _ in range(2)
-        ]
+        ws_sets = fp8_weights(n, k, 2)
         for m in (256, 2048, 8192):
             sets = []
             for w, ws in ws_sets:

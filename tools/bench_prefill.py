@@ -17,7 +17,7 @@ import sys
 from dataclasses import replace
 
 import torch
-from bench_common import chain_graph_ms
+from bench_common import chain_graph_ms, fp8_weights
 
 SHAPES = ((5120, 8192), (4608, 5120), (7168, 2048), (2112, 7168), (32768, 1280))
 """V4.1's dense weights [N, K] that prefill runs on the prefill kernel."""
@@ -32,10 +32,7 @@ def shape_rows(n: int, k: int, m_list: tuple[int, ...], sms: int) -> list[dict]:
     from deepinfer_kernels import REGISTRY, ops, quant
     from deepinfer_kernels.cuda import fp8_gemm as fg
 
-    sets = max(4, min(16, WEIGHT_BYTES // (n * k)))
-    weights = [
-        quant.quantize_fp8_blocks(torch.randn(n, k, device="cuda") * 0.02) for _ in range(sets)
-    ]
+    weights = fp8_weights(n, k, max(4, min(16, WEIGHT_BYTES // (n * k))))
     rows = []
     for m in m_list:
         x, xs = quant.act_quant_fp8(torch.randn(m, k, device="cuda"))

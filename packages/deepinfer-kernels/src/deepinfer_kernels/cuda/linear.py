@@ -1,9 +1,9 @@
 """The cuda tier's dense FP8 GEMM (the registry's `fp8_gemm` and `fp8_linear` on Hopper): up to
 `decode_gemm.MAX_M` (256) tokens on the decode kernel (`decode_gemm.py`) where `decode_gemm.takes`
 says it is the faster, larger M on the prefill kernel (`fp8_gemm.py`). In batch-invariant mode
-both give a row the TileLang decode kernel's bits
-(the same K split and fold order: the decode kernel always, the prefill kernel with
-`invariant_config`), so a row's result does not depend on M across the two either.
+both give a row the TileLang decode kernel's bits (the same K split and fold order: the decode
+kernel always, the prefill kernel with `invariant_config`), so a row's result does not depend on
+M across the two either.
 
 ``DEEPINFER_KERNELS=fp8_gemm=cuda`` (or ``fp8_linear=cuda``) sends every call here that the
 kernels can run, whatever the mode.
