@@ -61,12 +61,13 @@ def test_token_tile_holds_m(m):
 @settings(max_examples=50, deadline=None)
 @given(m=st.integers(1, 300))
 def test_tail_boxes_stop_within_8_rows_of_m(m):
-    """The last token tile's TMA boxes: whole 8-row groups that hold its rows (the tile when M
-    fills it), so at most 7 rows past the tensor are zero-filled per box."""
-    tokens = dg.token_tile(m)
-    box, tail_rows = dg.tail_box(m, tokens), m - (-(-m // tokens) - 1) * tokens
-    assert box % 8 == 0 and 0 < box <= tokens
-    assert 0 <= box - tail_rows < 8
+    """The last tile's TMA boxes (the decode kernel's token tiles, the prefill kernel's 128-row
+    tiles): whole 8-row groups that hold its rows (the tile when M fills it), so at most 7 rows
+    past the tensor are zero-filled per box."""
+    for tile in (dg.token_tile(m), 128):
+        box, tail_rows = module.tail_box(m, tile), m - (-(-m // tile) - 1) * tile
+        assert box % 8 == 0 and 0 < box <= tile
+        assert 0 <= box - tail_rows < 8
 
 
 @settings(max_examples=40, deadline=None)

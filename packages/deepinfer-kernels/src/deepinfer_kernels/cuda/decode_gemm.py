@@ -182,14 +182,6 @@ def token_tile(m: int) -> int:
     return next((t for t in (8, 16, 32) if m <= t), MAX_TOKENS)
 
 
-def tail_box(m: int, tokens: int) -> int:
-    """Rows of the token boxes the TMA loads per stage for the last token tile of M tokens: its
-    rows rounded up to 8 (a full tile: the tile). Rows past the tensor are zero-filled by the TMA
-    at a cost (H200, 5120x8192 on one 64-token tile: M=33 19.5 us against 16.0 at M=64); the
-    tile's rows past the box are never loaded and only feed sums that are not stored."""
-    return -(-(m - (-(-m // tokens) - 1) * tokens) // 8) * 8
-
-
 @functools.lru_cache(maxsize=4096)  # pure; called on every routed call
 def k_split(n: int, k: int) -> int:
     """K chunks for an [N, K] weight: the TileLang decode kernel's (`decode_tile_split`), so the
@@ -359,7 +351,7 @@ def decode_gemm(
     tokens, split = token_tile(m), k_split(n, k)
     stages = stages_for(tokens, k, split, cfg)
     w_map = module.tensor_map_2d(w.data_ptr(), n, k, BLOCK_K, cfg.rows, swizzle_128b=True)
-    tail = tail_box(m, tokens)
+    tail = module.tail_box(m, tokens)
     maps = [  # the full token tiles' boxes, then the last tile's
         (
             module.tensor_map_2d(x_fp8.data_ptr(), m, k, BLOCK_K, box, swizzle_128b=True),

@@ -177,9 +177,10 @@ static __device__ __forceinline__ bool tail_sum(float (&acc)[NB8][4], float4* ws
 // floats; 1 KiB of slack to start the stages on 1024 bytes.
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
     fp8_gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap b_map,
-             const __grid_constant__ TensorMap sa_map, const void* __restrict__ sb_ptr,
+             const __grid_constant__ TensorMap sa_map, const __grid_constant__ TensorMap a_last,
+             const __grid_constant__ TensorMap sa_last, const void* __restrict__ sb_ptr,
              void* __restrict__ out, int m_rows, int n_cols, int k_len, int chunk_steps,
-             float4* ws, int* arrivals, int dp_tiles, int split) {
+             int last_box, float4* ws, int* arrivals, int dp_tiles, int split) {
   extern __shared__ u8 smem_raw[];
   __shared__ __align__(8) u64 full[STAGES];
   __shared__ __align__(8) u64 empty[STAGES];
@@ -223,15 +224,22 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 #if PERSISTENT
         tile_origin(tile, tiles_m, tiles_n, m0, n0);
 #endif
+        // a partial last row tile loads boxes of last_box rows (its rows rounded up to 8; a and
+        // sa by the maps a_last / sa_last): the TMA's zero fill of rows past M is slow, and the
+        // tile's rows past the box only feed sums that are not stored
+        const bool cut = m0 + BLOCK_M > m_rows;
+        const TensorMap* am = cut ? &a_last : &a_map;
+        const TensorMap* sam = cut ? &sa_last : &sa_map;
+        const u32 stage_tx = cut ? B_BYTES + last_box * (BLOCK_K + 16) : STAGE_BYTES;
         for (int i = 0; i < steps; ++i) {
           const int g = done + i, kt = k0 + i;  // the ring's count, the stage along K
           const int s = g % STAGES;
           if (g >= STAGES) mbar_wait(&empty[s], (g / STAGES - 1) & 1);
           const u32 stage = base + s * STAGE_BYTES;
-          mbar_expect(&full[s], STAGE_BYTES);
-          tma_box(stage, &a_map, kt * BLOCK_K, m0, &full[s]);
+          mbar_expect(&full[s], stage_tx);
+          tma_box(stage, am, kt * BLOCK_K, m0, &full[s]);
           tma_box(stage + A_BYTES, &b_map, kt * BLOCK_K, n0, &full[s]);
-          tma_box(stage + A_BYTES + B_BYTES, &sa_map, kt * 16, m0, &full[s]);
+          tma_box(stage + A_BYTES + B_BYTES, sam, kt * 16, m0, &full[s]);
         }
         done += steps;
       }
