@@ -129,6 +129,15 @@ static __device__ __forceinline__ void tma_box(u32 dst, const TensorMap* map, in
       : "memory");
 }
 
+// shared -> global: the box of `map` at (x, y) from shared address src (1024-byte aligned with a
+// swizzled map), out-of-bounds parts not written; in the calling thread's bulk group
+// (`cp.async.bulk.commit_group`, then `cp.async.bulk.wait_group.read` before src is reused).
+static __device__ __forceinline__ void tma_store(const TensorMap* map, int x, int y, u32 src) {
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];"
+               ::"l"(reinterpret_cast<u64>(map)), "r"(x), "r"(y), "r"(src)
+               : "memory");
+}
+
 // bf16(rw * silu(gate) * up) from the fp32 sums, each of gate and up rounded to bf16 first and
 // clamped to V4.1's limit (limit <= 0: none): triton/moe.py's epilogue, instruction for instruction.
 static __device__ __forceinline__ float swiglu_weighted(float gate_acc, float up_acc, float rw,

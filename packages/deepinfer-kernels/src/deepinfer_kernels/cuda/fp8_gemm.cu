@@ -9,7 +9,9 @@
 // 128-deep K stage (a's 128 rows and b's BLOCK_N rows, 128 bytes each, 128-byte swizzle; sa's 128
 // x 4 floats) into a ring of STAGES stages, and two consumer warpgroups of 64 rows each, which
 // keep one slice's wgmma in flight while they promote the one before (two partial buffers).
-// sb for the tile's columns and all of K goes to shared memory once per CTA, as floats.
+// sb for the tile's columns and all of K goes to shared memory once per CTA, as floats (by the
+// consumers, while the first stages load). The finished tile is staged in the ring's shared
+// memory and leaves by TMA stores (`stage_out`; PERSISTENT, whose ring is busy: direct stores).
 //
 // The sums of a row depend on K only (fixed tiles): batch-invariant, also where SPLIT_TAIL cuts
 // the last partial wave's tiles into K_SPLIT's chunks (cut otherwise, they depend on M). With
@@ -35,6 +37,10 @@
 #define SA_BYTES (BLOCK_M * 16)  // 4 floats per row
 #define STAGE_BYTES (A_BYTES + B_BYTES + SA_BYTES)
 #define SB_STRIDE ((NCB + 3) / 4 * 4)  // floats per slice in the sb table (16-byte rows)
+#define OUT_BYTES (OUT_F32 ? 4 : 2)
+#define OUT_BOX_COLS (128 / OUT_BYTES)  // columns per output box: 128 bytes, the swizzle's row
+#define OUT_BOXES (BLOCK_N / OUT_BOX_COLS)
+#define OUT_HALF_BYTES (OUT_BOXES * 64 * 128)  // a consumer warpgroup's 64 rows of the tile
 #define PRODUCER_REGS 40
 #define CONSUMER_REGS 232
 
@@ -42,6 +48,7 @@ static_assert(BLOCK_N == 64 || BLOCK_N == 128, "BLOCK_N: 64 or 128");
 static_assert(STAGES >= 2 && STAGES <= 8, "STAGES: 2..8");
 static_assert(STAGE_BYTES % 1024 == 0, "stages start on 1024 bytes (the swizzle's period)");
 static_assert(!(SPLIT_TAIL && PERSISTENT), "SPLIT_TAIL: one tile per CTA");
+static_assert(2 * OUT_HALF_BYTES <= STAGES * STAGE_BYTES, "the tile is staged in the ring");
 
 #if K_SPLIT
 // The end of a K chunk but the last: total = acc (the first chunk) or total + acc, then acc = 0.
@@ -86,6 +93,32 @@ static __device__ __forceinline__ void slice_scales(float (&p)[2][NCB], const fl
 #pragma unroll
     for (int cb = 0; cb < NCB; ++cb) p[h][cb] = s * sb[cb];
   }
+}
+
+// This consumer thread's sums (out dtype) into its warpgroup's staged rows at `half`: boxes of 64
+// rows x 128 bytes, 8 KiB apart, the 16-byte chunk c of row r at chunk c ^ (r % 8) (the TMA's
+// 128-byte swizzle; a warp's 8 rows then hit distinct banks). The thread's rows are 16 warp +
+// lane / 4 (+ 8), so r % 8 = lane / 4.
+static __device__ __forceinline__ void stage_out(const float (&acc)[NB8][4], u32 half, int warp,
+                                                 int lane) {
+  const u32 swz = lane >> 2;
+#pragma unroll
+  for (int j = 0; j < NB8; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const u32 row = half + (16 * warp + (lane >> 2) + 8 * h) * 128;
+#if OUT_F32  // 8 bytes at byte 32 j + 8 (lane % 4) of the tile's row: 4 boxes of 32 columns
+      const u32 chunk = 2 * (j & 3) + ((lane & 3) >> 1);
+      const u32 at = row + (j >> 2) * 8192 + ((chunk ^ swz) << 4) + 8 * (lane & 1);
+      asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(at), "f"(acc[j][2 * h]),
+                   "f"(acc[j][2 * h + 1]));
+#else  // 4 bytes at byte 16 j + 4 (lane % 4): boxes of 64 columns
+      const u32 at = row + (j >> 3) * 8192 + (((j & 7) ^ swz) << 4) + 4 * (lane & 3);
+      u32 v;
+      asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(v) : "f"(acc[j][2 * h + 1]), "f"(acc[j][2 * h]));
+      asm volatile("st.shared.b32 [%0], %1;" ::"r"(at), "r"(v));
+#endif
+    }
 }
 
 // The origin (m0, n0) of output tile `id`: GROUP_M m tiles down, then the next column of tiles.
@@ -178,8 +211,8 @@ static __device__ __forceinline__ bool tail_sum(float (&acc)[NB8][4], float4* ws
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
     fp8_gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap b_map,
              const __grid_constant__ TensorMap sa_map, const __grid_constant__ TensorMap a_last,
-             const __grid_constant__ TensorMap sa_last, const void* __restrict__ sb_ptr,
-             void* __restrict__ out, int m_rows, int n_cols, int k_len, int chunk_steps,
+             const __grid_constant__ TensorMap sa_last, const __grid_constant__ TensorMap out_map,
+             const void* __restrict__ sb_ptr, void* __restrict__ out, int m_rows, int n_cols, int k_len, int chunk_steps,
              int last_box, float4* ws, int* arrivals, int dp_tiles, int split) {
   extern __shared__ u8 smem_raw[];
   __shared__ __align__(8) u64 full[STAGES];
@@ -210,9 +243,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-#if !PERSISTENT
-  fill_sb_table(sb_table, sb_ptr, n0, n_cols, k_groups, threadIdx.x, THREADS);
-#endif
   __syncthreads();
 
   const int wg = threadIdx.x / 128;
@@ -257,9 +287,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     tile_origin(tile, tiles_m, tiles_n, m0, n0);
     // the other consumer warpgroup is past its last read of the table too, then it is refilled
     asm volatile("bar.sync 1, 256;" ::: "memory");
+#endif
+    // the consumers fill the sb table while the producer's first loads are in flight (filled
+    // before the CTA's barrier, it delayed them: 0.5 us of a 10 us tile at K = 1280)
     fill_sb_table(sb_table, sb_ptr, n0, n_cols, k_groups, threadIdx.x - 128, 256);
     asm volatile("bar.sync 1, 256;" ::: "memory");
-#endif
     float acc[NB8][4], part[2][NB8][4], p[2][NCB];
 #pragma unroll
     for (int j = 0; j < NB8; ++j)
@@ -319,7 +351,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
       return;
 #endif
 
-    // out: this thread's rows row, row + 8 of its warpgroup's, columns 8 j + 2 (lane % 4) + {0, 1}
+#if PERSISTENT  // the ring holds the next tile's stages: no room to stage the tile's sums
+    // out directly: this thread's rows row, row + 8 of its warpgroup's, columns 8 j + 2 (lane %
+    // 4) + {0, 1}
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int m = m0 + row + 8 * h;
@@ -338,6 +372,25 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 #endif
       }
     }
+#else
+    // the tile out through shared memory and the TMA (direct 4-byte stores of the wgmma layout
+    // took 2 us of a 10 us tile at K = 1280): both consumer warpgroups are past their last
+    // wgmma, so the ring is free; each warpgroup stages its 64 rows as 128-byte-swizzled boxes
+    // and one of its threads stores them, out-of-bounds rows and columns left out by the TMA
+    asm volatile("bar.sync 1, 256;" ::: "memory");
+    const u32 half = base + c * OUT_HALF_BYTES;
+    stage_out(acc, half, warp, lane);
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    asm volatile("bar.sync %0, 128;" ::"r"(2 + c) : "memory");
+    if ((threadIdx.x & 127) == 0 && m0 + 64 * c < m_rows) {
+#pragma unroll
+      for (int b = 0; b < OUT_BOXES; ++b)
+        if (n0 + b * OUT_BOX_COLS < n_cols)
+          tma_store(&out_map, (n0 + b * OUT_BOX_COLS) * OUT_BYTES, m0 + 64 * c, half + b * 8192);
+      asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+      asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");  // before the CTA exits
+    }
+#endif
     done += steps;
   }
 }

@@ -320,6 +320,10 @@ def fp8_gemm(
     last_box = module.tail_box(m, BLOCK_M)  # the last row tile's boxes: its rows, up to 8
     a_last = module.tensor_map_2d(x_fp8.data_ptr(), m, k, BLOCK_K, last_box, swizzle_128b=True)
     sa_last = module.tensor_map_2d(x_scale.data_ptr(), m, k // 8, 16, last_box)
+    # the tile's sums leave as boxes of 64 rows x 128 bytes (the kernel's staging layout)
+    out_map = module.tensor_map_2d(
+        out.data_ptr(), m, n * out.element_size(), 128, 64, swizzle_128b=True
+    )
     sms = module.sm_count(x_fp8.device)
     tiles = tiles_of(m, n, cfg.block_n)
     split = min(cfg.tail_split, k // BLOCK_K)  # pieces of one stage at least
@@ -333,7 +337,7 @@ def fp8_gemm(
     sb_f32, out_f32 = w_scale.dtype == torch.float32, out_dtype == torch.float32
     constants = tuple(defines(cfg, sb_f32, out_f32).items())
     chunk_steps = k // BLOCK_K // cfg.k_split
-    maps = (a_map, b_map, sa_map, a_last, sa_last)
+    maps = (a_map, b_map, sa_map, a_last, sa_last, out_map)
     shape = (m, n, k, chunk_steps, last_box)
     args = (*maps, w_scale, out, *shape, ws, arrivals, tiles - tail, split)
     _kernel(constants, module.device_index(x_fp8.device)).launch(
