@@ -184,45 +184,68 @@ def test_kernel_compiles_without_local_memory(tokens, cfg, split, tmp_path):
 
 def test_tuned_configs_run_and_pick_config_takes_them():
     """Every `TUNED` entry has a config per M bucket that the kernel takes at that bucket's M, or
-    p (the prefill kernel: `takes` declines in auto mode, `pick_config` falls back to the fill
-    rule); `pick_config` returns it on 132 SMs, and the fill rule on other SM counts."""
+    . (the fill rule's); `pick_config` returns it on 132 SMs, and the fill rule on other SM
+    counts."""
     configs = {"2": C(2, 2), "3": C(1, 3), "4": C(1, 4)}
     for (n, k), digits in dg.TUNED.items():
         assert len(digits) == len(dg.TUNED_M)
         lo = 1
         for top, digit in zip(dg.TUNED_M, digits, strict=True):
             for m in (lo, top):
-                want = configs.get(digit, dg.fill_config(m, n, k, 132))
+                want = configs[digit] if digit != "." else dg.fill_config(m, n, k, 132)
                 assert dg.pick_config(m, n, k, 132) == want, (n, k, m)
                 assert dg.shape_reason(n, k, m, want) is None, (n, k, m)
-                assert dg.takes(m, n, k) == (digit != "p"), (n, k, m)
-                assert dg.takes(m, n, k, batch_invariant=True), (n, k, m)
             lo = top + 1
         for m, sms in ((1, 114), (dg.TUNED_M[-1] + 1, 132)):
             assert dg.pick_config(m, n, k, sms) == dg.fill_config(m, n, k, sms)
 
 
+def test_routes_decide_takes_per_bucket():
+    """`ROUTES` covers `TUNED`'s weights, a character per `ROUTE_M` bucket from the first to the
+    last M of each bucket: - here in both modes, a the prefill kernel in auto mode only, b in
+    both; no bucket up to 64 tokens goes to the prefill kernel, and only unmeasured ones take the
+    fill rule."""
+    assert dg.ROUTES.keys() == dg.TUNED.keys() and dg.ROUTE_M[-1] == dg.MAX_M
+    for (n, k), route in dg.ROUTES.items():
+        assert len(route) == len(dg.ROUTE_M) and set(route) <= set("-ab")
+        lo = 1
+        for i, (top, where) in enumerate(zip(dg.ROUTE_M, route, strict=True)):
+            for m in (lo, top):
+                assert dg.takes(m, n, k) == (where == "-"), (n, k, m)
+                assert dg.takes(m, n, k, batch_invariant=True) == (where != "b"), (n, k, m)
+            assert top > 64 or where == "-"
+            if i < len(dg.TUNED_M) and dg.TUNED[n, k][i] == ".":
+                assert where == "b", (n, k, top)  # the config is never used by the tier
+            lo = top + 1
+
+
 def test_takes_at_v4_shapes():
-    """Auto mode: M <= 192 but TUNED's p buckets, up to 256 for weights under PREFILL_N rows;
-    batch-invariant mode every M <= MAX_M; TUNED counts on 132 SMs only."""
-    assert dg.takes(1, 5120, 8192) and dg.takes(192, 5120, 8192)
-    assert not dg.takes(193, 5120, 8192) and dg.takes(256, 5120, 8192, batch_invariant=True)
+    """Measured routes: 5120x8192 at 65-128 tokens on the prefill kernel in auto mode only, at
+    129-192 here, from 193 on the prefill kernel; 1280x5120 here up to 256; 2112x7168 from 193 on
+    the prefill kernel in auto mode; TUNED and ROUTES count on 132 SMs only (else the rule: up to
+    192, or 256 under PREFILL_N rows or in batch-invariant mode)."""
+    assert dg.takes(64, 5120, 8192) and not dg.takes(65, 5120, 8192)
+    assert dg.takes(65, 5120, 8192, batch_invariant=True) and dg.takes(192, 5120, 8192)
+    assert not dg.takes(193, 5120, 8192) and not dg.takes(256, 5120, 8192, batch_invariant=True)
     assert dg.takes(256, 1280, 5120) and not dg.takes(256, 2112, 7168)
     assert dg.takes(192, 2112, 7168) and dg.takes(256, 2112, 7168, batch_invariant=True)
     assert not dg.takes(257, 1280, 5120) and not dg.takes(257, 1280, 5120, batch_invariant=True)
     assert dg.takes(64, 32768, 1280) and not dg.takes(96, 32768, 1280)
-    assert dg.takes(160, 32768, 1280) and dg.takes(96, 32768, 1280, batch_invariant=True)
-    assert dg.takes(96, 32768, 1280, sms=114)
+    assert dg.takes(160, 32768, 1280) and not dg.takes(96, 32768, 1280, batch_invariant=True)
+    assert dg.takes(96, 32768, 1280, sms=114) and not dg.takes(193, 32768, 1280, sms=114)
+    assert dg.takes(256, 32768, 1280, batch_invariant=True, sms=114)
 
 
 @settings(max_examples=60, deadline=None)
 @given(m=st.integers(1, 400), **WEIGHTS_AND_SMS)
 def test_takes_is_a_subset_of_batch_invariant_mode(m, n, k, sms):
-    """Batch-invariant mode takes exactly M <= MAX_M; auto mode takes no M it would not, and
-    every M <= 64 (no TUNED bucket gives those to the prefill kernel)."""
-    assert dg.takes(m, n, k, True, sms) == (m <= dg.MAX_M)
+    """Auto mode takes no M that batch-invariant mode would not, and every M <= 64; no mode takes
+    M > MAX_M; batch-invariant mode takes every M <= MAX_M of weights not measured."""
     assert not dg.takes(m, n, k, False, sms) or dg.takes(m, n, k, True, sms)
     assert dg.takes(m, n, k, False, sms) or m > 64
+    assert not dg.takes(m, n, k, True, sms) or m <= dg.MAX_M
+    if sms != 132 or (n, k) not in dg.ROUTES:
+        assert dg.takes(m, n, k, True, sms) == (m <= dg.MAX_M)
 
 
 def test_shape_reason_checks_the_config_of_the_sm_count():

@@ -34,12 +34,12 @@ from .module import check_fields
 MAX_M = 256
 """The most tokens the cuda tier sends here (`linear.py`, see `takes`; more go to the prefill
 kernel). Above 64 a call runs several 64-token tiles, each streaming the weight (the later ones
-from L2). H200, 16-call graphs, us, this kernel / the prefill kernel in auto mode (twenty-first
-session): 5120x8192 M=65 27.3 / 46.6, M=128 29.6 / 47.7, M=192 38.6 / 48.1, M=256 52.9 / 48.1;
-1280x5120 M=256 11.0 / 31.7; 2112x7168 M=256 25.2 / 42.3; 7168x2048 M=160 17.3 / 16.5."""
+from L2): at 65-256 tokens the two kernels are close, so `takes` routes V4.1's weights by
+measurement (`ROUTES`)."""
 
 PREFILL_N = 2048
-"""From 193 tokens, auto mode sends weights of at least this many rows to the prefill kernel.
+"""From 193 tokens, auto mode sends weights of at least this many rows to the prefill kernel
+(weights without `ROUTES`).
 Narrower weights leave that kernel short of CTAs (this one splits K); from ~2K rows its tail cut
 (`fp8_gemm.call_config`: 66 tiles of 128 x 64 in two pieces each) fills the SMs. H200, M = 224 /
 256, us, this kernel / prefill: 1280x5120 10.9 / 14.4, 11.1 / 14.4; 2112x7168 23.3 / 20.6, 25.6 /
@@ -98,50 +98,72 @@ TUNED_M = (8, 16, 32, 48, 64, 96, 128, 192)
 
 TUNED = {
     (5120, 8192): "33333422",
-    (32768, 1280): "22222pp2",
+    (32768, 1280): "22222..2",
     (1280, 5120): "33333434",
     (4608, 5120): "33333334",
     (5120, 2304): "23444332",
     (2112, 7168): "23433334",
-    (7168, 2048): "2444422p",
+    (7168, 2048): "2444422.",
     (4096, 5120): "43333434",
 }
-"""Measured configs for [N, K] weights on 132 SMs, one digit per `TUNED_M` bucket: 3 / 4 = 64-row
-tiles at 3 / 4 CTAs per SM, 2 = 128-row tiles at 2, p = the prefill kernel is faster there (auto
-mode; `takes`). The fastest at M = 1 / 16 / 32 / 48 / 64 / 96 / 128 / 192 on an H200 (twentieth
-session, 16-call graphs over 16 weights; the times are in NOTES.md; the p buckets twenty-first
-session: 32768x1280 at M = 65-112 25.1-25.6 us on the prefill kernel against 26.4-27.2 here,
-7168x2048 at 160-192 16.5-17.0 against 17.3-17.7): V4.1's dense shapes (wo_b, wq_b, wq_a, the
-shared expert's W1/W3 and W2) and the benchmark's V3 shapes. The fill rule (`fill_config`) was up
-to 21% slower on them (5120x2304 M=32 8.40 us against 6.95, 4096x5120 M=64 13.15 against
-11.07)."""
+"""Measured configs for [N, K] weights on 132 SMs, one character per `TUNED_M` bucket: 3 / 4 =
+64-row tiles at 3 / 4 CTAs per SM, 2 = 128-row tiles at 2, . = not measured (the prefill kernel
+takes those calls: `ROUTES`; direct calls get the fill rule's). The fastest at M = 1 / 16 / 32 /
+48 / 64 / 96 / 128 / 192 on an H200 (twentieth session, 16-call graphs over 16 weights; the times
+are in NOTES.md): V4.1's dense shapes (wo_b, wq_b, wq_a, the shared expert's W1/W3 and W2) and
+the benchmark's V3 shapes. The fill rule (`fill_config`) was up to 21% slower on them (5120x2304
+M=32 8.40 us against 6.95, 4096x5120 M=64 13.15 against 11.07)."""
+
+ROUTE_M = (*TUNED_M, MAX_M)
+"""The M buckets of `ROUTES`: `TUNED`'s, then up to MAX_M."""
+
+ROUTES = {
+    (5120, 8192): "-----aa-b",
+    (32768, 1280): "-----bb-b",
+    (1280, 5120): "---------",
+    (4608, 5120): "--------b",
+    (5120, 2304): "--------b",
+    (2112, 7168): "--------a",
+    (7168, 2048): "-----bbbb",
+    (4096, 5120): "-----aabb",
+}
+"""Which kernel `takes` `TUNED`'s weights, one character per `ROUTE_M` bucket: - this kernel, a
+the prefill kernel in auto mode and this one in batch-invariant mode (both give the same bits
+there, and the prefill kernel's K split makes it the slower), b the prefill kernel in both modes.
+H200, twenty-third session (after the prefill kernel's row-tile box cut and TMA-store epilogue),
+16-call graphs, us, this kernel / prefill auto / prefill invariant: 5120x8192 M = 96 27.8 / 24.5
+/ 32.1, M = 192 38.3 / 44.1 / 45.0, M = 256 52.8 / 44.5 / 45.4; 32768x1280 M = 96 26.8 / 22.0 /
+22.1; 7168x2048 M = 160 18.2 / 15.0 / 16.1; 4096x5120 M = 128 18.9 / 16.2 / 19.3, M = 160 23.0 /
+20.5 / 21.8; 2112x7168 M = 256 25.4 / 19.5 / 28.3 (its invariant tiles cannot be cut: 66 tiles of
+4 chunks); 1280x5120 M = 256 11.0 / 13.6 / 17.9 (the whole table in NOTES.md)."""
 
 _TUNED_CONFIGS = {"2": (2, 2), "3": (1, 3), "4": (1, 4)}
 
 
-def _tuned_digit(m: int, n: int, k: int, sms: int) -> str | None:
-    """`TUNED`'s digit for M tokens on [N, K] on `sms` SMs, or None (not measured there)."""
-    tuned = TUNED.get((n, k)) if sms == 132 else None
-    if tuned is None or m > TUNED_M[-1]:
+def _measured(
+    table: dict[tuple[int, int], str], buckets: tuple[int, ...], m: int, n: int, k: int, sms: int
+) -> str | None:
+    """The character of `table` (`TUNED`, `ROUTES`) for M tokens on [N, K] on `sms` SMs: that of
+    the first of `buckets` that holds M; None where not measured (other weights, SM counts, M)."""
+    row = table.get((n, k)) if sms == 132 else None
+    if row is None or m > buckets[-1]:
         return None
-    return tuned[next(i for i, top in enumerate(TUNED_M) if m <= top)]
+    return row[next(i for i, top in enumerate(buckets) if m <= top)]
 
 
 @functools.lru_cache(maxsize=4096)  # pure; called on every routed call
 def takes(m: int, n: int, k: int, batch_invariant: bool = False, sms: int = 132) -> bool:
     """Whether the cuda tier runs M tokens on an [N, K] weight here rather than on the prefill
-    kernel: M <= MAX_M; in auto mode not where `TUNED` measured the prefill kernel faster, nor
-    from 193 tokens on weights of `PREFILL_N` rows or more. In batch-invariant mode every M up to
-    MAX_M (both kernels give the same bits there; this one was the faster at 6 of the 8 measured
-    shapes at M = 224-256, and the invariant prefill was up to 16% slower than its auto mode)."""
+    kernel: M <= MAX_M, and for the weights of `ROUTES` (on 132 SMs) as measured there; for other
+    weights, in auto mode up to 192 tokens and beyond on weights of fewer than `PREFILL_N` rows,
+    in batch-invariant mode every M up to MAX_M (both kernels give the same bits there). Auto
+    mode takes no call that batch-invariant mode does not."""
     if m > MAX_M:
         return False
-    if batch_invariant:
-        return True
-    digit = _tuned_digit(m, n, k, sms)
-    if digit is not None:
-        return digit != "p"
-    return m <= TUNED_M[-1] or n < PREFILL_N
+    route = _measured(ROUTES, ROUTE_M, m, n, k, sms)
+    if route is None:
+        return batch_invariant or m <= TUNED_M[-1] or n < PREFILL_N
+    return route == "-" or (route == "a" and batch_invariant)
 
 
 @functools.lru_cache(maxsize=4096)  # pure; called on every routed call
@@ -149,7 +171,7 @@ def pick_config(m: int, n: int, k: int, sms: int = 132) -> DecodeGemmCudaConfig:
     """The config a call of M tokens on an [N, K] weight runs on `sms` SMs: the measured one of
     `TUNED` where it has one (on 132 SMs, M <= 192), else `fill_config`'s. The choice never
     changes a sum."""
-    digit = _tuned_digit(m, n, k, sms)
+    digit = _measured(TUNED, TUNED_M, m, n, k, sms)
     if digit in _TUNED_CONFIGS:
         return DecodeGemmCudaConfig(*_TUNED_CONFIGS[digit])
     return fill_config(m, n, k, sms)

@@ -70,7 +70,7 @@ for _op, _check in (("fp8_gemm", "supports"), ("fp8_linear", "supports_linear"))
             supports=f"deepinfer_kernels.cuda.linear:{_check}",
             routing=(
                 "M <= 192 (256 for N < 2048, or batch-invariant) the decode kernel (K split <= "
-                "8) but where decode_gemm.TUNED measured the prefill kernel faster, larger M the "
+                "8) but where decode_gemm.ROUTES measured the prefill kernel faster, larger M the "
                 "prefill kernel (batch-invariant mode: the decode kernel's K split)"
             ),
         )
