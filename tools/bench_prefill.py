@@ -7,7 +7,12 @@ the time `call_time` models for each config over the uncut 128-column tiles', to
 model's constants (`N64_TILE_TIME`, `TILE_FIXED_STAGES`, `CUT_FIXED_STAGES`, `CUT_SLOWDOWN`,
 `CUT_MAX_WAVES` in `cuda/fp8_gemm.py`) against what the GPU measures.
 
-`python tools/bench_prefill.py [--quick]` on the GPU machine; the table last."""
+`--routes` instead measures what `cuda.decode_gemm.ROUTES` holds: for each of its weights and
+each `ROUTE_M` bucket above 64 tokens (at the bucket's first and last M), the decode kernel (its
+`pick_config`) against the prefill kernel's auto and batch-invariant configs, and the route those
+times give beside the one in `ROUTES`.
+
+`python tools/bench_prefill.py [--quick | --routes]` on the GPU machine; the table last."""
 
 from __future__ import annotations
 
@@ -59,9 +64,47 @@ def shape_rows(n: int, k: int, m_list: tuple[int, ...], sms: int) -> list[dict]:
     return rows
 
 
+def route_rows(n: int, k: int, sms: int) -> list[dict]:
+    """One row per `ROUTE_M` bucket above 64 tokens of an [N, K] weight of `ROUTES`: us summed
+    over the bucket's first and last M on the decode kernel, the prefill kernel's auto config and
+    its batch-invariant config; the route they give (- / a / b as in `ROUTES`; ? where only
+    batch-invariant mode would take the prefill kernel, which `ROUTES` cannot say) and ROUTES'."""
+    from deepinfer_kernels import quant
+    from deepinfer_kernels.cuda import decode_gemm as dg
+    from deepinfer_kernels.cuda import fp8_gemm as fg
+
+    weights = fp8_weights(n, k, max(4, min(16, WEIGHT_BYTES // (n * k))))
+    rows, lo = [], 1
+    for i, top in enumerate(dg.ROUTE_M):
+        if top <= 64:
+            lo = top + 1
+            continue
+        times = {"decode": 0.0, "auto": 0.0, "inv": 0.0}
+        for m in (lo, top):
+            x, xs = quant.act_quant_fp8(torch.randn(m, k, device="cuda"))
+            auto, inv = fg.call_config(m, n, k, False, sms), fg.call_config(m, n, k, True, sms)
+            calls = {
+                "decode": lambda w, s, x=x, xs=xs: dg.decode_gemm(x, xs, w, s),
+                "auto": lambda w, s, x=x, xs=xs, c=auto: fg.fp8_gemm(x, xs, w, s, config=c),
+                "inv": lambda w, s, x=x, xs=xs, c=inv: fg.fp8_gemm(x, xs, w, s, config=c),
+            }
+            for name, fn in calls.items():
+                runs = [chain_graph_ms(fn, weights) for _ in range(ROUNDS)]
+                times[name] += min(runs) * 1e3
+        auto_p, inv_p = times["auto"] < times["decode"], times["inv"] < times["decode"]
+        measured = ("b" if inv_p else "a") if auto_p else ("?" if inv_p else "-")
+        row = {"shape": f"{n}x{k}", "m": f"{lo}-{top}", **times, "measured": measured}
+        row["routes"] = dg.ROUTES[n, k][i]
+        rows.append(row)
+        print(row, flush=True)
+        lo = top + 1
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help=f"only M in {QUICK_M}")
+    parser.add_argument("--routes", action="store_true", help="the routes at 65-256 tokens")
     args = parser.parse_args()
     # `timeout` sends SIGTERM: leave through the finally below, so the table still prints
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("bench_prefill: SIGTERM"))
@@ -72,10 +115,16 @@ def main() -> None:
     sms = module.sm_count(torch.device("cuda"))
     rows = []
     try:
-        for n, k in SHAPES:
-            rows += shape_rows(n, k, QUICK_M if args.quick else M_LIST, sms)
+        if args.routes:
+            from deepinfer_kernels.cuda.decode_gemm import ROUTES
+
+            for n, k in ROUTES:
+                rows += route_rows(n, k, sms)
+        else:
+            for n, k in SHAPES:
+                rows += shape_rows(n, k, QUICK_M if args.quick else M_LIST, sms)
     finally:  # a run cut off by its time limit still prints what it measured
-        print_table(rows)
+        (print_routes if args.routes else print_table)(rows)
 
 
 def print_table(rows: list[dict]) -> None:
@@ -92,6 +141,16 @@ def print_table(rows: list[dict]) -> None:
         ]
         print(f"{r['shape']:>11} {r['m']:5} {r['cfg']:>8} {r['auto']:8.1f} {r['tflops']:5.0f} "
               f"{r['inv']:8.1f}  " + "  ".join(cells))  # fmt: skip
+
+
+def print_routes(rows: list[dict]) -> None:
+    """One line per (weight, bucket): us over the bucket's first and last M per kernel, the route
+    those give and the one `ROUTES` holds (a mismatch marked)."""
+    print(f"\n{'shape':>11} {'M':>8} {'decode':>8} {'auto':>8} {'inv':>8}  measured  ROUTES")
+    for r in rows:
+        mark = "" if r["measured"] == r["routes"] else "  <- differs"
+        print(f"{r['shape']:>11} {r['m']:>8} {r['decode']:8.1f} {r['auto']:8.1f} {r['inv']:8.1f}  "
+              f"{r['measured']:>8}  {r['routes']:>6}{mark}")  # fmt: skip
 
 
 if __name__ == "__main__":
