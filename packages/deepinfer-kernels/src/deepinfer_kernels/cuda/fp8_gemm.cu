@@ -212,8 +212,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     fp8_gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap b_map,
              const __grid_constant__ TensorMap sa_map, const __grid_constant__ TensorMap a_last,
              const __grid_constant__ TensorMap sa_last, const __grid_constant__ TensorMap out_map,
-             const void* __restrict__ sb_ptr, void* __restrict__ out, int m_rows, int n_cols, int k_len, int chunk_steps,
-             int last_box, float4* ws, int* arrivals, int dp_tiles, int split) {
+             const void* __restrict__ sb_ptr, void* __restrict__ out, int m_rows, int n_cols,
+             int k_len, int chunk_steps, int last_box, float4* ws, int* arrivals, int dp_tiles,
+             int split) {
   extern __shared__ u8 smem_raw[];
   __shared__ __align__(8) u64 full[STAGES];
   __shared__ __align__(8) u64 empty[STAGES];
