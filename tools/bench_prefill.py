@@ -32,12 +32,17 @@ ROUNDS = 3
 WEIGHT_BYTES = 1 << 30  # distinct weights per graph: more than the L2 holds, at least 4 sets
 
 
+def weight_sets(n: int, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Distinct [N, K] FP8 weights for one graph: `WEIGHT_BYTES` of them, 4 to 16 sets."""
+    return fp8_weights(n, k, max(4, min(16, WEIGHT_BYTES // (n * k))))
+
+
 def shape_rows(n: int, k: int, m_list: tuple[int, ...], sms: int) -> list[dict]:
     """The rows of one weight shape [N, K], one per M (printed as they come)."""
     from deepinfer_kernels import REGISTRY, ops, quant
     from deepinfer_kernels.cuda import fp8_gemm as fg
 
-    weights = fp8_weights(n, k, max(4, min(16, WEIGHT_BYTES // (n * k))))
+    weights = weight_sets(n, k)
     rows = []
     for m in m_list:
         x, xs = quant.act_quant_fp8(torch.randn(m, k, device="cuda"))
@@ -73,7 +78,7 @@ def route_rows(n: int, k: int, sms: int) -> list[dict]:
     from deepinfer_kernels.cuda import decode_gemm as dg
     from deepinfer_kernels.cuda import fp8_gemm as fg
 
-    weights = fp8_weights(n, k, max(4, min(16, WEIGHT_BYTES // (n * k))))
+    weights = weight_sets(n, k)
     rows, lo = [], 1
     for i, top in enumerate(dg.ROUTE_M):
         if top <= 64:

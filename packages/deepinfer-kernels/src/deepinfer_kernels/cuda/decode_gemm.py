@@ -39,12 +39,12 @@ measurement (`ROUTES`)."""
 
 PREFILL_N = 2048
 """From 193 tokens, auto mode sends weights of at least this many rows to the prefill kernel
-(weights without `ROUTES`).
-Narrower weights leave that kernel short of CTAs (this one splits K); from ~2K rows its tail cut
-(`fp8_gemm.call_config`: 66 tiles of 128 x 64 in two pieces each) fills the SMs. H200, M = 224 /
-256, us, this kernel / prefill: 1280x5120 10.9 / 14.4, 11.1 / 14.4; 2112x7168 23.3 / 20.6, 25.6 /
-20.6; 4096x5120 31.8 / 21.1, 33.2 / 21.4; 5120x8192 51.7 / 47.0, 52.5 / 47.2 (twenty-second
-session; before the cut 2112x7168 took 42.2 on the prefill kernel)."""
+(weights without `ROUTES`). Narrower weights leave that kernel short of CTAs (this one splits K);
+from ~2K rows its tail cut (`fp8_gemm.call_config`: 66 tiles of 128 x 64 in two pieces each)
+fills the SMs. H200, M = 224 / 256, us, this kernel / prefill: 1280x5120 10.9 / 14.4, 11.1 /
+14.4; 2112x7168 23.3 / 20.6, 25.6 / 20.6; 4096x5120 31.8 / 21.1, 33.2 / 21.4; 5120x8192 51.7 /
+47.0, 52.5 / 47.2 (twenty-second session; before the cut 2112x7168 took 42.2 on the prefill
+kernel)."""
 
 SOURCE = Path(__file__).with_name("decode_gemm.cu")
 ARCH = "sm_90a"

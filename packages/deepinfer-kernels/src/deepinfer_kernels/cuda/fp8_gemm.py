@@ -306,7 +306,8 @@ def fp8_gemm(
     mode always); auto mode's cuts of other counts change the last wave's sums with M."""
     m = x_fp8.shape[0] if x_fp8.dim() == 2 else 0
     n, k = w.shape if w.dim() == 2 else (0, 0)  # bad shapes: refused by call_reason
-    cfg = config or call_config(m, n, k, batch_invariant, module.sm_count(x_fp8.device))
+    sms = module.sm_count(x_fp8.device)
+    cfg = config or call_config(m, n, k, batch_invariant, sms)
     why = call_reason(x_fp8, x_scale, w, w_scale, out_dtype, cfg)
     if why is not None:
         raise ValueError(f"cuda fp8_gemm: {why}")
@@ -324,7 +325,6 @@ def fp8_gemm(
     out_map = module.tensor_map_2d(
         out.data_ptr(), m, n * out.element_size(), 128, 64, swizzle_128b=True
     )
-    sms = module.sm_count(x_fp8.device)
     tiles = tiles_of(m, n, cfg.block_n)
     split = min(cfg.tail_split, k // BLOCK_K)  # pieces of one stage at least
     tail = tiles % sms if split > 1 else 0  # the last partial wave's tiles, cut into pieces
