@@ -222,13 +222,14 @@ def test_routes_decide_takes_per_bucket():
 def test_takes_at_v4_shapes():
     """Measured routes: 5120x8192 at 65-128 tokens on the prefill kernel in auto mode only, at
     129-192 here, from 193 on the prefill kernel; 1280x5120 here up to 256; 2112x7168 from 193 on
-    the prefill kernel in auto mode; TUNED and ROUTES count on 132 SMs only (else the rule: up to
+    the prefill kernel in both modes; TUNED and ROUTES count on 132 SMs only (else the rule: up to
     192, or 256 under PREFILL_N rows or in batch-invariant mode)."""
     assert dg.takes(64, 5120, 8192) and not dg.takes(65, 5120, 8192)
     assert dg.takes(65, 5120, 8192, batch_invariant=True) and dg.takes(192, 5120, 8192)
     assert not dg.takes(193, 5120, 8192) and not dg.takes(256, 5120, 8192, batch_invariant=True)
     assert dg.takes(256, 1280, 5120) and not dg.takes(256, 2112, 7168)
-    assert dg.takes(192, 2112, 7168) and dg.takes(256, 2112, 7168, batch_invariant=True)
+    assert dg.takes(192, 2112, 7168) and not dg.takes(256, 2112, 7168, batch_invariant=True)
+    assert dg.takes(64, 4096, 5120) and not dg.takes(65, 4096, 5120, batch_invariant=True)
     assert not dg.takes(257, 1280, 5120) and not dg.takes(257, 1280, 5120, batch_invariant=True)
     assert dg.takes(64, 32768, 1280) and not dg.takes(96, 32768, 1280)
     assert dg.takes(160, 32768, 1280) and not dg.takes(96, 32768, 1280, batch_invariant=True)

@@ -36,6 +36,7 @@ CONFIGS = [
     fg.Fp8GemmCudaConfig(tail_split=4),  # the last partial wave's tiles cut along K
     fg.Fp8GemmCudaConfig(block_n=64, tail_split=3),
     replace(fg.invariant_config(5120, 8192), tail_split=4),  # pieces = the K split's chunks
+    replace(fg.invariant_config(5120, 8192), block_n=64, tail_split=2),  # pieces of 2 chunks
 ]
 
 
@@ -60,9 +61,10 @@ def test_config_refuses_floats_and_non_bools():
         fg.Fp8GemmCudaConfig(persistent=1)
     with pytest.raises(ValueError, match=r"tail_split must be 1\.\.8"):
         fg.Fp8GemmCudaConfig(tail_split=9)
-    with pytest.raises(ValueError, match="pieces of a cut tile must be the K split's chunks"):
-        fg.Fp8GemmCudaConfig(tail_split=2, k_split=4)
+    with pytest.raises(ValueError, match="pieces of a cut tile must be whole chunks"):
+        fg.Fp8GemmCudaConfig(tail_split=3, k_split=4)
     assert fg.Fp8GemmCudaConfig(tail_split=4, k_split=4).tail_split == 4
+    assert fg.Fp8GemmCudaConfig(tail_split=2, k_split=4).tail_split == 2
     with pytest.raises(ValueError, match="needs persistent False"):
         fg.Fp8GemmCudaConfig(tail_split=2, persistent=True)
 
@@ -92,8 +94,8 @@ def test_batch_invariant_tiles_take_the_fewer_wave_time():
             assert cfg.k_split == fg.invariant_config(n, k).k_split
             if cfg.tail_split == 1:
                 assert cfg.block_n == (64 if (n, k, m) in faster64 else 128), (n, k, m)
-            else:  # a cut: its pieces are the K split's chunks
-                assert cfg.tail_split == cfg.k_split, (n, k, m)
+            else:  # a cut: its pieces take whole chunks of the K split
+                assert cfg.k_split % cfg.tail_split == 0, (n, k, m)
     assert fg.call_config(512, 5120, 8192, True) == replace(
         fg.invariant_config(5120, 8192), tail_split=4
     )
@@ -136,17 +138,19 @@ def test_auto_mode_cuts_the_last_partial_wave():
 )
 def test_tail_cut_is_modelled_faster_and_fits(m, n, k, sms):
     """Auto mode's config is never modelled slower than batch-invariant mode's tiles without a
-    cut; a cut's pieces fit on the SMs the last wave leaves, each of `MIN_PIECE_STAGES` stages."""
+    cut; a cut's pieces (in batch-invariant mode of whole chunks of its K split) fit on the SMs
+    the last wave leaves, each of `MIN_PIECE_STAGES` stages."""
     auto = fg.call_config(m, n, k, False, sms)
     inv = fg.call_config(m, n, k, True, sms)
     assert fg.call_time(m, n, k, auto.block_n, auto.tail_split, sms) <= fg.call_time(
         m, n, k, inv.block_n, 1, sms
     )
-    assert inv.tail_split in (1, inv.k_split)  # batch-invariant: pieces are the K split's chunks
-    if auto.tail_split > 1:
-        tail = fg.tiles_of(m, n, auto.block_n) % sms
-        assert tail * auto.tail_split <= sms
-        assert k // fg.BLOCK_K >= auto.tail_split * fg.MIN_PIECE_STAGES
+    assert inv.k_split % inv.tail_split == 0  # batch-invariant: pieces of whole chunks
+    for cfg in (auto, inv):
+        if cfg.tail_split > 1:
+            tail = fg.tiles_of(m, n, cfg.block_n) % sms
+            assert tail * cfg.tail_split <= sms
+            assert k // fg.BLOCK_K >= cfg.tail_split * fg.MIN_PIECE_STAGES
 
 
 def test_invariant_config_is_the_decode_kernels_split():
@@ -229,7 +233,8 @@ def test_close_to_ref(m, n, k, cfg):
 
     if cfg.k_split > 1:  # the deepest split of this K up to the config's
         split = max(s for s in range(1, cfg.k_split + 1) if k // fg.BLOCK_K % s == 0)
-        cfg = replace(cfg, k_split=split, tail_split=split if cfg.tail_split > 1 else 1)
+        tail = max(d for d in range(1, cfg.tail_split + 1) if split % d == 0)
+        cfg = replace(cfg, k_split=split, tail_split=tail)
         assert fg.shape_reason(n, k, cfg) is None
     xq, xs, wq, ws = gemm_inputs(m, n, k, seed=m + n + k)
     want = ref_linear.fp8_gemm(xq, xs, wq, ws, torch.float32)
@@ -288,21 +293,24 @@ def test_tail_pieces_add_in_order(block_n):
 
 
 @needs_hopper
-def test_batch_invariant_cut_keeps_the_bits():
-    """Batch-invariant mode cuts 5120x8192 at M = 512 into its K split's chunks: the same bits as
-    the uncut tiles, and through the registry a row's bits are those of a call of other M."""
+@pytest.mark.parametrize(("m", "n", "k", "pieces"), [(512, 5120, 8192, 4), (256, 2112, 7168, 2)])
+def test_batch_invariant_cut_keeps_the_bits(m, n, k, pieces):
+    """Batch-invariant mode cuts the last wave's tiles into pieces of its K split's chunks
+    (5120x8192 at M = 512: one chunk each; 2112x7168 at M = 256: two, the second piece's kept
+    apart): the same bits as the uncut tiles, and through the registry a row's bits are those of
+    a call of other M."""
     from deepinfer_kernels import REGISTRY, ops
     from gpu_checks import gemm_inputs
 
-    xq, xs, wq, ws = gemm_inputs(512, 5120, 8192, seed=23)
-    cut = fg.call_config(512, 5120, 8192, True)
-    assert cut.tail_split == cut.k_split == 4
+    xq, xs, wq, ws = gemm_inputs(m, n, k, seed=23)
+    cut = fg.call_config(m, n, k, True)
+    assert cut.k_split == 4 and cut.tail_split == pieces
     got = fg.fp8_gemm(xq, xs, wq, ws, torch.float32, config=cut)
     uncut = replace(cut, tail_split=1)
     assert torch.equal(got, fg.fp8_gemm(xq, xs, wq, ws, torch.float32, config=uncut))
     with REGISTRY.batch_invariant_mode():
         full = ops.fp8_gemm(xq, xs, wq, ws)
-        for lo, hi in ((0, 1), (100, 300), (200, 512)):
+        for lo, hi in ((0, 1), (100, 300), (200, m)):
             assert torch.equal(ops.fp8_gemm(xq[lo:hi], xs[lo:hi], wq, ws), full[lo:hi]), (lo, hi)
 
 

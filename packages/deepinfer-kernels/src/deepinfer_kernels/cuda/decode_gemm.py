@@ -123,9 +123,9 @@ ROUTES = {
     (1280, 5120): "---------",
     (4608, 5120): "--------b",
     (5120, 2304): "--------b",
-    (2112, 7168): "--------a",
+    (2112, 7168): "--------b",
     (7168, 2048): "-----bbbb",
-    (4096, 5120): "-----aabb",
+    (4096, 5120): "-----bbbb",
 }
 """Which kernel `takes` `TUNED`'s weights, one character per `ROUTE_M` bucket: - this kernel, a
 the prefill kernel in auto mode and this one in batch-invariant mode (both give the same bits
@@ -134,8 +134,11 @@ H200, twenty-third session (after the prefill kernel's row-tile box cut and TMA-
 16-call graphs, us, this kernel / prefill auto / prefill invariant: 5120x8192 M = 96 27.8 / 24.5
 / 32.1, M = 192 38.3 / 44.1 / 45.0, M = 256 52.8 / 44.5 / 45.4; 32768x1280 M = 96 26.8 / 22.0 /
 22.1; 7168x2048 M = 160 18.2 / 15.0 / 16.1; 4096x5120 M = 128 18.9 / 16.2 / 19.3, M = 160 23.0 /
-20.5 / 21.8; 2112x7168 M = 256 25.4 / 19.5 / 28.3 (its invariant tiles cannot be cut: 66 tiles of
-4 chunks); 1280x5120 M = 256 11.0 / 13.6 / 17.9 (the whole table in NOTES.md)."""
+20.5 / 21.8; 1280x5120 M = 256 11.0 / 13.6 / 17.9 (the whole table in NOTES.md). Twenty-fourth
+session, after batch-invariant mode's cut into pieces of several chunks, `tools/bench_prefill.py
+--routes` (us summed over a bucket's first and last M): 2112x7168 at 193 + 256 48.5 / 39.1 /
+42.0 (its 66 invariant tiles now cut in two pieces of two chunks; uncut, 28.3 at M = 256);
+4096x5120 at 65 + 96 36.0 / 32.6 / 35.3, at 97 + 128 37.6 / 32.7 / 35.6."""
 
 _TUNED_CONFIGS = {"2": (2, 2), "3": (1, 3), "4": (1, 4)}
 

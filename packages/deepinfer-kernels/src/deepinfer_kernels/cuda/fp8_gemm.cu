@@ -14,7 +14,8 @@
 // memory and leaves by TMA stores (`stage_out`; PERSISTENT, whose ring is busy: direct stores).
 //
 // The sums of a row depend on K only (fixed tiles): batch-invariant, also where SPLIT_TAIL cuts
-// the last partial wave's tiles into K_SPLIT's chunks (cut otherwise, they depend on M). With
+// the last partial wave's tiles into pieces of K_SPLIT's chunks (cut otherwise, they depend on
+// M). With
 // K_SPLIT, K runs in chunks of `chunk_steps` stages, each summed from zero and the chunk sums
 // added in order (the TileLang decode kernel's split, for batch-invariant mode: the same sums as
 // that kernel's); the running total of the chunks waits in shared memory. Compile-time
@@ -152,39 +153,47 @@ static __device__ __forceinline__ void fill_sb_table(u32 sb_table, const void* s
 }
 
 #if SPLIT_TAIL
-// The tiles of the last partial wave, cut along K (the CTAs past the `dp_tiles` whole tiles):
-// each piece stores its sums to `ws` ([tail tile][piece][NB8][256 threads] float4s, coalesced),
-// and the last piece of a tile to arrive (`arrivals`, zeroed by the caller) adds the pieces in
-// piece order (the same bits whichever arrives last) into acc and goes on to store the tile.
-// With K_SPLIT the pieces are the chunks (split = the chunk count): p0 + p1 + ... in order is
-// then what `fold` adds in one CTA, so a cut tile has the uncut tile's bits (batch-invariant).
-// Returns whether this CTA stores the tile. me: the consumer thread, 0..255.
-static __device__ __forceinline__ bool tail_sum(float (&acc)[NB8][4], float4* ws, int* arrivals,
-                                                int tail_tile, int piece, int split, int me) {
-  __shared__ int last;
-  float4* pieces = ws + (u64)tail_tile * split * NB8 * 256 + me;
+// Sums to a slot of the workspace: NB8 float4s per consumer thread, 256 apart (coalesced).
+static __device__ __forceinline__ void spill(const float (&acc)[NB8][4], float4* slot) {
 #pragma unroll
   for (int j = 0; j < NB8; ++j)
-    __stcg(pieces + (piece * NB8 + j) * 256,
-           make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]));
+    __stcg(slot + j * 256, make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]));
+}
+
+// The tiles of the last partial wave, cut along K (the CTAs past the `dp_tiles` whole tiles):
+// `split` pieces of `per` chunks each (K_SPLIT's chunks; without it each piece is one chunk).
+// The tile's sums wait in `ws` ([tail tile][chunk][NB8][256 threads] float4s): piece 0 sums its
+// chunks as an uncut tile does (`fold`) and leaves that prefix in the slot of its last chunk;
+// the other pieces leave each chunk's sums apart (`spill` between chunks, then here). The last
+// piece of a tile to arrive (`arrivals`, zeroed by the caller) adds prefix + chunk + chunk ... in
+// chunk order (the same bits whichever arrives last, and with K_SPLIT those of the uncut tile:
+// batch-invariant) into acc and goes on to store the tile. Returns whether this CTA stores it.
+// me: the consumer thread, 0..255.
+static __device__ __forceinline__ bool tail_sum(float (&acc)[NB8][4], float4* ws, int* arrivals,
+                                                int tail_tile, int piece, int split, int per,
+                                                int me) {
+  __shared__ int last;
+  const int chunks = split * per, mine = piece * per + per - 1;  // the slot acc goes to
+  float4* slots = ws + (u64)tail_tile * chunks * NB8 * 256 + me;
+  spill(acc, slots + mine * NB8 * 256);
   __threadfence();  // the sums are out before the arrival is counted
   asm volatile("bar.sync 1, 256;" ::: "memory");
   if (me == 0) last = atomicAdd(arrivals + tail_tile, 1) == split - 1;
   asm volatile("bar.sync 1, 256;" ::: "memory");
   if (!last) return false;
   __threadfence();  // and the other pieces' sums are read after their arrivals
-  // a piece's NB8 loads all in flight before its sums are added (one L2 round trip per piece)
+  // a slot's NB8 loads all in flight before its sums are added (one L2 round trip per slot)
   float4 t[NB8];
 #pragma unroll
   for (int j = 0; j < NB8; ++j)
-    t[j] = piece == 0 ? make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3])
-                      : __ldcg(pieces + j * 256);
-  for (int i = 1; i < split; ++i) {
+    t[j] = mine == per - 1 ? make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3])
+                           : __ldcg(slots + ((per - 1) * NB8 + j) * 256);
+  for (int i = per; i < chunks; ++i) {
     float4 v[NB8];
 #pragma unroll
     for (int j = 0; j < NB8; ++j)
-      v[j] = i == piece ? make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3])
-                        : __ldcg(pieces + (i * NB8 + j) * 256);
+      v[j] = i == mine ? make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3])
+                       : __ldcg(slots + (i * NB8 + j) * 256);
 #pragma unroll
     for (int j = 0; j < NB8; ++j)
       t[j] = make_float4(t[j].x + v[j].x, t[j].y + v[j].y, t[j].z + v[j].z, t[j].w + v[j].w);
@@ -229,12 +238,16 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
   int m0, n0;
   int k0 = 0, steps = k_steps;  // the first of the CTA's K stages of each tile, and how many
 #if SPLIT_TAIL
+  const int per = K_SPLIT ? k_steps / chunk_steps / split : 1;  // chunks per piece
   const int piece = blockIdx.x < dp_tiles ? -1 : (blockIdx.x - dp_tiles) % split;
   const int tile = blockIdx.x < dp_tiles ? blockIdx.x : dp_tiles + (blockIdx.x - dp_tiles) / split;
   if (piece >= 0) k0 = piece * k_steps / split, steps = (piece + 1) * k_steps / split - k0;
   tile_origin(tile, tiles_m, tiles_n, m0, n0);
 #elif !PERSISTENT
   tile_origin(blockIdx.x, tiles_m, tiles_n, m0, n0);
+#endif
+#if !SPLIT_TAIL
+  constexpr int piece = -1;  // whole tiles only
 #endif
 
   if (threadIdx.x == 0) {
@@ -305,6 +318,17 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     // scheduled that loop otherwise (631 instructions against 376 without the split)
     const int chunk = K_SPLIT ? chunk_steps : steps;
     for (int c0 = 0; c0 < steps; c0 += chunk) {
+#if K_SPLIT && SPLIT_TAIL
+      if (c0 > 0 && piece > 0) {  // a later piece keeps its chunks apart (`tail_sum`)
+        const int slot = piece * per + c0 / chunk - 1;
+        const u64 at = ((u64)(tile - dp_tiles) * split * per + slot) * NB8 * 256;
+        spill(acc, ws + at + threadIdx.x - 128);
+#pragma unroll
+        for (int j = 0; j < NB8; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
+      } else
+#endif
 #if K_SPLIT
       if (c0 > 0) fold(acc, total + (threadIdx.x - 128) * 4, c0 == chunk);
 #endif
@@ -338,7 +362,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
       }
     }
 #if K_SPLIT
-    if (chunk_steps < steps) {  // the last chunk goes on the total of those before
+    // the last chunk goes on the total of those before (not in a later piece of a cut tile)
+    if (chunk_steps < steps && piece <= 0) {
       const u32 mine = total + (threadIdx.x - 128) * 4;
 #pragma unroll
       for (int j = 0; j < NB8; ++j)
@@ -348,7 +373,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 #endif
 #if SPLIT_TAIL
     if (piece >= 0 &&
-        !tail_sum(acc, ws, arrivals, tile - dp_tiles, piece, split, threadIdx.x - 128))
+        !tail_sum(acc, ws, arrivals, tile - dp_tiles, piece, split, per, threadIdx.x - 128))
       return;
 #endif
 

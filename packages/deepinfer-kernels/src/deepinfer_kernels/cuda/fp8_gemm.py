@@ -49,8 +49,9 @@ class Fp8GemmCudaConfig:
     consumers store this one; sixteenth session: correct, not faster). tail_split: the tiles of
     the last partial wave (tiles % SMs) cut along K into this many pieces (1..8, at most one per
     stage), which the last piece to finish adds in piece order (`call_config`). With a K split
-    the pieces must be its chunks (tail_split = k_split): a cut tile then has the uncut tile's
-    bits; without one a cut row's bits depend on M (auto mode only)."""
+    the pieces must be whole chunks (tail_split divides k_split; a piece after the first keeps
+    its chunks' sums apart): a cut tile then has the uncut tile's bits; without one a cut row's
+    bits depend on M (auto mode only)."""
 
     block_n: int = 128
     stages: int = 6
@@ -71,10 +72,10 @@ class Fp8GemmCudaConfig:
         check_fields(self, checks)
         if self.tail_split > 1 and self.persistent:
             raise ValueError("Fp8GemmCudaConfig.tail_split > 1 needs persistent False")
-        if self.tail_split > 1 and self.k_split not in (1, self.tail_split):
+        if self.tail_split > 1 and self.k_split > 1 and self.k_split % self.tail_split:
             raise ValueError(
                 f"Fp8GemmCudaConfig.tail_split {self.tail_split} with k_split {self.k_split}: the "
-                "pieces of a cut tile must be the K split's chunks (tail_split = k_split)"
+                "pieces of a cut tile must be whole chunks of the K split (tail_split divides it)"
             )
 
 
@@ -214,14 +215,14 @@ def tail_split_for(tiles: int, k: int, sms: int, chunks: int | None = None) -> i
     """Pieces per tile of the last partial wave (`Fp8GemmCudaConfig.tail_split`): as many as the
     SMs that wave leaves idle take, up to `MAX_TAIL_SPLIT` and one per `MIN_PIECE_STAGES` stages of
     K; 1 (no cut) when every wave is whole or more than `CUT_MAX_WAVES` are. chunks: the count of
-    a K split's chunks (batch-invariant mode), which the pieces must be: that count where it
-    fits, else 1."""
+    a K split's chunks (batch-invariant mode), whose whole chunks the pieces must take: the most
+    pieces that divide it and fit, else 1."""
     waves, tail = divmod(tiles, sms)
     if tail == 0 or waves > CUT_MAX_WAVES:
         return 1
     most = min(sms // tail, MAX_TAIL_SPLIT, k // BLOCK_K // MIN_PIECE_STAGES)
     if chunks is not None:
-        return chunks if 1 < chunks <= most else 1
+        return max((d for d in range(1, min(chunks, most) + 1) if chunks % d == 0), default=1)
     return max(1, most)
 
 
@@ -331,8 +332,10 @@ def fp8_gemm(
     ctas = tiles - tail + tail * split  # one per tile or piece, or per SM (persistent)
     if cfg.persistent:
         ctas = min(ctas, sms)
-    # the pieces' fp32 sums, [tail tile][piece][128 x block_n]; a count of pieces done per tile
-    ws = torch.empty(tail * split * BLOCK_M * cfg.block_n, device=x_fp8.device) if tail else None
+    # the pieces' fp32 sums, [tail tile][chunk][128 x block_n] (a piece is one chunk without a K
+    # split); a count of pieces done per tile
+    slots = cfg.k_split if cfg.k_split > 1 else split
+    ws = torch.empty(tail * slots * BLOCK_M * cfg.block_n, device=x_fp8.device) if tail else None
     arrivals = torch.zeros(tail, dtype=torch.int32, device=x_fp8.device) if tail else None
     sb_f32, out_f32 = w_scale.dtype == torch.float32, out_dtype == torch.float32
     constants = tuple(defines(cfg, sb_f32, out_f32).items())
