@@ -31,8 +31,9 @@ CONFIGS = [
     fg.Fp8GemmCudaConfig(stages=2),
     fg.invariant_config(5120, 8192),  # K in 4 chunks, their total in shared memory, 4 stages
     replace(fg.invariant_config(5120, 8192), block_n=64),
-    fg.Fp8GemmCudaConfig(persistent=True),  # one CTA per SM over the tiles
-    replace(fg.invariant_config(5120, 8192), persistent=True),
+    # one CTA per SM over the tiles, their own staging: the stages that fit at the largest K
+    fg.config_for(8192, fg.Fp8GemmCudaConfig(persistent=True)),
+    fg.config_for(8192, replace(fg.invariant_config(5120, 8192), persistent=True)),
     fg.Fp8GemmCudaConfig(tail_split=4),  # the last partial wave's tiles cut along K
     fg.Fp8GemmCudaConfig(block_n=64, tail_split=3),
     replace(fg.invariant_config(5120, 8192), tail_split=4),  # pieces = the K split's chunks

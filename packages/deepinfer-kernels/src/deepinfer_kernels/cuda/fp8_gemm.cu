@@ -11,7 +11,7 @@
 // keep one slice's wgmma in flight while they promote the one before (two partial buffers).
 // sb for the tile's columns and all of K goes to shared memory once per CTA, as floats (by the
 // consumers, while the first stages load). The finished tile is staged in the ring's shared
-// memory and leaves by TMA stores (`stage_out`; PERSISTENT, whose ring is busy: direct stores).
+// memory (PERSISTENT, whose ring holds the next tile: its own) and leaves by TMA stores.
 //
 // The sums of a row depend on K only (fixed tiles): batch-invariant, also where SPLIT_TAIL cuts
 // the last partial wave's tiles into pieces of K_SPLIT's chunks (cut otherwise, they depend on
@@ -216,12 +216,13 @@ static __device__ __forceinline__ bool tail_sum(float (&acc)[NB8][4], float4* ws
 
 // Dynamic shared memory: [STAGES][a 128 x 128 | b BLOCK_N x 128 | sa 128 x 4 floats], (K_SPLIT:
 // the chunks' total, [NB8 * 4][256 consumer threads] floats), then the sb table [K / 32][SB_STRIDE]
-// floats; 1 KiB of slack to start the stages on 1024 bytes.
+// floats, (PERSISTENT: from the next 1024 bytes, the tile's staging, 128 x BLOCK_N floats); 1 KiB
+// of slack to start the stages on 1024 bytes.
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
     fp8_gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap b_map,
              const __grid_constant__ TensorMap sa_map, const __grid_constant__ TensorMap a_last,
              const __grid_constant__ TensorMap sa_last, const __grid_constant__ TensorMap out_map,
-             const void* __restrict__ sb_ptr, void* __restrict__ out, int m_rows, int n_cols,
+             const void* __restrict__ sb_ptr, int m_rows, int n_cols,
              int k_len, int chunk_steps, int last_box, float4* ws, int* arrivals, int dp_tiles,
              int split) {
   extern __shared__ u8 smem_raw[];
@@ -230,6 +231,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
   const u32 base = (smem_u32(smem_raw) + 1023u) & ~1023u;
   const u32 total = base + STAGES * STAGE_BYTES;  // K_SPLIT only
   const u32 sb_table = total + (K_SPLIT ? NB8 * 4 * 256 * 4 : 0);
+  // PERSISTENT: the tile's staging for the TMA stores, room for fp32 sums (1024-byte aligned)
+  const u32 out_stage = (sb_table + k_len / 32 * SB_STRIDE * 4 + 1023u) & ~1023u;
   const int k_steps = k_len / BLOCK_K;
   const int k_groups = k_len / 32;
 
@@ -377,34 +380,21 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
       return;
 #endif
 
-#if PERSISTENT  // the ring holds the next tile's stages: no room to stage the tile's sums
-    // out directly: this thread's rows row, row + 8 of its warpgroup's, columns 8 j + 2 (lane %
-    // 4) + {0, 1}
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int m = m0 + row + 8 * h;
-      if (m >= m_rows) continue;
-#pragma unroll
-      for (int j = 0; j < NB8; ++j) {
-        const int n = n0 + 8 * j + 2 * (lane & 3);
-        if (n >= n_cols) continue;
-#if OUT_F32
-        float2* o = reinterpret_cast<float2*>(static_cast<float*>(out) + (u64)m * n_cols + n);
-        *o = make_float2(acc[j][2 * h], acc[j][2 * h + 1]);
-#else
-        u32 v;
-        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(v) : "f"(acc[j][2 * h + 1]), "f"(acc[j][2 * h]));
-        *reinterpret_cast<u32*>(static_cast<u16*>(out) + (u64)m * n_cols + n) = v;
-#endif
-      }
-    }
-#else
     // the tile out through shared memory and the TMA (direct 4-byte stores of the wgmma layout
-    // took 2 us of a 10 us tile at K = 1280): both consumer warpgroups are past their last
-    // wgmma, so the ring is free; each warpgroup stages its 64 rows as 128-byte-swizzled boxes
-    // and one of its threads stores them, out-of-bounds rows and columns left out by the TMA
+    // took 2 us of a 10 us tile at K = 1280): each warpgroup stages its 64 rows as
+    // 128-byte-swizzled boxes and one of its threads stores them, out-of-bounds rows and columns
+    // left out by the TMA. One tile per CTA: both consumer warpgroups are past their last wgmma,
+    // so the drained ring holds the staging. PERSISTENT: the ring holds the next tile's stages,
+    // so the staging has its own memory, which the last tile's stores have read by now (checked
+    // by the thread that issued them)
+#if PERSISTENT
+    const u32 half = out_stage + c * OUT_HALF_BYTES;
+    if ((threadIdx.x & 127) == 0) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+    asm volatile("bar.sync %0, 128;" ::"r"(2 + c) : "memory");
+#else
     asm volatile("bar.sync 1, 256;" ::: "memory");
     const u32 half = base + c * OUT_HALF_BYTES;
+#endif
     stage_out(acc, half, warp, lane);
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     asm volatile("bar.sync %0, 128;" ::"r"(2 + c) : "memory");
@@ -414,9 +404,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         if (n0 + b * OUT_BOX_COLS < n_cols)
           tma_store(&out_map, (n0 + b * OUT_BOX_COLS) * OUT_BYTES, m0 + 64 * c, half + b * 8192);
       asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-      asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");  // before the CTA exits
     }
-#endif
     done += steps;
   }
+  // the staging's memory stays until the stores have read it
+  if ((threadIdx.x & 127) == 0) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
 }

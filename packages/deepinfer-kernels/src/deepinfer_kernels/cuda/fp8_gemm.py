@@ -89,11 +89,13 @@ def shared_bytes(k: int, cfg: Fp8GemmCudaConfig) -> int:
     """Dynamic shared memory of a call with reduction length k: the ring (a 128 x 128 bytes, b
     block_n x 128 bytes, sa 128 x 16 bytes per stage), with a K split the chunks' fp32 total of
     the tile, the weight scales of the tile's columns over all of K as floats (rows of a
-    multiple of 4), and 1 KiB to align the ring on 1024."""
+    multiple of 4), persistent the tile's staging for its stores (room for fp32 sums, on 1024
+    bytes), and 1 KiB to align the ring on 1024."""
     stage = BLOCK_M * BLOCK_K + cfg.block_n * BLOCK_K + BLOCK_M * 16
     total = BLOCK_M * cfg.block_n * 4 if cfg.k_split > 1 else 0
     sb_stride = (cfg.block_n // 32 + 3) // 4 * 4
-    return cfg.stages * stage + total + (k // 32) * sb_stride * 4 + 1024
+    staging = BLOCK_M * cfg.block_n * 4 + 1024 if cfg.persistent else 0  # fp32 sums, aligned
+    return cfg.stages * stage + total + (k // 32) * sb_stride * 4 + staging + 1024
 
 
 def config_for(k: int, base: Fp8GemmCudaConfig = DEFAULT) -> Fp8GemmCudaConfig:
@@ -342,7 +344,7 @@ def fp8_gemm(
     chunk_steps = k // BLOCK_K // cfg.k_split
     maps = (a_map, b_map, sa_map, a_last, sa_last, out_map)
     shape = (m, n, k, chunk_steps, last_box)
-    args = (*maps, w_scale, out, *shape, ws, arrivals, tiles - tail, split)
+    args = (*maps, w_scale, *shape, ws, arrivals, tiles - tail, split)
     _kernel(constants, module.device_index(x_fp8.device)).launch(
         (ctas,), THREADS, args, shared_bytes(k, cfg)
     )
