@@ -1,11 +1,12 @@
 """The dense FP8 prefill GEMM across M on the cuda prefill kernel (`cuda/fp8_gemm.py`): the
-registry's `ops.fp8_gemm` in auto mode (the tile width and the last partial wave's cut that
-`call_config` picks) and in batch-invariant mode, beside the kernel on each tile width with and
-without the tail cut, for V4.1's weight shapes. One CUDA graph of calls over distinct weights (the
-engine's harness, `chain_graph_ms`), best of `ROUNDS`; us per call, the auto row's TFLOP/s, and
-the time `call_time` models for each config over the uncut 128-column tiles', to check the
-model's constants (`N64_TILE_TIME`, `TILE_FIXED_STAGES`, `CUT_FIXED_STAGES`, `CUT_SLOWDOWN`,
-`CUT_MAX_WAVES` in `cuda/fp8_gemm.py`) against what the GPU measures.
+registry's `ops.fp8_gemm` in auto mode (the tile width, and the last partial wave's cut or
+persistent CTAs, that `call_config` picks) and in batch-invariant mode, beside the kernel on each
+tile width with and without the tail cut, and past one wave on persistent CTAs (`/p`), for V4.1's
+weight shapes. One CUDA graph of calls over distinct weights (the engine's harness,
+`chain_graph_ms`), best of `ROUNDS`; us per call, the auto row's TFLOP/s, and the time
+`call_time` models for each config over the uncut 128-column tiles', to check the model's
+constants (`N64_TILE_TIME`, `TILE_FIXED_STAGES`, `CUT_FIXED_STAGES`, `CUT_SLOWDOWN`,
+`CUT_MAX_WAVES`, `PERSISTENT_SAVED_STAGES` in `cuda/fp8_gemm.py`) against what the GPU measures.
 
 `--routes` instead measures what `cuda.decode_gemm.ROUTES` holds: for each of its weights and
 each `ROUTE_M` bucket above 64 tokens (at the bucket's first and last M), the decode kernel (its
@@ -52,7 +53,8 @@ def shape_rows(n: int, k: int, m_list: tuple[int, ...], sms: int) -> list[dict]:
             return min(runs) * 1e3
 
         auto = fg.call_config(m, n, k, False, sms)
-        row = {"shape": f"{n}x{k}", "m": m, "cfg": f"{auto.block_n}/{auto.tail_split}"}
+        schedule = "p" if auto.persistent else auto.tail_split
+        row = {"shape": f"{n}x{k}", "m": m, "cfg": f"{auto.block_n}/{schedule}"}
         row["auto"] = us(ops.fp8_gemm)
         with REGISTRY.batch_invariant_mode():
             row["inv"] = us(ops.fp8_gemm)  # captured in the mode
@@ -63,6 +65,11 @@ def shape_rows(n: int, k: int, m_list: tuple[int, ...], sms: int) -> list[dict]:
                 key = f"{block_n}/{cut}"
                 row[key] = us(lambda *a, cfg=cfg: fg.fp8_gemm(*a, config=cfg))
                 row["model " + key] = fg.call_time(m, n, k, block_n, cut, sms)
+            if fg.tiles_of(m, n, block_n) > sms:  # one CTA per SM over the tiles (uncut waves)
+                cfg = fg.config_for(k, replace(fg.DEFAULT, block_n=block_n, persistent=True))
+                key = f"{block_n}/p"
+                row[key] = us(lambda *a, cfg=cfg: fg.fp8_gemm(*a, config=cfg))
+                row["model " + key] = fg.call_time(m, n, k, block_n, 1, sms, persistent=True)
         row["tflops"] = 2 * m * n * k / row["auto"] / 1e6
         rows.append(row)
         print(row, flush=True)
@@ -136,7 +143,7 @@ def print_table(rows: list[dict]) -> None:
     """One line per (shape, M): the registry's two modes, then each config measured as
     us (measured / modelled time over the uncut 128-column config's)."""
     print(f"\n{'shape':>11} {'M':>5} {'auto cfg':>8} {'auto us':>8} {'TF/s':>5} {'inv us':>8}  "
-          "configs (block_n/pieces: us, measured/modelled ratio to 128/1)")  # fmt: skip
+          "configs (block_n/pieces or p: us, measured/modelled ratio to 128/1)")  # fmt: skip
     for r in rows:
         base, model = r["128/1"], r["model 128/1"]
         cells = [

@@ -102,29 +102,36 @@ def test_batch_invariant_tiles_take_the_fewer_wave_time():
     )
 
 
-# (N, K, M) -> auto mode's (block_n, tail_split): the H200's fastest where a cut measured >= 5%
-# faster (twenty-second session, 0.48-0.87x the uncut wide tiles), and uncut past a few waves or
-# at K = 1280 (the cut measured 1.01-1.05x there)
+# (N, K, M) -> auto mode's (block_n, tail_split or "p": persistent CTAs): the H200's fastest
+# (twenty-second session: a cut where it measured >= 5% faster, 0.48-0.87x the uncut wide tiles;
+# twenty-fourth: persistent CTAs past one wave where no cut is, 0.90-0.99x one CTA per tile)
 AUTO_PICKS = {
     (5120, 8192, 512): (128, 4),  # 160 tiles: the 28 past one wave in 4 pieces each
     (4608, 5120, 512): (128, 8),
     (4608, 5120, 1024): (128, 5),
     (2112, 7168, 256): (64, 2),  # 66 narrow tiles, every one cut in two: 132 CTAs
     (2112, 7168, 2048): (128, 8),
-    (5120, 8192, 384): (128, 1),  # 120 tiles: no room for pieces beside them
-    (5120, 8192, 8192): (128, 1),  # 19 waves: the SMs no longer finish a wave together
-    (2112, 7168, 8192): (128, 1),
-    (7168, 2048, 1024): (128, 1),
-    (32768, 1280, 1536): (128, 1),
-    (32768, 1280, 8192): (128, 1),
+    (5120, 8192, 384): (128, 1),  # 120 tiles: no room for pieces beside them, one wave
+    (5120, 8192, 8192): (128, "p"),  # 19 waves: no cut, the stores overlap the next tile
+    (2112, 7168, 8192): (128, "p"),
+    (2112, 7168, 1024): (64, "p"),  # 264 narrow tiles: two whole waves
+    (7168, 2048, 384): (64, "p"),
+    (7168, 2048, 1024): (128, "p"),
+    (32768, 1280, 256): (128, "p"),
+    (32768, 1280, 8192): (128, "p"),
 }
 
 
-def test_auto_mode_cuts_the_last_partial_wave():
-    for (n, k, m), (block_n, split) in AUTO_PICKS.items():
-        cfg = fg.call_config(m, n, k, False)
-        assert (cfg.block_n, cfg.tail_split) == (block_n, split), (n, k, m)
-        assert cfg == replace(fg.DEFAULT, block_n=block_n, tail_split=split)
+def test_auto_mode_picks_the_measured_fastest():
+    for (n, k, m), (block_n, schedule) in AUTO_PICKS.items():
+        persistent = schedule == "p"
+        want = replace(
+            fg.DEFAULT,
+            block_n=block_n,
+            tail_split=1 if persistent else schedule,
+            persistent=persistent,
+        )
+        assert fg.call_config(m, n, k, False) == fg.config_for(k, want), (n, k, m)
     assert fg.call_config(132 * 128, 128, 8192, False) == fg.DEFAULT  # whole waves
     assert fg.tail_split_for(40, 1280, 132) == 2  # 10 stages: pieces of 4 at least
     assert fg.tail_split_for(5 * 132 + 1, 8192, 132) == 1  # past CUT_MAX_WAVES
@@ -139,15 +146,19 @@ def test_auto_mode_cuts_the_last_partial_wave():
 )
 def test_tail_cut_is_modelled_faster_and_fits(m, n, k, sms):
     """Auto mode's config is never modelled slower than batch-invariant mode's tiles without a
-    cut; a cut's pieces (in batch-invariant mode of whole chunks of its K split) fit on the SMs
-    the last wave leaves, each of `MIN_PIECE_STAGES` stages."""
+    cut; persistent CTAs past one wave only; a cut's pieces (in batch-invariant mode of whole
+    chunks of its K split) fit on the SMs the last wave leaves, each of `MIN_PIECE_STAGES`
+    stages."""
     auto = fg.call_config(m, n, k, False, sms)
     inv = fg.call_config(m, n, k, True, sms)
-    assert fg.call_time(m, n, k, auto.block_n, auto.tail_split, sms) <= fg.call_time(
-        m, n, k, inv.block_n, 1, sms
+    assert fg.call_time(m, n, k, auto.block_n, auto.tail_split, sms, auto.persistent) <= (
+        fg.call_time(m, n, k, inv.block_n, 1, sms)
     )
     assert inv.k_split % inv.tail_split == 0  # batch-invariant: pieces of whole chunks
     for cfg in (auto, inv):
+        if cfg.persistent:  # only past one wave, and only where its staging fits
+            assert fg.tiles_of(m, n, cfg.block_n) > sms
+            assert fg.shared_bytes(k, cfg) <= fg.DYNAMIC_SHARED
         if cfg.tail_split > 1:
             tail = fg.tiles_of(m, n, cfg.block_n) % sms
             assert tail * cfg.tail_split <= sms

@@ -46,12 +46,12 @@ class Fp8GemmCudaConfig:
     k_split: K cut into this many equal chunks (1..16; multiples of 128), each summed from zero,
     the chunk sums added in order, their running total in shared memory (`invariant_config`).
     persistent: one CTA per SM walks the tiles (the producer loads the next tile while the
-    consumers store this one; sixteenth session: correct, not faster). tail_split: the tiles of
-    the last partial wave (tiles % SMs) cut along K into this many pieces (1..8, at most one per
-    stage), which the last piece to finish adds in piece order (`call_config`). With a K split
-    the pieces must be whole chunks (tail_split divides k_split; a piece after the first keeps
-    its chunks' sums apart): a cut tile then has the uncut tile's bits; without one a cut row's
-    bits depend on M (auto mode only)."""
+    consumers store this one, from a staging of their own: fewer stages fit). tail_split: the
+    tiles of the last partial wave (tiles % SMs) cut along K into this many pieces (1..8, at most
+    one per stage), which the last piece to finish adds in piece order (`call_config`). With a
+    K split the pieces must be whole chunks (tail_split divides k_split; a piece after the first
+    keeps its chunks' sums apart): a cut tile then has the uncut tile's bits; without one a cut
+    row's bits depend on M (auto mode only)."""
 
     block_n: int = 128
     stages: int = 6
@@ -211,6 +211,11 @@ last partial wave costs less than a wave (2112x7168 at M = 8192, 8 waves: 1.01-1
 time)."""
 MIN_PIECE_STAGES = 4
 """The fewest 128-deep K stages a piece of a cut tile takes."""
+PERSISTENT_SAVED_STAGES = 1.2
+"""A persistent CTA's tiles after its first take this many stages less than a tile of its own:
+their stores overlap the next tile's first loads (twenty-fourth session, over one CTA per tile:
+32768x1280 0.90-0.93x at 4-125 waves, 7168x2048 0.95-0.98x, 4608x5120 0.96-0.99x, 5120x8192
+0.97-1.01x)."""
 
 
 def tail_split_for(tiles: int, k: int, sms: int, chunks: int | None = None) -> int:
@@ -233,10 +238,13 @@ def tiles_of(m: int, n: int, block_n: int) -> int:
     return -(-m // BLOCK_M) * -(-n // block_n)
 
 
-def call_time(m: int, n: int, k: int, block_n: int, tail_split: int, sms: int) -> float:
+def call_time(
+    m: int, n: int, k: int, block_n: int, tail_split: int, sms: int, persistent: bool = False
+) -> float:
     """The modelled time of a call in 128-deep stages of a 128 x 128 tile: one CTA per SM, so the
     whole waves of tiles, then the last partial wave whole or cut along K into tail_split pieces
-    per tile."""
+    per tile; persistent (uncut), each CTA's tiles after its first `PERSISTENT_SAVED_STAGES`
+    shorter."""
     steps = k // BLOCK_K
     width = N64_TILE_TIME if block_n == 64 else 1.0
     waves, tail = divmod(tiles_of(m, n, block_n), sms)
@@ -244,23 +252,29 @@ def call_time(m: int, n: int, k: int, block_n: int, tail_split: int, sms: int) -
     if tail and tail_split > 1:
         piece = -(-steps // tail_split) + TILE_FIXED_STAGES + CUT_FIXED_STAGES
         return width * (waves * tile * (1 + CUT_SLOWDOWN) + piece)
-    return width * (waves + (tail > 0)) * tile
+    whole = waves + (tail > 0)
+    saved = PERSISTENT_SAVED_STAGES * (whole - 1) if persistent else 0.0
+    return width * (whole * tile - saved)
 
 
 @functools.lru_cache(maxsize=4096)  # pure; called on every routed call
 def call_config(m: int, n: int, k: int, batch_invariant: bool, sms: int = 132) -> Fp8GemmCudaConfig:
     """The config a call of M rows on an [N, K] weight without one runs on `sms` SMs: the tile
-    width (64 or 128 columns) and whether to cut the tail into `tail_split_for`'s pieces, of the
-    least `call_time` (on a tie the wider, uncut); in batch-invariant mode `invariant_config`'s K
-    split (not for a K the split cannot cut: `shape_reason` refuses those), whose chunks are then
-    the pieces of a cut (a row's bits stay those of the uncut tiles at every M); as many stages
-    as fit. Neither the width nor the stages change a sum."""
+    width (64 or 128 columns), and whether to cut the tail into `tail_split_for`'s pieces or run
+    persistent CTAs, of the least `call_time` (on a tie the wider, uncut, one CTA per tile); in
+    batch-invariant mode `invariant_config`'s K split (not for a K the split cannot cut:
+    `shape_reason` refuses those), whose chunks are then the pieces of a cut (a row's bits stay
+    those of the uncut tiles at every M); as many stages as fit. None of these changes a sum."""
     base = invariant_config(n, k) if batch_invariant and k % BLOCK_K == 0 else DEFAULT
     chunks = base.k_split if batch_invariant else None
-    choices = [(128, 1), (64, 1)]
-    choices += [(bn, tail_split_for(tiles_of(m, n, bn), k, sms, chunks)) for bn in (128, 64)]
-    block_n, split = min(choices, key=lambda c: call_time(m, n, k, *c, sms))
-    return config_for(k, replace(base, block_n=block_n, tail_split=split))
+    choices = [(128, 1, False), (64, 1, False)]
+    choices += [(bn, tail_split_for(tiles_of(m, n, bn), k, sms, chunks), False) for bn in (128, 64)]
+    for block_n in (128, 64):  # persistent where its staging leaves room for 2 stages
+        walker = config_for(k, replace(base, block_n=block_n, persistent=True))
+        if shared_bytes(k, walker) <= DYNAMIC_SHARED:
+            choices.append((block_n, 1, True))
+    block_n, split, persistent = min(choices, key=lambda c: call_time(m, n, k, *c[:2], sms, c[2]))
+    return config_for(k, replace(base, block_n=block_n, tail_split=split, persistent=persistent))
 
 
 def defines(cfg: Fp8GemmCudaConfig, sb_f32: bool, out_f32: bool) -> dict[str, int]:
