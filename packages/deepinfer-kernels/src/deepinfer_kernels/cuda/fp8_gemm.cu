@@ -15,10 +15,9 @@
 //
 // The sums of a row depend on K only (fixed tiles): batch-invariant, also where SPLIT_TAIL cuts
 // the last partial wave's tiles into pieces of K_SPLIT's chunks (cut otherwise, they depend on
-// M). With
-// K_SPLIT, K runs in chunks of `chunk_steps` stages, each summed from zero and the chunk sums
-// added in order (the TileLang decode kernel's split, for batch-invariant mode: the same sums as
-// that kernel's); the running total of the chunks waits in shared memory. Compile-time
+// M). With K_SPLIT, K runs in chunks of `chunk_steps` stages, each summed from zero and the chunk
+// sums added in order (the TileLang decode kernel's split, for batch-invariant mode: the same
+// sums as that kernel's); the running total of the chunks waits in shared memory. Compile-time
 // constants: BLOCK_N (64 or 128), STAGES (2..8), GROUP_M (m tiles per raster group: CTAs in
 // launch order walk GROUP_M tiles down before the next column, so the weights a wave reads stay
 // in L2), K_SPLIT, PERSISTENT (`TILE_LOOP`), SPLIT_TAIL (`tail_sum`), SB_F32, OUT_F32.
@@ -231,8 +230,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
   const u32 base = (smem_u32(smem_raw) + 1023u) & ~1023u;
   const u32 total = base + STAGES * STAGE_BYTES;  // K_SPLIT only
   const u32 sb_table = total + (K_SPLIT ? NB8 * 4 * 256 * 4 : 0);
-  // PERSISTENT: the tile's staging for the TMA stores, room for fp32 sums (1024-byte aligned)
+#if PERSISTENT  // the tile's staging for the TMA stores, room for fp32 sums (1024-byte aligned)
   const u32 out_stage = (sb_table + k_len / 32 * SB_STRIDE * 4 + 1023u) & ~1023u;
+#endif
   const int k_steps = k_len / BLOCK_K;
   const int k_groups = k_len / 32;
 
