@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 
 import torch
@@ -473,36 +474,46 @@ def main() -> None:
     print(f"copy ceiling {copy_gbs:.0f} GB/s", flush=True)
     parts = set(args.only.split(","))
     rows = []
-    if "quant" in parts:
-        rows += quant_rows()
-    if "gemm" in parts:
-        shapes = [
-            (1, 5120, 8192),
-            (16, 5120, 8192),
-            (64, 5120, 8192),
-            (64, 32768, 1280),
-            (128, 5120, 8192),
-            (256, 5120, 8192),
-            (2048, 5120, 8192),
-            (8192, 5120, 8192),
-            (8192, 32768, 1280),
-            (16384, 5120, 8192),
-        ]
-        if args.quick:
-            shapes = [s for s in shapes if s[0] in (1, 64, 256, 8192)]
-        rows += gemm_rows(shapes, args.quick)
-    if "moe" in parts:
-        rows += moe_rows(args.moe_tokens, args.quick)
-    if "decode4" in parts:  # its own table (single-call and chained graphs side by side)
-        print_decode4_table(decode4_rows(), copy_gbs)
-    if "tilelang" in parts:
-        rows += tilelang_rows(args.quick)
-    if "sweep" in parts:
-        rows += sweep_rows()
-    if "probe" in parts:
-        invariance_probe()
+    # `timeout` sends SIGTERM: leave through the finally below, so the finished parts still print
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("bench_kernels: SIGTERM"))
+    try:
+        if "quant" in parts:
+            rows += quant_rows()
+        if "gemm" in parts:
+            shapes = [
+                (1, 5120, 8192),
+                (16, 5120, 8192),
+                (64, 5120, 8192),
+                (64, 32768, 1280),
+                (128, 5120, 8192),
+                (256, 5120, 8192),
+                (2048, 5120, 8192),
+                (8192, 5120, 8192),
+                (8192, 32768, 1280),
+                (16384, 5120, 8192),
+            ]
+            if args.quick:
+                shapes = [s for s in shapes if s[0] in (1, 64, 256, 8192)]
+            rows += gemm_rows(shapes, args.quick)
+        if "moe" in parts:
+            rows += moe_rows(args.moe_tokens, args.quick)
+        if "decode4" in parts:  # its own table (single-call and chained graphs side by side)
+            print_decode4_table(decode4_rows(), copy_gbs)
+        if "tilelang" in parts:
+            rows += tilelang_rows(args.quick)
+        if "sweep" in parts:
+            rows += sweep_rows()
+        if "probe" in parts:
+            invariance_probe()
+    finally:
+        print_table(rows, copy_gbs, args.json)
+
+
+def print_table(rows: list[dict], copy_gbs: float, json_path: str) -> None:
+    """The one table (and its rows as JSON at json_path): per row ms, TFLOP/s, GB/s, percent of
+    the FP8 and copy ceilings, and the speed-up over the torch baselines."""
     dev = torch.cuda.get_device_name()
-    with open(args.json, "w") as f:
+    with open(json_path, "w") as f:
         json.dump(dict(device=dev, copy_gbs=copy_gbs, rows=rows), f, indent=1)
     print(
         f"\n{dev}, torch {torch.__version__}; copy ceiling measured {copy_gbs:.0f} GB/s; "
