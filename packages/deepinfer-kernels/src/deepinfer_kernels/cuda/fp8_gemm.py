@@ -5,11 +5,12 @@ consumer warpgroups of 64 rows. Same contract as `ref.linear.fp8_gemm`: only the
 order differs (and the tensor core's own sum of each 32 products).
 
 The cuda tier (`linear.py`) runs it where `decode_gemm.takes` does not send the call to the
-decode kernel (in batch-invariant mode M > `decode_gemm.MAX_M`, with `invariant_config`). H200:
-1.03-1.25x the TileLang kernel at M = 512-16K, K = 8192; 0.98x at K = 1280 (NOTES.md, fifteenth
-session). One CTA per SM, so a call's time goes by waves of tiles: `call_config` picks the tile
-width and whether to cut the last partial wave's tiles along K (`tail_split`) by a call-time
-model fitted on the H200 (`tools/bench_prefill.py`; 5120x8192 at M = 512 95 -> 73 us).
+decode kernel (in batch-invariant mode with `invariant_config`'s K split). H200, 8192 rows:
+684-693 TFLOP/s at K = 8192, 644-688 at K = 1280-5120 (NOTES.md, twenty-fourth session). A
+call's time goes by waves of tiles: `call_config` picks the tile width and whether to cut the
+last partial wave's tiles along K (`tail_split`) or to walk the tiles with one persistent CTA per
+SM (`persistent`) by a call-time model fitted on the H200 (`tools/bench_prefill.py`; 5120x8192 at
+M = 512 90 -> 70 us by the cut, 32768x1280 at 8192 rows 1140 -> 1067 us persistent).
 
 Compiled by NVRTC at first use (once per process per config; no GPU needed to compile).
 """
