@@ -321,19 +321,21 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     // scheduled that loop otherwise (631 instructions against 376 without the split)
     const int chunk = K_SPLIT ? chunk_steps : steps;
     for (int c0 = 0; c0 < steps; c0 += chunk) {
-#if K_SPLIT && SPLIT_TAIL
-      if (c0 > 0 && piece > 0) {  // a later piece keeps its chunks apart (`tail_sum`)
-        const int slot = piece * per + c0 / chunk - 1;
-        const u64 at = ((u64)(tile - dp_tiles) * split * per + slot) * NB8 * 256;
-        spill(acc, ws + at + threadIdx.x - 128);
-#pragma unroll
-        for (int j = 0; j < NB8; ++j)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
-      } else
-#endif
 #if K_SPLIT
-      if (c0 > 0) fold(acc, total + (threadIdx.x - 128) * 4, c0 == chunk);
+      if (c0 > 0) {
+#if SPLIT_TAIL
+        if (piece > 0) {  // a later piece keeps its chunks apart (`tail_sum`)
+          const int slot = piece * per + c0 / chunk - 1;
+          const u64 at = ((u64)(tile - dp_tiles) * split * per + slot) * NB8 * 256;
+          spill(acc, ws + at + threadIdx.x - 128);
+#pragma unroll
+          for (int j = 0; j < NB8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
+        } else
+#endif
+          fold(acc, total + (threadIdx.x - 128) * 4, c0 == chunk);
+      }
 #endif
       const int end = min(c0 + chunk, steps);
       for (int kt = c0; kt < end; ++kt) {
