@@ -193,11 +193,19 @@ def test_k_split_schedules_agree():
 @pytest.mark.parametrize(("n", "k"), [(5120, 8192), (2112, 7168), (1536, 512)])
 def test_invariant_rows_match_the_decode_kernel(n, k, monkeypatch):
     """`invariant_config` (the decode kernel's K split) gives the TileLang decode kernel's bits,
-    head to head; and routed as `INVARIANT_PREFILL` would route (M <= 64 to the decode kernel
-    through the triton tier, M > 64 here) a row has the same bits at every M, through fp8_gemm
-    and fp8_linear. The gate for switching INVARIANT_PREFILL on."""
+    head to head (so M <= 64 routed to that kernel through the triton tier, where the cuda tier
+    declines, keeps a row's bits); and with the tier selected (the cuda tier, tried first, would
+    take every M otherwise) a row has the same bits at every M, through fp8_gemm and
+    fp8_linear. The gate for switching INVARIANT_PREFILL on."""
     tg = _tg()
 
     xq, xs, wq, ws = _inputs(300, n, k, seed=n + k)
     monkeypatch.setattr(tg, "INVARIANT_PREFILL", True)
-    assert_invariant_prefill_rows(tg.fp8_gemm, "tilelang", xq, xs, wq, ws)
+    before = REGISTRY.settings
+    try:
+        REGISTRY.configure(
+            KernelSettings(overrides={"fp8_gemm": "tilelang", "fp8_linear": "tilelang"})
+        )
+        assert_invariant_prefill_rows(tg.fp8_gemm, "tilelang", xq, xs, wq, ws)
+    finally:
+        REGISTRY.configure(before)
