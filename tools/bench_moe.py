@@ -39,26 +39,11 @@ def moe_routed_inputs(t: int, n_sets: int, g: torch.Generator):
     return sets
 
 
-def registry_moe_experts(batch_invariant: bool, fragment_order: bool = False):
-    """ops.moe_experts as the engine calls it (the registry's choice per size: the cuda tier at
-    decode sizes, Triton at prefill sizes), in batch-invariant mode or not, on weights in the
-    checkpoint's order or in `quant.fp4_fragment_order`."""
-    from deepinfer_kernels import REGISTRY, ops
-
-    def fn(*args):
-        if not batch_invariant:
-            return ops.moe_experts(*args, fragment_order=fragment_order)
-        with REGISTRY.batch_invariant_mode():
-            return ops.moe_experts(*args, fragment_order=fragment_order)
-
-    return fn
-
-
 def moe_rows(tokens_list, quick):
     """moe_routing, moe_experts through the registry (graph replay at decode sizes, and eager) in
     auto mode, batch-invariant mode, and batch-invariant mode on fragment-order weights
     (`inv frag`), against a torch loop; and the gate."""
-    from deepinfer_kernels import quant
+    from deepinfer_kernels import REGISTRY, ops, quant
     from deepinfer_kernels.triton import moe as tmoe
 
     d, i, e, k, limit = MOE_D, MOE_I, MOE_E, MOE_K, MOE_LIMIT
@@ -66,11 +51,9 @@ def moe_rows(tokens_list, quick):
     (w1, s1, w3, s3, w2, s2), per_expert_bytes = moe_layer_weights(g)
     weights = {"auto": (w1, s1, w3, s3, w2, s2), "inv": (w1, s1, w3, s3, w2, s2)}
     weights["inv frag"] = fragment_experts(weights["auto"])
-    calls = {
-        "auto": registry_moe_experts(False),
-        "inv": registry_moe_experts(True),
-        "inv frag": registry_moe_experts(True, fragment_order=True),
-    }
+    # ops.moe_experts as the engine calls it (the registry's choice per size: the cuda tier at
+    # decode sizes, Triton at prefill sizes), per row: whether the weights are in fragment order
+    fragment_order = {"auto": False, "inv": False, "inv frag": True}
     rows = []
     for t in tokens_list:
         sets = moe_routed_inputs(t, 8 if t <= 256 else 1, g)
@@ -112,16 +95,18 @@ def moe_rows(tokens_list, quick):
             )
         )
         timings = []  # (row name, ms)
-        for name, call in calls.items():
+        for name, frag in fragment_order.items():
 
-            def fn(x, tw, ids, call=call, ws=weights[name]):
-                return call(x, tw, ids, *ws, limit)
+            def fn(x, tw, ids, frag=frag, ws=weights[name]):
+                return ops.moe_experts(x, tw, ids, *ws, limit, fragment_order=frag)
 
-            if t <= 256:
-                timings.append(
-                    (f"graph {name}" if name != "auto" else "graph", bench_graphs(fn, sets))
-                )
-            timings.append((name, bench_ms(Rotating(fn, sets))))
+            # the mode set once around the timing (captured in it), as an engine sets it
+            with REGISTRY.batch_invariant_mode(name != "auto"):
+                if t <= 256:
+                    timings.append(
+                        (f"graph {name}" if name != "auto" else "graph", bench_graphs(fn, sets))
+                    )
+                timings.append((name, bench_ms(Rotating(fn, sets))))
         for name, ms in timings:
             rows.append(
                 dict(
