@@ -114,11 +114,8 @@ def test_batch_invariant_argument_reaches_the_kernel_registry():
     """The registry is process-wide: an engine's batch_invariant (argument or env) becomes it."""
     from deepinfer_kernels import REGISTRY
 
-    before = REGISTRY.settings
-    try:
+    with REGISTRY.configured(REGISTRY.settings):  # the engines below change it: restored after
         make(batch_invariant=True)
         assert REGISTRY.batch_invariant is True
         make(batch_invariant=False)
         assert REGISTRY.batch_invariant is False
-    finally:
-        REGISTRY.configure(before)

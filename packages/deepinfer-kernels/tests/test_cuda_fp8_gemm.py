@@ -377,9 +377,7 @@ def test_registry_sends_prefill_here():
 
     xq, xs, wq, ws = gemm_inputs(300, 5120, 8192, seed=12)
     x = torch.randn(300, 8192, device="cuda").bfloat16()
-    before = REGISTRY.settings
-    try:
-        REGISTRY.configure(KernelSettings(overrides={}, batch_invariant=False))
+    with REGISTRY.configured(KernelSettings(overrides={}, batch_invariant=False)):
         assert REGISTRY.resolve("fp8_gemm", xq, xs, wq, ws, torch.bfloat16).tier == "cuda"
         assert REGISTRY.resolve("fp8_linear", x, wq, ws).tier == "cuda"
         assert REGISTRY.resolve("fp8_linear", x[:64], wq, ws).tier == "cuda"  # decode kernel
@@ -391,8 +389,6 @@ def test_registry_sends_prefill_here():
             kw = {"batch_invariant": True}
             tier = REGISTRY.resolve("fp8_linear", x, wq, ws, **kw).tier
             assert (tier == "cuda") == fg.INVARIANT_PREFILL
-    finally:
-        REGISTRY.configure(before)
 
 
 @needs_hopper

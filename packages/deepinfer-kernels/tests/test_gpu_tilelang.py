@@ -142,9 +142,7 @@ def test_registry_routing_and_override():
     through the act quantiser."""
     xq, xs, wq, ws = _inputs(300, 5120, 8192, seed=10)
     x = torch.randn(300, 8192, device=DEV).bfloat16()
-    before = REGISTRY.settings
-    try:
-        REGISTRY.configure(KernelSettings(overrides={}, batch_invariant=False))
+    with REGISTRY.configured(KernelSettings(overrides={}, batch_invariant=False)):
         assert REGISTRY.resolve("fp8_gemm", xq, xs, wq, ws, torch.bfloat16).tier == "cuda"
         assert REGISTRY.resolve("fp8_linear", x, wq, ws).tier == "cuda"
         small = (xq[:64], xs[:64], wq, ws, torch.bfloat16)
@@ -172,8 +170,6 @@ def test_registry_routing_and_override():
             assert REGISTRY.resolve("fp8_gemm", xq, xs, wq, ws, torch.bfloat16).tier == tier
             assert REGISTRY.resolve("fp8_linear", x[:1], wq, ws).tier == tier
             assert rel(ops.fp8_gemm(*small[:4]), want) < 1e-2
-    finally:
-        REGISTRY.configure(before)
 
 
 def test_k_split_schedules_agree():
@@ -201,11 +197,7 @@ def test_invariant_rows_match_the_decode_kernel(n, k, monkeypatch):
 
     xq, xs, wq, ws = _inputs(300, n, k, seed=n + k)
     monkeypatch.setattr(tg, "INVARIANT_PREFILL", True)
-    before = REGISTRY.settings
-    try:
-        REGISTRY.configure(
-            KernelSettings(overrides={"fp8_gemm": "tilelang", "fp8_linear": "tilelang"})
-        )
+    with REGISTRY.configured(
+        KernelSettings(overrides={"fp8_gemm": "tilelang", "fp8_linear": "tilelang"})
+    ):
         assert_invariant_prefill_rows(tg.fp8_gemm, "tilelang", xq, xs, wq, ws)
-    finally:
-        REGISTRY.configure(before)

@@ -237,6 +237,22 @@ def test_batch_invariant_mode_keeps_overrides_and_restores():
     assert reg.batch_invariant is True and reg.settings.overrides == {"op": "ref"}
 
 
+def test_configured_restores_the_settings_after_a_block_an_error_or_a_refusal():
+    reg = _registry(_impl("ref"), _impl("triton"), overrides={"op": "triton"})
+    before = reg.settings
+    with reg.configured(KernelSettings(overrides={"op": "ref"}, batch_invariant=True)):
+        assert reg.settings.overrides == {"op": "ref"} and reg.batch_invariant is True
+    assert reg.settings == before
+    with pytest.raises(RuntimeError, match="inside"), reg.configured(KernelSettings(overrides={})):
+        assert reg.settings.overrides == {}
+        raise RuntimeError("inside")
+    assert reg.settings == before
+    refused = KernelSettings(overrides={"op": "vendor"})
+    with pytest.raises(ValueError, match="has no 'vendor' implementation"), reg.configured(refused):
+        raise AssertionError("a refused setting must not run the block")
+    assert reg.settings == before
+
+
 def test_report_shows_routing_of_tiers_that_can_run(monkeypatch):
     """A tier that passes the device checks and splits its calls among kernels says how, on its
     own line; one that cannot run here does not."""

@@ -220,12 +220,11 @@ def test_tma_ready_copies_only_when_needed():
 
 @pytest.fixture
 def select_tilelang():
-    before = REGISTRY.settings
-    REGISTRY.configure(
-        KernelSettings(overrides={"fp8_gemm": "tilelang"}, batch_invariant=before.batch_invariant)
-    )
-    yield
-    REGISTRY.configure(before)
+    select = {"fp8_gemm": "tilelang"}
+    with REGISTRY.configured(
+        KernelSettings(overrides=select, batch_invariant=REGISTRY.batch_invariant)
+    ):
+        yield
 
 
 @pytest.mark.parametrize(

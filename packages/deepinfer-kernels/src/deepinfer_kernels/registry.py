@@ -132,14 +132,22 @@ class OpRegistry:
         self.configure(dataclasses.replace(self.settings, batch_invariant=on))
 
     @contextmanager
-    def batch_invariant_mode(self, on: bool = True) -> Iterator[None]:
-        """`set_batch_invariant(on)` for the duration of a block, restoring the settings after."""
+    def configured(self, settings: KernelSettings) -> Iterator[None]:
+        """`configure(settings)` for the duration of a block, restoring the settings after (also
+        when the block raises, or when `settings` is refused)."""
         before = self.settings
-        self.set_batch_invariant(on)
         try:
+            self.configure(settings)
             yield
         finally:
             self.configure(before)
+
+    @contextmanager
+    def batch_invariant_mode(self, on: bool = True) -> Iterator[None]:
+        """`set_batch_invariant(on)` for the duration of a block, keeping the per-op overrides,
+        restoring the settings after."""
+        with self.configured(dataclasses.replace(self.settings, batch_invariant=on)):
+            yield
 
     # -- choosing ------------------------------------------------------------------------------
     def ops(self) -> list[str]:
