@@ -43,13 +43,12 @@ import time
 import torch
 
 
-def force_ref_tier() -> None:
-    """Route every registry op to its pure-torch `ref` implementation (the baseline)."""
-    import deepinfer_kernels.ops  # noqa: F401  (declares and registers every op)
-    from deepinfer_kernels.registry import REGISTRY
-    from deepinfer_kernels.settings import KernelSettings
+def ref_tier():
+    """A block in which every registry op runs its pure-torch `ref` implementation (the
+    baseline)."""
+    from deepinfer_kernels import REGISTRY, KernelSettings
 
-    REGISTRY.configure(
+    return REGISTRY.configured(
         KernelSettings(
             overrides={op: "ref" for op in REGISTRY.ops()},
             batch_invariant=REGISTRY.settings.batch_invariant,
@@ -219,7 +218,11 @@ def main() -> None:
     if not args.batches or min(args.batches) < 1:
         raise ValueError(f"--batches: positive ints, got {args.batches}")
 
-    force_ref_tier()
+    with ref_tier():
+        run(args)
+
+
+def run(args) -> None:
     t0 = time.perf_counter()
     bench = Bench(args)
     setup_s = time.perf_counter() - t0

@@ -103,13 +103,17 @@ def _kernels(fn, args) -> int:
 
 
 def main() -> None:
-    import triton.testing
-
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="T = 1, 64 only, shorter timing")
     a = ap.parse_args()
     tokens = (1, 64) if a.quick else (1, 64, 4096)
-    REGISTRY.set_batch_invariant(True)
+    with REGISTRY.batch_invariant_mode():
+        run(tokens, a)
+
+
+def run(tokens, a) -> None:
+    import triton.testing
+
     rep = 25 if a.quick else 50
     rows = []
     kern_ref: dict[str, int] = {}

@@ -55,11 +55,11 @@ def test_bad_argument_names_the_argument():
 @pytest.mark.parametrize("raw", ["1", "On", "no", "FALSE", " yes ", "maybe", "2"])
 def test_batch_invariant_env_reads_as_the_kernels_read_it(raw):
     """The engine and the kernel registry parse DEEPINFER_BATCH_INVARIANT with one function."""
-    from deepinfer_kernels import KernelSettings
+    from deepinfer_kernels.settings import parse_bool
 
     env = {"DEEPINFER_BATCH_INVARIANT": raw}
     try:
-        want = KernelSettings.from_env(env).batch_invariant
+        want = parse_bool("DEEPINFER_BATCH_INVARIANT", raw)
     except ValueError:
         with pytest.raises(ValueError, match="DEEPINFER_BATCH_INVARIANT"):
             EngineConfig.from_env(env)

@@ -110,12 +110,30 @@ def test_non_finite_logits_end_only_that_request():
     assert outs[2].outputs[0].token_ids == greedy_reference(PROMPTS[2], 5)
 
 
-def test_batch_invariant_argument_reaches_the_kernel_registry():
-    """The registry is process-wide: an engine's batch_invariant (argument or env) becomes it."""
+def test_each_engine_runs_its_steps_in_its_own_kernel_mode():
+    """Two engines in one process: every forward runs under the kernel settings its own engine
+    was built with (argument or env), whichever engine was built last."""
     from deepinfer_kernels import REGISTRY
 
-    with REGISTRY.configured(REGISTRY.settings):  # the engines below change it: restored after
-        make(batch_invariant=True)
-        assert REGISTRY.batch_invariant is True
-        make(batch_invariant=False)
-        assert REGISTRY.batch_invariant is False
+    seen: list[tuple[bool, bool]] = []
+
+    def recording(batch_invariant: bool):
+        llm = make(batch_invariant=batch_invariant)
+        model = llm.engine.bundle.model
+        forward = model.forward
+
+        def spy(batch, cache):
+            seen.append((batch_invariant, REGISTRY.batch_invariant))
+            return forward(batch, cache)
+
+        model.forward = spy
+        return llm
+
+    first = recording(True)
+    second = recording(False)
+    sp = SamplingParams(temperature=0, max_tokens=3)
+    for llm in (first, second, first):
+        llm.generate([PROMPTS[0]], sp, use_tqdm=False)
+    assert {built for built, _ in seen} == {True, False}
+    assert all(built == ran for built, ran in seen), seen
+    assert REGISTRY.batch_invariant is False  # outside a step: the defaults

@@ -33,15 +33,18 @@ sys.modules["_registry_test_targets"] = _mod
 T = "_registry_test_targets"
 
 
-def _registry(*impls: Implementation, overrides=None) -> OpRegistry:
-    reg = OpRegistry(KernelSettings(overrides=overrides or {}))
+def _registry(*impls: Implementation) -> OpRegistry:
+    reg = OpRegistry()
     reg.declare("op", "test op")
     reg.declare("other", "second op")
     for impl in impls:
         reg.register(impl)
-    if overrides:
-        reg.configure(KernelSettings(overrides=overrides))
     return reg
+
+
+def _forcing(reg: OpRegistry, **overrides: str):
+    """`reg.configured` with these per-op overrides."""
+    return reg.configured(KernelSettings(overrides=overrides))
 
 
 def _impl(tier, **kw):
@@ -93,30 +96,32 @@ def test_no_tier_left_lists_the_reasons():
 def test_tiers_lists_the_statically_capable_tiers_best_first():
     reg = _registry(_impl("ref"), _impl("triton", devices=("cuda",)), _impl("tilelang"))
     assert reg.tiers("op", "cpu") == ["tilelang", "ref"]
-    reg.configure(KernelSettings(overrides={"op": "ref"}))
-    assert reg.tiers("op", torch.device("cpu")) == ["ref"]
+    with _forcing(reg, op="ref"):
+        assert reg.tiers("op", torch.device("cpu")) == ["ref"]
+    assert reg.tiers("op", "cpu") == ["tilelang", "ref"]
 
 
 def test_override_selects_a_lower_tier():
-    reg = _registry(_impl("ref"), _impl("triton"), overrides={"op": "ref"})
-    assert reg.call("op", torch.zeros(1)) == "ref"
-    assert reg.static_reason(reg.implementations("op")[0], "cpu", None) == (
-        "DEEPINFER_KERNELS selects ref"
-    )
+    reg = _registry(_impl("ref"), _impl("triton"))
+    with _forcing(reg, op="ref"):
+        assert reg.call("op", torch.zeros(1)) == "ref"
+        assert reg.static_reason(reg.implementations("op")[0], "cpu", None) == (
+            "DEEPINFER_KERNELS selects ref"
+        )
 
 
 def test_override_of_unavailable_tier_is_not_silently_replaced():
-    reg = _registry(_impl("ref"), _impl("triton", devices=("cuda",)), overrides={"op": "triton"})
-    with pytest.raises(NotImplementedError, match="runs on cuda"):
+    reg = _registry(_impl("ref"), _impl("triton", devices=("cuda",)))
+    with _forcing(reg, op="triton"), pytest.raises(NotImplementedError, match="runs on cuda"):
         reg.call("op", torch.zeros(1))
 
 
 def test_bad_override_names_list_the_choices():
     reg = _registry(_impl("ref"), _impl("triton"))
     with pytest.raises(ValueError, match="unknown op 'nope'; ops are op, other"):
-        reg.configure(KernelSettings(overrides={"nope": "ref"}))
+        reg.check(KernelSettings(overrides={"nope": "ref"}))
     with pytest.raises(ValueError, match="has no 'vendor' implementation; it has triton, ref"):
-        reg.configure(KernelSettings(overrides={"op": "vendor"}))
+        reg.check(KernelSettings(overrides={"op": "vendor"}))
     with pytest.raises(ValueError, match="is not one of " + ", ".join(TIERS)):
         parse_overrides("op=cutlass")
     with pytest.raises(ValueError, match="not of the form op=tier"):
@@ -130,9 +135,9 @@ def test_parse_overrides_and_bools():
     }
     assert parse_bool("X", "1") and parse_bool("X", "On") and not parse_bool("X", "")
     with pytest.raises(ValueError, match="DEEPINFER_BATCH_INVARIANT='maybe'"):
-        KernelSettings.from_env({"DEEPINFER_BATCH_INVARIANT": "maybe"})
-    s = KernelSettings.from_env({"DEEPINFER_KERNELS": "a=ref", "DEEPINFER_BATCH_INVARIANT": "1"})
-    assert s.batch_invariant and dict(s.overrides) == {"a": "ref"}
+        parse_bool("DEEPINFER_BATCH_INVARIANT", "maybe")
+    with pytest.raises(ValueError, match="kernels: 'a' is not of the form"):
+        parse_overrides("a", "kernels")
 
 
 def test_registration_errors():
@@ -193,20 +198,28 @@ def test_importing_never_imports_triton_or_tilelang():
     assert _python(code).strip() == "[]"
 
 
-def test_report_and_env_override():
+def test_report_and_override_argument():
     out = _python(
-        "from deepinfer_kernels.__main__ import report; print(report())",
-        {"DEEPINFER_KERNELS": "fp8_linear=ref"},
+        "import runpy, sys; sys.argv = ['x', '--kernels', 'fp8_linear=ref']; "
+        "runpy.run_module('deepinfer_kernels', run_name='__main__')"
     )
     assert "fp8_linear" in out and "-> ref" in out
     bad = subprocess.run(
-        [sys.executable, "-m", "deepinfer_kernels"],
+        [sys.executable, "-m", "deepinfer_kernels", "--kernels", "fp8_linaer=ref"],
         capture_output=True,
         text=True,
-        env={**__import__("os").environ, "DEEPINFER_KERNELS": "fp8_linaer=ref"},
         check=False,
     )
     assert bad.returncode != 0 and "unknown op 'fp8_linaer'; ops are" in bad.stderr
+
+
+def test_the_environment_is_not_read():
+    """The package takes its settings as arguments: DEEPINFER_* variables change nothing."""
+    out = _python(
+        "from deepinfer_kernels import REGISTRY; print(REGISTRY.settings)",
+        {"DEEPINFER_KERNELS": "fp8_linear=ref", "DEEPINFER_BATCH_INVARIANT": "1"},
+    )
+    assert "overrides={}" in out and "batch_invariant=False" in out
 
 
 def test_triton_supports_checks_name_the_reason():
@@ -227,18 +240,18 @@ def test_triton_supports_checks_name_the_reason():
 
 
 def test_batch_invariant_mode_keeps_overrides_and_restores():
-    reg = _registry(_impl("ref"), _impl("triton"), overrides={"op": "ref"})
-    assert reg.batch_invariant is False
-    with reg.batch_invariant_mode():
-        assert reg.batch_invariant is True
-        assert reg.settings.overrides == {"op": "ref"}
-    assert reg.batch_invariant is False
-    reg.set_batch_invariant(True)
-    assert reg.batch_invariant is True and reg.settings.overrides == {"op": "ref"}
+    reg = _registry(_impl("ref"), _impl("triton"))
+    with _forcing(reg, op="ref"):
+        assert reg.batch_invariant is False
+        with reg.batch_invariant_mode():
+            assert reg.batch_invariant is True
+            assert reg.settings.overrides == {"op": "ref"}
+        assert reg.batch_invariant is False and reg.settings.overrides == {"op": "ref"}
+    assert reg.settings == KernelSettings()
 
 
 def test_configured_restores_the_settings_after_a_block_an_error_or_a_refusal():
-    reg = _registry(_impl("ref"), _impl("triton"), overrides={"op": "triton"})
+    reg = _registry(_impl("ref"), _impl("triton"))
     before = reg.settings
     with reg.configured(KernelSettings(overrides={"op": "ref"}, batch_invariant=True)):
         assert reg.settings.overrides == {"op": "ref"} and reg.batch_invariant is True

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from deepinfer_kernels.settings import parse_bool
+from deepinfer_kernels.settings import KernelSettings, parse_bool, parse_overrides
 
 ACCELERATORS = ("nvidia", "ascend", "cpu")
 TRUNCATION_MODES = ("off", "compact")
@@ -29,6 +29,7 @@ ENV_FIELDS: dict[str, str] = {
     "DEEPINFER_USE_NEXTN_DECODE": "use_nextn_decode",
     "DEEPINFER_ENABLE_MTP_VARLEN": "enable_mtp_varlen",
     "DEEPINFER_BATCH_INVARIANT": "batch_invariant",
+    "DEEPINFER_KERNELS": "kernels",
 }
 
 
@@ -94,6 +95,7 @@ class EngineConfig:
     use_nextn_decode: int = 5  # maximum draft length (spec decoding); 0 = off
     enable_mtp_varlen: bool = False
     batch_invariant: bool = False
+    kernels: str = ""  # per-op kernel tier overrides, "op=tier,..." (DEEPINFER_KERNELS)
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps (as in vLLM)
 
     def __post_init__(self) -> None:
@@ -138,6 +140,16 @@ class EngineConfig:
         self.enable_mtp_varlen = parse_bool("enable_mtp_varlen", self.enable_mtp_varlen)
         self.batch_invariant = parse_bool("batch_invariant", self.batch_invariant)
         self.enforce_eager = parse_bool("enforce_eager", self.enforce_eager)
+        if not isinstance(self.kernels, str):
+            raise ValueError(f"kernels={self.kernels!r} must be a string 'op=tier,...'")
+        parse_overrides(self.kernels, "kernels")
+
+    def kernel_settings(self) -> KernelSettings:
+        """What the kernel registry runs this engine's ops under (`REGISTRY.configured`)."""
+        return KernelSettings(
+            overrides=parse_overrides(self.kernels, "kernels"),
+            batch_invariant=self.batch_invariant,
+        )
 
     def torch_dtype(self, device: str):
         """The compute/cache dtype: `dtype`, else bfloat16 on GPU and float32 on CPU."""
@@ -191,7 +203,9 @@ def _parse_env(var: str, field: str, raw: str) -> Any:
         return _parse_int(var, raw, 1)
     if field == "use_nextn_decode":
         return _parse_int(var, raw, 0)
-    return raw  # the model directory
+    if field == "kernels":
+        parse_overrides(raw, var)
+    return raw  # the model directory, the kernel overrides
 
 
 def resolve_device(accelerator: str | None) -> str:

@@ -78,11 +78,11 @@ class Engine:
     def __init__(self, config: EngineConfig, bundle: ModelBundle) -> None:
         self.config = config
         self.bundle = bundle
-        if REGISTRY.batch_invariant != config.batch_invariant:
-            # The kernel registry is process-wide: the engine's setting (argument, else
-            # DEEPINFER_BATCH_INVARIANT) becomes every op's for this process.
-            REGISTRY.set_batch_invariant(config.batch_invariant)
-            logger.info("kernel registry: batch_invariant=%s", config.batch_invariant)
+        # This engine's kernel settings (argument, else DEEPINFER_BATCH_INVARIANT /
+        # DEEPINFER_KERNELS): every step runs under them, whatever other engines use.
+        self.kernel_settings = config.kernel_settings()
+        REGISTRY.check(self.kernel_settings)
+        logger.info("kernel settings: %s", self.kernel_settings)
         self.tokenizer = bundle.tokenizer
         self.device = torch.device(resolve_device(config.accelerator))
         self.dtype = config.torch_dtype(self.device.type)
@@ -249,6 +249,10 @@ class Engine:
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
         """Run one engine iteration; return the sequences that finished in it."""
+        with REGISTRY.configured(self.kernel_settings):
+            return self._step()
+
+    def _step(self) -> list[Sequence]:
         finished: list[Sequence] = []
         out = self.scheduler.schedule()
         prev_sampled = self._inflight[1] if self._inflight is not None else None

@@ -4,7 +4,8 @@
 prints which implementation each op resolves to on this machine.
 """
 
+from . import ops
 from .registry import REGISTRY, Implementation, OpRegistry
 from .settings import TIERS, KernelSettings
 
-__all__ = ["REGISTRY", "TIERS", "Implementation", "KernelSettings", "OpRegistry"]
+__all__ = ["REGISTRY", "TIERS", "Implementation", "KernelSettings", "OpRegistry", "ops"]

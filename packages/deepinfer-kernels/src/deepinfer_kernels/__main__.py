@@ -38,5 +38,22 @@ def report() -> str:
     return "\n".join(lines)
 
 
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    from .settings import KernelSettings, parse_bool, parse_overrides
+
+    ap = argparse.ArgumentParser(prog="python -m deepinfer_kernels", description=__doc__)
+    ap.add_argument("--kernels", default="", help="per-op tier overrides, 'op=tier,...'")
+    ap.add_argument("--batch-invariant", default="0", help="0 or 1")
+    args = ap.parse_args(argv)
+    settings = KernelSettings(
+        overrides=parse_overrides(args.kernels, "--kernels"),
+        batch_invariant=parse_bool("--batch-invariant", args.batch_invariant),
+    )
+    with REGISTRY.configured(settings):
+        print(report())
+
+
 if __name__ == "__main__":
-    print(report())
+    main()

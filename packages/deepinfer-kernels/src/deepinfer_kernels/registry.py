@@ -12,6 +12,7 @@ import importlib
 import importlib.util
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,16 +72,22 @@ def _first_tensor(args: tuple[Any, ...]) -> torch.Tensor:
     raise TypeError("an op needs at least one tensor argument")
 
 
+_DEFAULTS = KernelSettings()
+
+
 class OpRegistry:
     """Maps op names to their implementations and picks one for each call."""
 
-    def __init__(self, settings: KernelSettings | None = None) -> None:
+    def __init__(self) -> None:
         self._docs: dict[str, str] = {}
         self._impls: dict[str, list[Implementation]] = {}
-        self._settings = settings
+        self._active: ContextVar[KernelSettings | None] = ContextVar(
+            f"kernel_settings_{id(self)}", default=None
+        )
         self._loaded: dict[str, Callable[..., Any]] = {}
-        # (op, device type, capability) -> implementations whose static checks pass, best first
-        self._static: dict[tuple[str, str, tuple[int, int] | None], list[Implementation]] = {}
+        # (op, device type, capability, forced tier) -> implementations whose static checks
+        # pass, best first
+        self._static: dict[tuple[str, str, tuple[int, int] | None, str | None], list] = {}
 
     # -- building ------------------------------------------------------------------------------
     def declare(self, op: str, doc: str) -> None:
@@ -102,13 +109,13 @@ class OpRegistry:
     # -- settings ------------------------------------------------------------------------------
     @property
     def settings(self) -> KernelSettings:
-        if self._settings is None:
-            self.configure(KernelSettings.from_env())
-        assert self._settings is not None
-        return self._settings
+        """The settings calls run under: those of the innermost `configured` block, else the
+        defaults (auto mode, no overrides)."""
+        return self._active.get() or _DEFAULTS
 
-    def configure(self, settings: KernelSettings) -> None:
-        """Install settings (overrides are checked against the declared ops and tiers)."""
+    def check(self, settings: KernelSettings) -> None:
+        """Raise ValueError naming the problem if `settings` overrides an undeclared op or names
+        a tier the op does not have."""
         for op, tier in settings.overrides.items():
             if op not in self._docs:
                 raise ValueError(
@@ -120,32 +127,26 @@ class OpRegistry:
                     f"DEEPINFER_KERNELS: op {op!r} has no {tier!r} implementation; "
                     f"it has {', '.join(tiers)}"
                 )
-        self._settings = settings
-        self._static.clear()
 
     @property
     def batch_invariant(self) -> bool:
         return self.settings.batch_invariant
 
-    def set_batch_invariant(self, on: bool) -> None:
-        """Switch batch-invariant mode (for the whole process), keeping the per-op overrides."""
-        self.configure(dataclasses.replace(self.settings, batch_invariant=on))
-
     @contextmanager
     def configured(self, settings: KernelSettings) -> Iterator[None]:
-        """`configure(settings)` for the duration of a block, restoring the settings after (also
-        when the block raises, or when `settings` is refused)."""
-        before = self.settings
+        """Run the block's calls under `settings` (checked first), restoring the settings after,
+        also when the block raises. Scoped to the current thread / context: two engines in one
+        process each run their steps under their own settings."""
+        self.check(settings)
+        token = self._active.set(settings)
         try:
-            self.configure(settings)
             yield
         finally:
-            self.configure(before)
+            self._active.reset(token)
 
     @contextmanager
     def batch_invariant_mode(self, on: bool = True) -> Iterator[None]:
-        """`set_batch_invariant(on)` for the duration of a block, keeping the per-op overrides,
-        restoring the settings after."""
+        """`configured` with the current settings' overrides and batch-invariant mode `on`."""
         with self.configured(dataclasses.replace(self.settings, batch_invariant=on)):
             yield
 
@@ -182,7 +183,7 @@ class OpRegistry:
 
     def _candidates(self, op: str, device: torch.device) -> list[Implementation]:
         capability = device_capability(device)
-        key = (op, device.type, capability)
+        key = (op, device.type, capability, self.settings.overrides.get(op))
         found = self._static.get(key)
         if found is None:
             found = [

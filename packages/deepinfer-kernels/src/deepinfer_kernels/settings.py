@@ -1,13 +1,16 @@
-"""The kernel package's settings, read from the environment in this one place.
+"""The kernel package's settings: what the registry needs to pick implementations.
 
-`DEEPINFER_KERNELS`: per-op tier overrides, e.g. ``"fp8_gemm=ref,moe_experts=triton"``.
-`DEEPINFER_BATCH_INVARIANT`: ``1`` makes every op's result for a row independent of the other
-rows in the call (no tile or split choice that depends on the number of rows).
+The package never reads the environment: a caller passes `KernelSettings` in (the engine builds
+them from its config, which reads `DEEPINFER_KERNELS` and `DEEPINFER_BATCH_INVARIANT`) and runs
+its ops inside `REGISTRY.configured(settings)`.
+
+overrides: per-op tier overrides, e.g. ``parse_overrides("fp8_gemm=ref,moe_experts=triton")``.
+batch_invariant: every op's result for a row is independent of the other rows in the call (no
+tile or split choice that depends on the number of rows).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,8 +44,9 @@ def parse_bool(name: str, value: Any) -> bool:
     )
 
 
-def parse_overrides(value: str) -> dict[str, str]:
-    """Parse ``"op=tier,op=tier"`` into a dict. Op names are checked later by the registry."""
+def parse_overrides(value: str, name: str = "DEEPINFER_KERNELS") -> dict[str, str]:
+    """Parse ``"op=tier,op=tier"`` into a dict; errors name `name`. Op names are checked by
+    the registry when the settings are installed (`OpRegistry.check`)."""
     overrides: dict[str, str] = {}
     for item in value.split(","):
         item = item.strip()
@@ -51,10 +55,10 @@ def parse_overrides(value: str) -> dict[str, str]:
         op, sep, tier = item.partition("=")
         op, tier = op.strip(), tier.strip()
         if not sep or not op or not tier:
-            raise ValueError(f"DEEPINFER_KERNELS: {item!r} is not of the form op=tier")
+            raise ValueError(f"{name}: {item!r} is not of the form op=tier")
         if tier not in TIERS:
             raise ValueError(
-                f"DEEPINFER_KERNELS: tier {tier!r} for op {op!r} is not one of {', '.join(TIERS)}"
+                f"{name}: tier {tier!r} for op {op!r} is not one of {', '.join(TIERS)}"
             )
         overrides[op] = tier
     return overrides
@@ -66,13 +70,3 @@ class KernelSettings:
 
     overrides: Mapping[str, str] = field(default_factory=dict)
     batch_invariant: bool = False
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> KernelSettings:
-        env = os.environ if environ is None else environ
-        return cls(
-            overrides=parse_overrides(env.get("DEEPINFER_KERNELS", "")),
-            batch_invariant=parse_bool(
-                "DEEPINFER_BATCH_INVARIANT", env.get("DEEPINFER_BATCH_INVARIANT", "0")
-            ),
-        )
