@@ -24,8 +24,8 @@ if [ $# -gt 0 ]; then
   files=("$@")
 else
   k=packages/deepinfer-kernels/tests
-  files=("$k"/test_gpu*.py "$k"/test_decode_gemm_gpu.py
-         "$k"/test_cuda_moe.py "$k"/test_cuda_fp8_gemm.py "$k"/test_cuda_decode_gemm.py "$k"/test_vendor.py
+  files=("$k"/test_gpu*.py
+         "$k"/test_cuda_moe.py "$k"/test_cuda_prefill_gemm.py "$k"/test_cuda_decode_gemm.py "$k"/test_vendor.py
          packages/deepinfer-model/tests/test_cuda_graph.py
          packages/deepinfer-model/tests/test_moe_weight_order.py
          packages/deepinfer-sampling/tests/test_topk_triton.py

@@ -2,22 +2,8 @@
 
 from __future__ import annotations
 
-import importlib.util
-
-import pytest
 import torch
 from deepinfer_kernels import quant
-
-HOPPER_TILELANG = [
-    pytest.mark.skipif(
-        not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
-        reason="needs a Hopper GPU (sm_90a wgmma)",
-    ),
-    pytest.mark.skipif(
-        importlib.util.find_spec("tilelang") is None, reason="tilelang is not importable"
-    ),
-]
-"""`pytestmark` of the TileLang GPU test files."""
 
 
 def poison() -> None:
@@ -93,13 +79,12 @@ def assert_graph_replays_new_routing(fn, t: int, d: int, i: int, e: int, k: int)
 
 
 def assert_invariant_prefill_rows(gemm, tier: str, xq, xs, wq, ws) -> None:
-    """The gate for a tier's `INVARIANT_PREFILL` (set by the caller): `gemm(..., batch_invariant=
-    True)` gives the TileLang decode kernel's bits head to head and is close to ref; routed in
-    batch-invariant mode (small M to a decode kernel, large M to `tier`) a row has the same bits
-    at every M, through fp8_gemm and fp8_linear."""
+    """`gemm(..., batch_invariant=True)` (a prefill kernel) gives the cuda decode kernel's bits head
+    to head and is close to ref; routed in batch-invariant mode (small M to the decode kernel,
+    large M to `tier`) a row has the same bits at every M, through fp8_gemm and fp8_linear."""
     from deepinfer_kernels import REGISTRY, ops
+    from deepinfer_kernels.cuda import decode_gemm
     from deepinfer_kernels.ref import linear as ref_linear
-    from deepinfer_kernels.tilelang import decode_gemm
 
     here = gemm(xq, xs, wq, ws, torch.float32, batch_invariant=True)
     assert torch.equal(here, decode_gemm.decode_gemm(xq, xs, wq, ws, torch.float32))

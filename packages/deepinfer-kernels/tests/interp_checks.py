@@ -11,6 +11,7 @@ import dataclasses
 
 import torch
 from deepinfer_kernels import quant
+from deepinfer_kernels.ops import linear as linear_ops
 from deepinfer_kernels.triton import gemv
 from deepinfer_kernels.triton import linear as tl_linear
 from deepinfer_kernels.triton import moe as tmoe
@@ -56,12 +57,9 @@ def inputs(m, n, k, seed):
 
 CONFIGS = [
     gemv.DecodeConfig(),
-    gemv.DecodeConfig(block_m=64, block_n=32, fold=True),
-    gemv.DecodeConfig(block_m=16, block_n=32, block_k=64, split_k=2, fold=True),
+    gemv.DecodeConfig(block_m=64, block_n=32, block_k=64, split_k=2),
     gemv.DecodeConfig(block_m=32, block_n=64, block_k=32, split_k=3),
-    gemv.DecodeConfig(block_k=32, split_k=2, mma_fp8=True),
-    gemv.DecodeConfig(block_k=32, split_k=2, mma_fp8=True, scale_words=True),
-    gemv.DecodeConfig(block_k=64, split_k=1, scale_words=True),
+    gemv.DecodeConfig(block_k=64, split_k=1),
     gemv.DecodeConfig(block_k=64, split_k=2),
     gemv.DecodeConfig(cuda_core=True, block_n=16, block_k=1024),
     gemv.DecodeConfig(cuda_core=True, block_n=8, block_k=64, num_warps=2),
@@ -88,23 +86,21 @@ def check_decode_gemm_against_float64(m, n, kb, ci, seed):
     got = gemv.decode_gemm(xq, xs, w, ws, torch.float32, cfg)
     assert got.shape == (m, n) and got.dtype == torch.float32
     assert rel(got, want) < 1e-5, (m, n, k, cfg)
-    if not cfg.mma_fp8:  # the same products from bf16 activations: the same bits
-        xa = quant.act_dequant_fp8(xq, xs, torch.bfloat16)
-        assert torch.equal(gemv.decode_gemm(xa, xa, w, ws, torch.float32, cfg), got)
+    xa = quant.act_dequant_fp8(xq, xs, torch.bfloat16)  # the same products: the same bits
+    assert torch.equal(gemv.decode_gemm(xa, xa, w, ws, torch.float32, cfg), got)
     got_f32_scale = gemv.decode_gemm(xq, xs, w, ws.float(), torch.bfloat16, cfg)
     assert got_f32_scale.dtype == torch.bfloat16 and rel(got_f32_scale, want) < 1e-2
 
 
-def check_scale_words_and_cuda_core():
-    """Every 4-group word alignment of the scale-word path (K/32 = 8, 12, 40; steps of 1, 2, 4
-    groups; splits starting mid-word), and the CUDA-core kernel's chunks (K = 1280 takes 256-wide
-    chunks, split 5), against float64; M = 0 and M above its limit."""
+def check_steps_and_cuda_core():
+    """K steps of 1, 2, 4 groups with splits starting mid-step (K/32 = 8, 12, 40), and the
+    CUDA-core kernel's chunks (K = 1280 takes 256-wide chunks, split 5), against float64; M = 0
+    and M above its limit."""
     for m, n, k, bk, split in ((2, 65, 256, 32, 8), (1, 40, 384, 64, 3), (3, 96, 1280, 128, 5)):
         xq, xs, w, ws = inputs(m, n, k, seed=k + bk)
         want = gemm_f64(xq, xs, w, ws)
-        for words in (True, False):
-            cfg = gemv.DecodeConfig(block_k=bk, split_k=split, scale_words=words)
-            assert rel(gemv.decode_gemm(xq, xs, w, ws, torch.float32, cfg), want) < 1e-5
+        cfg = gemv.DecodeConfig(block_k=bk, split_k=split)
+        assert rel(gemv.decode_gemm(xq, xs, w, ws, torch.float32, cfg), want) < 1e-5
         cc = gemv.DecodeConfig(cuda_core=True, block_n=32, block_k=1024)
         got = gemv.decode_gemm(xq, xs, w, ws, torch.float32, cc)
         assert rel(got, want) < 1e-5
@@ -119,13 +115,14 @@ def check_scale_words_and_cuda_core():
         got = gemv.decode_gemm(xq, xs, w, ws, torch.float32, full)
         assert rel(got, want) < 1e-5, (m, n, k, rows)
         if m == 1:
-            assert tl_linear.pick_config(1, n, k, False) == gemv.gemv_config(n, k)
-            auto = tl_linear.fp8_gemm(xq, xs, w, ws, torch.float32)
+            plan = linear_ops.triton_plan("fp8_gemm", 1, n, k, False)
+            assert plan.config == gemv.gemv_config(n, k)
+            auto = tl_linear.fp8_gemm(xq, xs, w, ws, torch.float32, config=plan.config)
             assert rel(auto, want) < 1e-5
     assert gemv.gemv_config(5120, 8192) == gemv.DecodeConfig(block_n=2, split_k=1, cuda_core=True)
     assert gemv.gemv_config(32768, 1280).block_n == 4
     assert gemv.gemv_config(5120, 65536).block_k == 8192
-    assert not tl_linear.pick_config(1, 5120, 8192, True).cuda_core
+    assert not linear_ops.triton_plan("fp8_gemm", 1, 5120, 8192, True).config.cuda_core
     xq, xs, w, ws = inputs(0, 32, 64, seed=1)
     cc = gemv.DecodeConfig(cuda_core=True, block_n=16)
     assert gemv.decode_gemm(xq, xs, w, ws, torch.float32, cc).shape == (0, 32)
@@ -143,12 +140,10 @@ def check_splits_and_paths():
         xq, xs, w, ws = inputs(m, n, k, seed=m + n + k)
         want = gemm_f64(xq, xs, w, ws)
         got = gemv.decode_gemm(xq, xs, w, ws, torch.float32, gemv.DecodeConfig(split_k=split))
-        fp8 = gemv.DecodeConfig(block_k=32, split_k=split, mma_fp8=True)
-        got_fp8 = gemv.decode_gemm(xq, xs, w, ws, torch.float32, fp8)
         assert got.shape == (m, n)
         if m:
-            assert rel(got, want) < 1e-5 and rel(got_fp8, want) < 1e-5
-        big = tl_linear.GemmConfig(64, 64, split, 4, 3, True, block_k=64)
+            assert rel(got, want) < 1e-5
+        big = tl_linear.GemmConfig(64, 64, split, 4, 3, block_k=64)
         got_big = tl_linear.fp8_gemm(xq, xs, w, ws, torch.float32, batch_invariant=True, config=big)
         if m:
             assert rel(got_big, want) < 1e-5
@@ -167,9 +162,8 @@ def check_splits_and_paths():
                 assert (k // 32) % s == 0 and (s == 1 or k // s >= 1024)
     # bad configurations name the field
     for bad, field in (
-        ({"block_n": 64, "fold": True}, "block_n"),
+        ({"block_n": 48}, "block_n"),
         ({"block_k": 48}, "block_k"),
-        ({"mma_fp8": True}, "mma_fp8"),
         ({"cuda_core": True, "block_n": 64}, "cuda_core"),
         ({"cuda_core": True, "block_n": 16, "block_k": 96}, "block_k"),
     ):
@@ -238,7 +232,7 @@ def check_fused_routing_against_loops(t, k, experts, block_m, neg, seed):
 
 if __name__ == "__main__":
     check_decode_gemm_against_float64()
-    check_scale_words_and_cuda_core()
+    check_steps_and_cuda_core()
     check_splits_and_paths()
     check_fused_routing_against_loops()
     print("interpreted decode checks passed")

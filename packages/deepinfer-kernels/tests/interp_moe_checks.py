@@ -1,7 +1,7 @@
 """The Triton MoE expert kernels (triton/moe.py) under the Triton interpreter on CPU, against the
 float64 loops of test_moe.py: run by test_moe_interpreted.py in a subprocess with
 TRITON_INTERPRET=1 (Triton reads it at import). Each configuration below exercises one option of
-`MoeConfig` (grid order, scale prefetch, FP4 modes, K steps, scale words, swapped operands); on
+`MoeConfig` (grid order, scale prefetch, K steps, scale words, swapped operands); on
 CPU the kernels run their F32_MATH paths (the same exact values through fp32; see `_dot`)."""
 
 from __future__ import annotations
@@ -27,13 +27,12 @@ CONFIGS = {
         4,
         2,
         block_k=128,
-        fp4_mode=2,
         cols_fast=True,
         prefetch_scales=True,
         scale_words=True,
     ),
     "fp4 words k2=64 stages2": M(
-        32, 64, 32, 4, 4, 2, block_k=128, fp4_mode=2, block_k2=64, stages2=3, cols_fast=True
+        32, 64, 32, 4, 4, 2, block_k=128, block_k2=64, stages2=3, cols_fast=True
     ),
     "m64-like w13 cols, w2 rows": M(
         16,
@@ -43,7 +42,6 @@ CONFIGS = {
         4,
         2,
         block_k=64,
-        fp4_mode=2,
         cols_fast=True,
         cols_fast2=False,
         prefetch_scales=True,
@@ -51,10 +49,8 @@ CONFIGS = {
     "swap prefetch": M(16, 32, 32, 4, 4, 2, swap_ab=True, block_k=64, prefetch_scales=True),
     "PREFILL": tmoe.PREFILL,
     # the decode tile with narrower column blocks (bench_decode's few-token candidates)
-    "decode n32": M(16, 32, 32, 4, 4, 4, block_k=128, fp4_mode=2),
-    # FP4 mode 3 (on CPU the words path of mode 2: the host plumbing and the shared weight step)
-    "decode m3": M(16, 64, 64, 4, 4, 4, block_k=128, fp4_mode=3),
-    "decode m3 prefetch": M(16, 64, 32, 4, 4, 4, block_k=128, fp4_mode=3, prefetch_scales=True),
+    "decode n32": M(16, 32, 32, 4, 4, 4, block_k=128),
+    "decode prefetch": M(16, 64, 32, 4, 4, 4, block_k=128, prefetch_scales=True),
 }
 # run on the same weights in `quant.fp4_fragment_order`: bitwise the rows of their counterpart
 FRAGMENT = {

@@ -4,13 +4,11 @@ CPU: the config's checks, token tiles and boxes, the shared-memory and register 
 and call reasons, and (where NVRTC loads) every token tile compiled for sm_90a without local
 memory, one wgmma per k32 slice (N: the token tile, or at 64 tokens, the tokens as A, the
 warpgroup's rows), one FFMA per accumulator and slice, and the scale products and loads. GPU
-(Hopper): against the ref tier, bitwise the TileLang decode kernel's sums (same K split, same
-order), rows independent of the batch, CUDA-graph replay, and a programmatic launch after a
-kernel that writes its input."""
+(Hopper): against the ref tier, rows independent of the batch, CUDA-graph replay, and a
+programmatic launch after a kernel that writes its input. Which calls run here: test_routes.py."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
 
 import pytest
@@ -23,7 +21,6 @@ from sass_checks import unspilled_sass
 
 HAVE_NVRTC = module.nvrtc_reason() is None
 needs_nvrtc = pytest.mark.skipif(not HAVE_NVRTC, reason=f"{module.nvrtc_reason()}")
-HAVE_TILELANG = importlib.util.find_spec("tilelang") is not None
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 needs_hopper = pytest.mark.skipif(
     not (HOPPER and HAVE_NVRTC), reason="needs a Hopper GPU and NVRTC"
@@ -117,11 +114,6 @@ def test_pick_config_keeps_every_cta_resident(m, n, k, sms):
     assert dg.consumer_regs(cfg) >= 64 and cfg.programmatic
 
 
-def test_pick_config_at_v4_shapes():
-    assert dg.pick_config(16, 5120, 8192) == C(consumers=1, min_blocks=3)  # 320 CTAs
-    assert dg.pick_config(16, 32768, 1280) == C(consumers=2, min_blocks=2)  # 256 CTAs
-
-
 def test_shape_reasons():
     assert dg.shape_reason(5120, 8192, 1) is None
     assert dg.shape_reason(5120, 8192, 64) is None
@@ -182,77 +174,10 @@ def test_kernel_compiles_without_local_memory(tokens, cfg, split, tmp_path):
     assert scale_loads <= len(re.findall(r"\bLDS", sass)) <= scale_loads + 8  # + the epilogue's
 
 
-def test_tuned_configs_run_and_pick_config_takes_them():
-    """Every `TUNED` entry has a config per M bucket that the kernel takes at that bucket's M, or
-    . (the fill rule's); `pick_config` returns it on 132 SMs, and the fill rule on other SM
-    counts."""
-    configs = {"2": C(2, 2), "3": C(1, 3), "4": C(1, 4)}
-    for (n, k), digits in dg.TUNED.items():
-        assert len(digits) == len(dg.TUNED_M)
-        lo = 1
-        for top, digit in zip(dg.TUNED_M, digits, strict=True):
-            for m in (lo, top):
-                want = configs[digit] if digit != "." else dg.fill_config(m, n, k, 132)
-                assert dg.pick_config(m, n, k, 132) == want, (n, k, m)
-                assert dg.shape_reason(n, k, m, want) is None, (n, k, m)
-            lo = top + 1
-        for m, sms in ((1, 114), (dg.TUNED_M[-1] + 1, 132)):
-            assert dg.pick_config(m, n, k, sms) == dg.fill_config(m, n, k, sms)
-
-
-def test_routes_decide_takes_per_bucket():
-    """`ROUTES` covers `TUNED`'s weights, a character per `ROUTE_M` bucket from the first to the
-    last M of each bucket: - here in both modes, a the prefill kernel in auto mode only, b in
-    both; no bucket up to 64 tokens goes to the prefill kernel, and only unmeasured ones take the
-    fill rule."""
-    assert dg.ROUTES.keys() == dg.TUNED.keys() and dg.ROUTE_M[-1] == dg.MAX_M
-    for (n, k), route in dg.ROUTES.items():
-        assert len(route) == len(dg.ROUTE_M) and set(route) <= set("-ab")
-        lo = 1
-        for i, (top, where) in enumerate(zip(dg.ROUTE_M, route, strict=True)):
-            for m in (lo, top):
-                assert dg.takes(m, n, k) == (where == "-"), (n, k, m)
-                assert dg.takes(m, n, k, batch_invariant=True) == (where != "b"), (n, k, m)
-            assert top > 64 or where == "-"
-            if i < len(dg.TUNED_M) and dg.TUNED[n, k][i] == ".":
-                assert where == "b", (n, k, top)  # the config is never used by the tier
-            lo = top + 1
-
-
-def test_takes_at_v4_shapes():
-    """Measured routes: 5120x8192 at 65-128 tokens on the prefill kernel in auto mode only, at
-    129-192 here, from 193 on the prefill kernel; 1280x5120 here up to 256; 2112x7168 from 193 on
-    the prefill kernel in both modes; TUNED and ROUTES count on 132 SMs only (else the rule: up to
-    192, or 256 under PREFILL_N rows or in batch-invariant mode)."""
-    assert dg.takes(64, 5120, 8192) and not dg.takes(65, 5120, 8192)
-    assert dg.takes(65, 5120, 8192, batch_invariant=True) and dg.takes(192, 5120, 8192)
-    assert not dg.takes(193, 5120, 8192) and not dg.takes(256, 5120, 8192, batch_invariant=True)
-    assert dg.takes(256, 1280, 5120) and not dg.takes(256, 2112, 7168)
-    assert dg.takes(192, 2112, 7168) and not dg.takes(256, 2112, 7168, batch_invariant=True)
-    assert dg.takes(64, 4096, 5120) and not dg.takes(65, 4096, 5120, batch_invariant=True)
-    assert not dg.takes(257, 1280, 5120) and not dg.takes(257, 1280, 5120, batch_invariant=True)
-    assert dg.takes(64, 32768, 1280) and not dg.takes(96, 32768, 1280)
-    assert dg.takes(160, 32768, 1280) and not dg.takes(96, 32768, 1280, batch_invariant=True)
-    assert dg.takes(96, 32768, 1280, sms=114) and not dg.takes(193, 32768, 1280, sms=114)
-    assert dg.takes(256, 32768, 1280, batch_invariant=True, sms=114)
-
-
-@settings(max_examples=60, deadline=None)
-@given(m=st.integers(1, 400), **WEIGHTS_AND_SMS)
-def test_takes_is_a_subset_of_batch_invariant_mode(m, n, k, sms):
-    """Auto mode takes no M that batch-invariant mode would not, and every M <= 64; no mode takes
-    M > MAX_M; batch-invariant mode takes every M <= MAX_M of weights not measured."""
-    assert not dg.takes(m, n, k, False, sms) or dg.takes(m, n, k, True, sms)
-    assert dg.takes(m, n, k, False, sms) or m > 64
-    assert not dg.takes(m, n, k, True, sms) or m <= dg.MAX_M
-    if sms != 132 or (n, k) not in dg.ROUTES:
-        assert dg.takes(m, n, k, True, sms) == (m <= dg.MAX_M)
-
-
 def test_shape_reason_checks_the_config_of_the_sm_count():
-    """Without a config, the check is of the config `pick_config` gives on that many SMs."""
+    """Without a config, the check is of the config the fill rule gives on that many SMs."""
     for sms in (114, 132):
-        cfg = dg.pick_config(64, 5120, 8192, sms)
+        cfg = dg.fill_config(64, 5120, 8192, sms)
         assert dg.shape_reason(5120, 1 << 21, 64, sms=sms) == dg.shape_reason(
             5120, 1 << 21, 64, cfg
         )
@@ -261,7 +186,7 @@ def test_shape_reason_checks_the_config_of_the_sm_count():
 
 # -- GPU ---------------------------------------------------------------------------------------
 
-# (M, N, K): V4.1's decode N and K (K splits 1..8 by `decode_tile_split`), odd M, N not a
+# (M, N, K): V4.1's decode N and K (K splits 1..8 by `k_split`), odd M, N not a
 # multiple of the tiles, M past one token tile (up to MAX_M, a partial last tile)
 SHAPES = [
     (1, 5120, 8192),
@@ -281,7 +206,7 @@ SHAPES = [
 @needs_hopper
 @pytest.mark.parametrize(("m", "n", "k"), SHAPES)
 @pytest.mark.parametrize("cfg", CONFIGS)
-def test_close_to_ref_and_the_tilelang_kernels_bits(m, n, k, cfg):
+def test_close_to_ref(m, n, k, cfg):
     from deepinfer_kernels.ref import linear as ref_linear
     from gpu_checks import gemm_inputs, poison, rel
 
@@ -294,10 +219,6 @@ def test_close_to_ref_and_the_tilelang_kernels_bits(m, n, k, cfg):
     poison()
     got = dg.decode_gemm(xq, xs, wq, ws.float(), torch.float32, config=cfg)
     assert got.dtype == torch.float32 and rel(got, want) < 1e-3
-    if HAVE_TILELANG:
-        from deepinfer_kernels.tilelang import decode_gemm as tld
-
-        assert torch.equal(got, tld.decode_gemm(xq, xs, wq, ws, torch.float32))
 
 
 @needs_hopper

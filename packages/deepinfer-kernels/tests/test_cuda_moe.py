@@ -1,7 +1,7 @@
-"""The cuda tier's FP4 MoE decode experts (`cuda/moe_decode.py`): the mma.sync kernels
-(`moe_decode.cu`) and batch-invariant mode's wgmma kernels (`moe_decode_wgmma.cu`).
+"""The cuda tier's FP4 MoE experts (`cuda/moe.py`, run by `ops.moe.cuda_moe_experts`): the
+mma.sync kernels (`moe_mma.cu`) and the wgmma kernels (`moe_wgmma.cu`).
 
-CPU: the configs' checks, the `supports` reasons, and (where NVRTC loads) the kernels compiled for
+CPU: the configs' checks, the plan's reasons, and (where NVRTC loads) the kernels compiled for
 sm_90a at V4.1's and small dims: no local memory, and with triton's cuobjdump the mma.sync K loop's
 instruction count per weight word. GPU (Hopper): against the ref tier (with skipped slots, experts
 with more tokens than a tile, odd T, real dims), every output written, rows bitwise independent of
@@ -16,8 +16,9 @@ from dataclasses import replace
 import pytest
 import torch
 from deepinfer_kernels.cuda import module
-from deepinfer_kernels.cuda import moe_decode as md
-from deepinfer_kernels.ops.moe import moe_experts_cuda_supports
+from deepinfer_kernels.cuda import moe as md
+from deepinfer_kernels.ops import moe as moe_ops
+from deepinfer_kernels.ops.moe import cuda_moe_experts, triton_moe_experts
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from sass_checks import cubin_report, unspilled_sass
@@ -30,6 +31,20 @@ needs_hopper = pytest.mark.skipif(
 )
 
 V41 = (5120, 2304)  # D, I
+
+
+def cuda_reason(*args, batch_invariant=False, fragment_order=False):
+    """Why the cuda tier would pass over this call on an H200 (None: it plans it; NVRTC missing
+    on this machine aside)."""
+    x, _, ids, w1, s1, w3, s3, w2, s2, _ = args
+    scale_dtypes = (s1.dtype, s3.dtype, s2.dtype)
+    aligned = md.aligned(w1, s1, w3, s3, w2, s2)
+    _, passed = moe_ops.plan(
+        x.shape[0], ids.shape[1], w1.shape[0], x.shape[1], w1.shape[1], x.dtype, scale_dtypes,
+        aligned, batch_invariant, fragment_order, (9, 0), ("cuda",),
+    )  # fmt: skip
+    why = passed[0].removeprefix("cuda: ") if passed else None
+    return None if why is not None and why.startswith("NVRTC not found") else why
 
 
 # -- config and supports ---------------------------------------------------------------------
@@ -160,35 +175,47 @@ def test_shape_reasons():
     assert md.shape_reason(96, 64, md.MoeDecodeCudaConfig(rt2=2)) is None
 
 
+def pick(bi, fo, tokens, aligned=True, per_expert=0.0, experts=384):
+    """`ops.moe.cuda_config` for `tokens` tokens routed to `per_expert` pairs per expert (0: a
+    decode-sized 6 pairs per token)."""
+    pairs = round(per_expert * experts) if per_expert else 6 * tokens
+    return moe_ops.cuda_config(bi, fo, tokens, pairs, experts, aligned)
+
+
 def test_default_kernels_by_mode_and_size():
-    assert md.pick_config(False, False, 1) == md.TMA
-    assert md.pick_config(False, False, md.TMA_TILE8_TOKENS) == md.TMA
-    assert md.pick_config(False, False, md.TMA_TILE8_TOKENS + 1) == md.TMA_TILE16
-    assert md.pick_config(False, False, 1, aligned=False) == md.REGISTER
+    tile8 = moe_ops.CUDA_TILE8_TOKENS
+    assert pick(False, False, 1) == md.TMA
+    assert pick(False, False, tile8) == md.TMA
+    assert pick(False, False, tile8 + 1) == md.TMA_TILE16
+    assert pick(False, False, 1, aligned=False) == md.REGISTER
     # the same sums: the splits decide the bits
     for cfg in (md.TMA, md.TMA_TILE16):
         assert (cfg.split1, cfg.split2) == (md.REGISTER.split1, md.REGISTER.split2)
-    assert md.pick_config(True, False, 1) == md.WGMMA_DEFAULT
-    assert md.pick_config(True, True, 1) == md.WGMMA_FRAGMENT
-    assert md.pick_config(True, True, 8192, prefill=True) == md.WGMMA_PREFILL_FRAGMENT
-    assert md.pick_config(True, False, 8192, prefill=True) == md.WGMMA_PREFILL_EXCHANGE
+    assert pick(True, False, 1) == md.WGMMA_DEFAULT
+    assert pick(True, True, 1) == md.WGMMA_FRAGMENT
+    assert pick(True, True, 8192, per_expert=100) == md.WGMMA_PREFILL_FRAGMENT
+    assert pick(True, False, 8192, per_expert=100) == md.WGMMA_PREFILL_EXCHANGE
     # 160-token tiles where an expert's pairs (mean + 2 sd of uniform routing) take fewer tiles
     for per_expert, wide in ((32, False), (96, False), (128, True), (192, False), (256, True)):
-        assert md.wide_tiles_pay(per_expert) == wide
+        assert moe_ops.wide_tiles_pay(per_expert) == wide
         for inv, frag, cfg in (
             (False, False, md.WGMMA_PREFILL),
             (True, False, md.WGMMA_PREFILL_EXCHANGE),
             (True, True, md.WGMMA_PREFILL_FRAGMENT),
         ):
-            got = md.pick_config(inv, frag, 8192, prefill=True, pairs_per_expert=per_expert)
+            got = pick(inv, frag, 8192, per_expert=per_expert)
             assert got == (md.wide_tiles(cfg) if wide else cfg)
     assert md.wide_tiles(md.WGMMA_PREFILL).tile_tokens == md.WIDE_TILE_TOKENS == 160
-    assert md.pick_config(False, False, 8192, prefill=True) == md.WGMMA_PREFILL
-    assert md.prefill_sized(8 * 384 + 1, 384) and not md.prefill_sized(8 * 384, 384)
-    # auto mode keeps the TMA decode kernels up to 16 pairs per expert
-    assert md.prefill_kernels(8 * 384 + 1, 384, True)
-    assert not md.prefill_kernels(16 * 384, 384, False)
-    assert md.prefill_kernels(16 * 384 + 1, 384, False)
+    assert pick(False, False, 8192, per_expert=100) == md.WGMMA_PREFILL
+
+    def prefill(bi, pairs):  # the prefill kernels: 128- or 160-token wgmma tiles
+        return moe_ops.cuda_config(bi, False, pairs // 6, pairs, 384).tile_tokens >= 128
+
+    # batch-invariant mode switches above 8 pairs per expert; auto mode keeps the TMA decode
+    # kernels up to 16
+    assert prefill(True, 8 * 384 + 1) and not prefill(True, 8 * 384)
+    assert not prefill(False, 16 * 384)
+    assert prefill(False, 16 * 384 + 1)
 
 
 def _cpu_call(t=4, d=64, i=64, e=8, k=2, dtype=torch.bfloat16):
@@ -204,33 +231,29 @@ def _cpu_call(t=4, d=64, i=64, e=8, k=2, dtype=torch.bfloat16):
 def test_supports_reasons():
     args = _cpu_call()
     # batch-invariant mode runs the wgmma kernels: dims must be multiples of 128
-    assert "multiples of 128" in moe_experts_cuda_supports(*args, batch_invariant=True)
-    assert moe_experts_cuda_supports(*_cpu_call(d=128, i=128), batch_invariant=True) == (
-        "input on cpu"
-    )
-    assert "bfloat16" in moe_experts_cuda_supports(*_cpu_call(dtype=torch.float32))
+    assert "multiples of 128" in cuda_reason(*args, batch_invariant=True)
+    assert cuda_reason(*_cpu_call(d=128, i=128), batch_invariant=True) is None
+    assert "bfloat16" in cuda_reason(*_cpu_call(dtype=torch.float32))
     prefill = _cpu_call(t=200, d=256, i=128, e=8, k=2)  # 50 pairs per expert
     # batch-invariant mode: WGMMA_PREFILL_EXCHANGE; auto mode: WGMMA_PREFILL
-    assert moe_experts_cuda_supports(*prefill, batch_invariant=True) == "input on cpu"
-    assert moe_experts_cuda_supports(*prefill) == "input on cpu"
+    assert cuda_reason(*prefill, batch_invariant=True) is None
+    assert cuda_reason(*prefill) is None
     few = _cpu_call(t=40, d=256, i=128, e=8, k=2)  # 10 pairs per expert: the TMA kernels
-    assert moe_experts_cuda_supports(*few) == "input on cpu"
-    assert moe_experts_cuda_supports(*few, batch_invariant=True) == "input on cpu"
-    assert "multiples of 128" in moe_experts_cuda_supports(*_cpu_call(t=200, e=8, k=2))
+    assert cuda_reason(*few) is None
+    assert cuda_reason(*few, batch_invariant=True) is None
+    assert "multiples of 128" in cuda_reason(*_cpu_call(t=200, e=8, k=2))
     # prefill-sized routing on fragment-order weights: the wgmma prefill kernels (W2: 256 rows
     # per CTA)
     inv = dict(batch_invariant=True, fragment_order=True)
-    assert moe_experts_cuda_supports(*prefill, **inv) == "input on cpu"
+    assert cuda_reason(*prefill, **inv) is None
     narrow = _cpu_call(t=40, d=128, i=128, e=8, k=2)
-    assert "D=128 must be a multiple of 256" in moe_experts_cuda_supports(*narrow, **inv)
-    why = moe_experts_cuda_supports(*narrow, batch_invariant=True)
+    assert "D=128 must be a multiple of 256" in cuda_reason(*narrow, **inv)
+    why = cuda_reason(*narrow, batch_invariant=True)
     assert "D=128 must be a multiple of 256" in why
-    assert moe_experts_cuda_supports(*args) == "input on cpu"
+    assert cuda_reason(*args) is None
     x, tw, ids, w1, s1, w3, s3, w2, s2, limit = args
-    assert "s3 is torch.float32" in moe_experts_cuda_supports(
-        x, tw, ids, w1, s1, w3, s3.float(), w2, s2, limit
-    )
-    assert "multiples of 32" in moe_experts_cuda_supports(*_cpu_call(d=48))
+    assert "s3 is torch.float32" in cuda_reason(x, tw, ids, w1, s1, w3, s3.float(), w2, s2, limit)
+    assert "multiples of 32" in cuda_reason(*_cpu_call(d=48))
 
 
 def test_unaligned_weights_take_the_register_kernels():
@@ -240,32 +263,32 @@ def test_unaligned_weights_take_the_register_kernels():
     why = md.call_reason(x, {"w1": w1, "w3": odd}, {"s1": s1}, md.TMA)
     assert why == "w3 is not 16-byte aligned (the TMA kernels copy it in bulk)"
     # by default the register kernels, which do not need it, take such weights
-    assert moe_experts_cuda_supports(x, tw, ids, w1, s1, odd, s3, w2, s2, limit) == "input on cpu"
+    assert cuda_reason(x, tw, ids, w1, s1, odd, s3, w2, s2, limit) is None
 
 
 def test_direct_call_with_bad_arguments_is_a_value_error():
     """A direct call (not through the registry) refuses what it cannot run, before any launch."""
     with pytest.raises(ValueError, match="cuda moe_experts: input on cpu"):
-        md.moe_experts(*_cpu_call())
+        cuda_moe_experts(*_cpu_call())
     with pytest.raises(ValueError, match=r"x is torch\.float32"):
-        md.moe_experts(*_cpu_call(dtype=torch.float32))
+        cuda_moe_experts(*_cpu_call(dtype=torch.float32))
     with pytest.raises(ValueError, match=r"the mma\.sync kernels .* read the checkpoint's order"):
-        md.moe_experts(*_cpu_call(), fragment_order=True)
+        cuda_moe_experts(*_cpu_call(), fragment_order=True)
     with pytest.raises(ValueError, match=r"config\.fragment_weights=False but fragment_order=True"):
-        md.moe_experts(
+        cuda_moe_experts(
             *_cpu_call(), batch_invariant=True, config=md.WGMMA_DEFAULT, fragment_order=True
         )
     with pytest.raises(ValueError, match="config must be a MoeDecodeWgmmaConfig"):
-        md.moe_experts(*_cpu_call(), batch_invariant=True, config=md.REGISTER)
+        cuda_moe_experts(*_cpu_call(), batch_invariant=True, config=md.REGISTER)
 
 
 def test_fragment_order_reasons():
     """Fragment-order weights: only batch-invariant mode's wgmma kernels read them here (the
     registry then falls through to the Triton tier)."""
     args = _cpu_call(d=128, i=128)
-    assert "mma.sync" in moe_experts_cuda_supports(*args, fragment_order=True)
+    assert "mma.sync" in cuda_reason(*args, fragment_order=True)
     inv = dict(batch_invariant=True, fragment_order=True)
-    assert moe_experts_cuda_supports(*args, **inv) == "input on cpu"
+    assert cuda_reason(*args, **inv) is None
 
 
 def test_missing_nvrtc_is_a_reason_not_a_crash(monkeypatch):
@@ -498,7 +521,7 @@ def test_close_to_ref(t, d, i, e, k, cfg):
     args = _inputs(t, d, i, e, k, seed=t + e + d, neg=t % 2 == 1)
     want = ref_moe.moe_experts(*args, 10.0)
     poison()
-    got = md.moe_experts(*args, 10.0, config=cfg)
+    got = cuda_moe_experts(*args, 10.0, config=cfg)
     assert got.dtype == torch.bfloat16
     assert rel(got, want) < 1.5e-2
 
@@ -509,11 +532,13 @@ def test_rows_do_not_depend_on_the_batch():
     K is split by shape only, and the combine sums a token's rows in expert order (whether the
     TMA, the 16-token-tile or the register kernels run it)."""
     x, tw, ids, *ws = _inputs(300, 512, 256, 64, 6, seed=7)
-    full = md.moe_experts(x, tw, ids, *ws, 10.0)  # 16-token tiles
-    assert md.pick_config(False, False, 300) == md.TMA_TILE16
+    full = cuda_moe_experts(x, tw, ids, *ws, 10.0)  # 16-token tiles
+    assert moe_ops.cuda_config(False, False, 300, ids.numel(), 64) == md.TMA_TILE16
     for lo, hi in ((0, 1), (299, 300), (5, 21), (9, 13)):
-        assert torch.equal(md.moe_experts(x[lo:hi], tw[lo:hi], ids[lo:hi], *ws, 10.0), full[lo:hi])
-    part = md.moe_experts(x[:48], tw[:48], ids[:48], *ws, 10.0, config=md.REGISTER)
+        assert torch.equal(
+            cuda_moe_experts(x[lo:hi], tw[lo:hi], ids[lo:hi], *ws, 10.0), full[lo:hi]
+        )
+    part = cuda_moe_experts(x[:48], tw[:48], ids[:48], *ws, 10.0, config=md.REGISTER)
     assert torch.equal(part, full[:48])
 
 
@@ -525,18 +550,18 @@ def test_wgmma_rows_are_the_triton_prefill_tiles_bits(t, d, i, e, k):
     from deepinfer_kernels.triton import moe as tmoe
 
     x, tw, ids, *ws = _inputs(t, d, i, e, k, seed=3 + t)
-    got = md.moe_experts(x, tw, ids, *ws, 10.0, batch_invariant=True)
-    prefill = tmoe.moe_experts(x, tw, ids, *ws, 10.0, config=tmoe.PREFILL)
+    got = cuda_moe_experts(x, tw, ids, *ws, 10.0, batch_invariant=True)
+    prefill = triton_moe_experts(x, tw, ids, *ws, 10.0, config=tmoe.PREFILL)
     assert torch.equal(got, prefill)
-    assert torch.equal(got, tmoe.moe_experts(x, tw, ids, *ws, 10.0, batch_invariant=True))
+    assert torch.equal(got, triton_moe_experts(x, tw, ids, *ws, 10.0, batch_invariant=True))
     other = md.MoeDecodeWgmmaConfig(
         tile_tokens=16, depth1=1, depth2=8, min_blocks1=2, warpgroups1=2, warpgroups2=2
     )
     assert torch.equal(
-        md.moe_experts(x, tw, ids, *ws, 10.0, batch_invariant=True, config=other), got
+        cuda_moe_experts(x, tw, ids, *ws, 10.0, batch_invariant=True, config=other), got
     )
     for lo, hi in ((0, 1), (t - 1, t), (3, 11)):
-        alone = md.moe_experts(x[lo:hi], tw[lo:hi], ids[lo:hi], *ws, 10.0, batch_invariant=True)
+        alone = cuda_moe_experts(x[lo:hi], tw[lo:hi], ids[lo:hi], *ws, 10.0, batch_invariant=True)
         assert torch.equal(alone, got[lo:hi])
 
 
@@ -551,13 +576,13 @@ def test_wgmma_prefill_tiles_give_the_triton_prefill_bits(t, d, i, e, k):
     from deepinfer_kernels.triton import moe as tmoe
 
     x, tw, ids, w1, s1, w3, s3, w2, s2 = _inputs(t, d, i, e, k, seed=9 + t)
-    want = tmoe.moe_experts(x, tw, ids, w1, s1, w3, s3, w2, s2, 10.0, config=tmoe.PREFILL)
+    want = triton_moe_experts(x, tw, ids, w1, s1, w3, s3, w2, s2, 10.0, config=tmoe.PREFILL)
     frag = (f(w1), s1, f(w3), s3, f(w2), s2)
     assert torch.equal(
-        md.moe_experts(x, tw, ids, *frag, 10.0, batch_invariant=True, fragment_order=True), want
+        cuda_moe_experts(x, tw, ids, *frag, 10.0, batch_invariant=True, fragment_order=True), want
     )
     ws = (w1, s1, w3, s3, w2, s2)
-    assert torch.equal(md.moe_experts(x, tw, ids, *ws, 10.0, batch_invariant=True), want)
+    assert torch.equal(cuda_moe_experts(x, tw, ids, *ws, 10.0, batch_invariant=True), want)
     ring = dict(min_blocks1=1, min_blocks2=1, depth1=1, depth2=1)
     for cfg in (
         md.MoeDecodeWgmmaConfig(tile_tokens=128, warpgroups1=2, warpgroups2=2, row_sets2=2,
@@ -575,7 +600,7 @@ def test_wgmma_prefill_tiles_give_the_triton_prefill_bits(t, d, i, e, k):
                                 x_tma=True, **ring),
     ):  # fmt: skip
         assert torch.equal(
-            md.moe_experts(x, tw, ids, w1, s1, w3, s3, w2, s2, 10.0, config=cfg), want
+            cuda_moe_experts(x, tw, ids, w1, s1, w3, s3, w2, s2, 10.0, config=cfg), want
         )
     for cfg in (
         md.WGMMA_PREFILL_FRAGMENT,
@@ -583,7 +608,7 @@ def test_wgmma_prefill_tiles_give_the_triton_prefill_bits(t, d, i, e, k):
         md.wide_tiles(md.WGMMA_PREFILL_FRAGMENT),
         REG_PREFILL_FRAGMENT,
     ):
-        got = md.moe_experts(x, tw, ids, *frag, 10.0, config=cfg, fragment_order=True)
+        got = cuda_moe_experts(x, tw, ids, *frag, 10.0, config=cfg, fragment_order=True)
         assert torch.equal(got, want)
 
 
@@ -596,14 +621,12 @@ def test_permuted_k_prefill_is_close_to_ref_and_batch_independent(t, d, i, e, k)
     from gpu_checks import rel
 
     x, tw, ids, *ws = _inputs(t, d, i, e, k, seed=13 + t, neg=True)
-    got = md.moe_experts(x, tw, ids, *ws, 10.0)
-    assert (
-        md.pick_config(False, False, t, prefill=md.prefill_kernels(ids.numel(), e, False))
-        == md.WGMMA_PREFILL
-    )
+    got = cuda_moe_experts(x, tw, ids, *ws, 10.0)
+    cfg = moe_ops.cuda_config(False, False, t, ids.numel(), e)
+    assert cfg in (md.WGMMA_PREFILL, md.wide_tiles(md.WGMMA_PREFILL))
     assert rel(got, ref_moe.moe_experts(x, tw, ids, *ws, 10.0)) < 1.5e-2
     for lo, hi in ((0, t // 2), (t // 3, t)):
-        part = md.moe_experts(x[lo:hi], tw[lo:hi], ids[lo:hi], *ws, 10.0, config=md.WGMMA_PREFILL)
+        part = cuda_moe_experts(x[lo:hi], tw[lo:hi], ids[lo:hi], *ws, 10.0, config=md.WGMMA_PREFILL)
         assert torch.equal(part, got[lo:hi])
     # the activations copied by every thread instead of the TMA, 160-token tiles, the weights
     # by registers, one group in flight: the same sums
@@ -613,7 +636,7 @@ def test_permuted_k_prefill_is_close_to_ref_and_batch_independent(t, d, i, e, k)
         REG_PREFILL,
         replace(md.WGMMA_PREFILL, wgmma_groups=1),
     ):
-        assert torch.equal(md.moe_experts(x, tw, ids, *ws, 10.0, config=cfg), got)
+        assert torch.equal(cuda_moe_experts(x, tw, ids, *ws, 10.0, config=cfg), got)
 
 
 @needs_hopper
@@ -630,16 +653,16 @@ def test_fragment_order_weights_give_the_same_bits(t, d, i, e, k):
     x, tw, ids, w1, s1, w3, s3, w2, s2 = _inputs(t, d, i, e, k, seed=5 + t)
     ws = (w1, s1, w3, s3, w2, s2)
     frag = (f(w1), s1, f(w3), s3, f(w2), s2)
-    want = md.moe_experts(x, tw, ids, *ws, 10.0, batch_invariant=True)
+    want = cuda_moe_experts(x, tw, ids, *ws, 10.0, batch_invariant=True)
     inv = dict(batch_invariant=True, fragment_order=True)
     for cfg in (FRAGMENT, replace(md.WGMMA_DEFAULT, fragment_weights=True, tile_tokens=16)):
-        assert torch.equal(md.moe_experts(x, tw, ids, *frag, 10.0, config=cfg, **inv), want)
+        assert torch.equal(cuda_moe_experts(x, tw, ids, *frag, 10.0, config=cfg, **inv), want)
     for cfg in (tmoe.PREFILL, tmoe.DECODE_WGMMA, tmoe.DECODE):
         on_frag = replace(cfg, fragment_weights=True)
-        got = tmoe.moe_experts(x, tw, ids, *frag, 10.0, config=on_frag, fragment_order=True)
-        assert torch.equal(got, tmoe.moe_experts(x, tw, ids, *ws, 10.0, config=cfg))
+        got = triton_moe_experts(x, tw, ids, *frag, 10.0, config=on_frag, fragment_order=True)
+        assert torch.equal(got, triton_moe_experts(x, tw, ids, *ws, 10.0, config=cfg))
     # the invariant chain across tiers: Triton's prefill tiles on fragment order, the wgmma rows
-    prefill = tmoe.moe_experts(x, tw, ids, *frag, 10.0, config=tmoe.PREFILL_FRAGMENT, **inv)
+    prefill = triton_moe_experts(x, tw, ids, *frag, 10.0, config=tmoe.PREFILL_FRAGMENT, **inv)
     assert torch.equal(prefill, want)
 
 
@@ -698,16 +721,16 @@ def test_tma_kernels_give_the_register_kernels_bits(t, d, i, e, k, cfg):
     1 to 8 stages)."""
     args = _inputs(t, d, i, e, k, seed=40 + t, neg=t % 2 == 1)
     register = replace(cfg, tma=False, depth=1)
-    want = md.moe_experts(*args, 10.0, config=register)
-    assert torch.equal(md.moe_experts(*args, 10.0, config=cfg), want)
+    want = cuda_moe_experts(*args, 10.0, config=register)
+    assert torch.equal(cuda_moe_experts(*args, 10.0, config=cfg), want)
 
 
 @needs_hopper
 def test_cuda_graph_replay_on_new_routing():
     from gpu_checks import assert_graph_replays_new_routing
 
-    assert_graph_replays_new_routing(md.moe_experts, 8, 512, 256, 32, 6)
-    assert_graph_replays_new_routing(md.moe_experts, 4, 512, 256, 32, 6)
+    assert_graph_replays_new_routing(cuda_moe_experts, 8, 512, 256, 32, 6)
+    assert_graph_replays_new_routing(cuda_moe_experts, 4, 512, 256, 32, 6)
 
 
 @needs_hopper
@@ -716,18 +739,17 @@ def test_registry_routes_decode_sizes_here():
     bitwise the Triton tier's invariant rows); prefill-sized ones run this tier's wgmma prefill
     kernels in both modes."""
     from deepinfer_kernels import REGISTRY, ops
-    from deepinfer_kernels.triton import moe as tmoe
 
     x, tw, ids, *ws = _inputs(4, 256, 128, 8, 2, seed=31)
     assert REGISTRY.resolve("moe_experts", x, tw, ids, *ws, 10.0).tier == "cuda"
     assert torch.equal(
-        ops.moe_experts(x, tw, ids, *ws, 10.0), md.moe_experts(x, tw, ids, *ws, 10.0)
+        ops.moe_experts(x, tw, ids, *ws, 10.0), cuda_moe_experts(x, tw, ids, *ws, 10.0)
     )
     inv = REGISTRY.resolve("moe_experts", x, tw, ids, *ws, 10.0, batch_invariant=True)
     assert inv.tier == "cuda"
     with REGISTRY.batch_invariant_mode():
         got = ops.moe_experts(x, tw, ids, *ws, 10.0)
-    assert torch.equal(got, tmoe.moe_experts(x, tw, ids, *ws, 10.0, batch_invariant=True))
+    assert torch.equal(got, triton_moe_experts(x, tw, ids, *ws, 10.0, batch_invariant=True))
     xp, twp, idsp, *_ = _inputs(200, 256, 128, 8, 2, seed=32)
     assert REGISTRY.resolve("moe_experts", xp, twp, idsp, *ws, 10.0).tier == "cuda"
     inv = REGISTRY.resolve("moe_experts", xp, twp, idsp, *ws, 10.0, batch_invariant=True)

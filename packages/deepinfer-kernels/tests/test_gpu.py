@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 import torch
 from deepinfer_kernels import quant
+from deepinfer_kernels.ops.moe import triton_moe_experts
 from deepinfer_kernels.ref import linear as ref_linear
 from deepinfer_kernels.ref import moe as ref_moe
 from deepinfer_kernels.ref import quant as ref_quant
@@ -22,6 +23,28 @@ DEV = "cuda"
 
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator(device=DEV).manual_seed(seed)
+
+
+def tri_gemm(xq, xs, w, ws, out_dtype, batch_invariant=False, config=None):
+    """The triton tier's fp8_gemm with `config` (None: its plan for this call in that mode)."""
+    from deepinfer_kernels import REGISTRY
+    from deepinfer_kernels.ops import linear as linear_ops
+    from deepinfer_kernels.triton import linear as tl_linear
+
+    if config is not None:
+        kw = dict(batch_invariant=batch_invariant, config=config)
+        return tl_linear.fp8_gemm(xq, xs, w, ws, out_dtype, **kw)
+    with REGISTRY.batch_invariant_mode(batch_invariant):
+        return linear_ops.run_on("triton", "fp8_gemm", xq, xs, w, ws, out_dtype)
+
+
+def tri_linear(x, w, ws, batch_invariant=False):
+    """The triton tier's fp8_linear with its plan for this call in that mode."""
+    from deepinfer_kernels import REGISTRY
+    from deepinfer_kernels.ops import linear as linear_ops
+
+    with REGISTRY.batch_invariant_mode(batch_invariant):
+        return linear_ops.run_on("triton", "fp8_linear", x, w, ws)
 
 
 # -- activation quantisation -------------------------------------------------------------------
@@ -48,32 +71,6 @@ def _quantised_close(q, s, rq, rs):
     assert (got != want).float().mean().item() < 0.01
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("shape", [(1, 512), (9, 5120), (130, 1280), (2, 3, 1024)])
-def test_rms_norm_act_quant_close_to_ref(dtype, shape):
-    from deepinfer_kernels.triton import quant as tq
-
-    g = _gen(2)
-    x = (torch.randn(shape, device=DEV, generator=g) * 2).to(dtype)
-    w = torch.rand(shape[-1], device=DEV, generator=g) + 0.5
-    poison()
-    q, s = tq.rms_norm_act_quant_fp8(x, w, 1e-6)
-    _quantised_close(q, s, *ref_quant.rms_norm_act_quant_fp8(x, w, 1e-6))
-
-
-@pytest.mark.parametrize("limit", [0.0, 10.0, 1.0])
-def test_swiglu_act_quant_close_to_ref(limit):
-    from deepinfer_kernels.triton import quant as tq
-
-    g = _gen(3)
-    gate = (torch.randn(37, 2304, device=DEV, generator=g) * 4).bfloat16()
-    up = (torch.randn(37, 2304, device=DEV, generator=g) * 4).bfloat16()
-    rw = torch.rand(37, 1, device=DEV, generator=g)
-    poison()
-    q, s = tq.swiglu_act_quant_fp8(gate, up, rw, limit)
-    _quantised_close(q, s, *ref_quant.swiglu_act_quant_fp8(gate, up, rw, limit))
-
-
 # -- FP8 GEMM ------------------------------------------------------------------------------------
 
 
@@ -90,20 +87,16 @@ SHAPES = [
 
 @pytest.mark.parametrize(("m", "n", "k"), SHAPES)
 def test_fp8_gemm_close_to_ref(m, n, k):
-    from deepinfer_kernels.triton import linear as tl_linear
-
     xq, xs, w, ws = gemm_inputs(m, n, k, seed=m + n + k)
     want = ref_linear.fp8_gemm(xq, xs, w, ws, torch.float32)
     poison()
-    got = tl_linear.fp8_gemm(xq, xs, w, ws, torch.float32)
+    got = tri_gemm(xq, xs, w, ws, torch.float32)
     assert rel(got, want) < 1e-3
-    got16 = tl_linear.fp8_gemm(xq, xs, w, ws, torch.bfloat16)
+    got16 = tri_gemm(xq, xs, w, ws, torch.bfloat16)
     assert got16.dtype == torch.bfloat16 and rel(got16, want) < 1e-2
 
 
-@pytest.mark.parametrize(
-    "mode", ["split4", "fp8mma", "bk128swap", "bk64", "bf16", "fp32scale", "invariant"]
-)
+@pytest.mark.parametrize("mode", ["split4", "bk64", "bf16", "fp32scale", "invariant"])
 def test_fp8_gemm_variants(mode):
     from deepinfer_kernels.triton import linear as tl_linear
 
@@ -111,17 +104,15 @@ def test_fp8_gemm_variants(mode):
     xq, xs, w, ws = gemm_inputs(m, n, k, seed=7)
     want = ref_linear.fp8_gemm(xq, xs, w, ws, torch.float32)
     cfg = {
-        "split4": tl_linear.GemmConfig(16, 64, 4, 4, 3, dequant_bf16=True),
-        "fp8mma": tl_linear.GemmConfig(64, 64, 1, 4, 3),
-        "bk128swap": tl_linear.GemmConfig(16, 64, 2, 4, 4, True, swap_ab=True, block_k=128),
-        "bk64": tl_linear.GemmConfig(64, 64, 1, 4, 4, True, block_k=64),
-        "bf16": tl_linear.GemmConfig(128, 128, 1, 8, 4, dequant_bf16=True),
+        "split4": tl_linear.GemmConfig(16, 64, 4, 4, 3),
+        "bk64": tl_linear.GemmConfig(64, 64, 1, 4, 4, block_k=64),
+        "bf16": tl_linear.GemmConfig(128, 128, 1, 8, 4),
         "fp32scale": None,
-        "invariant": tl_linear.pick_config(45, 384, 1280, True),
+        "invariant": tl_linear.decode_config(45, 384, 1280, True),
     }[mode]
     scale = ws.float() if mode == "fp32scale" else ws
     poison()
-    got = tl_linear.fp8_gemm(xq, xs, w, scale, torch.float32, config=cfg)
+    got = tri_gemm(xq, xs, w, scale, torch.float32, config=cfg)
     assert rel(got, want) < 1e-3
 
 
@@ -140,12 +131,10 @@ def test_fp8_linear_op_dispatches_to_the_gpu_tier():
 
 @pytest.mark.parametrize(("n", "k"), [(2112, 7168), (512, 1280)])
 def test_fp8_gemm_batch_invariant_bitwise(n, k):
-    from deepinfer_kernels.triton import linear as tl_linear
-
     xq, xs, w, ws = gemm_inputs(301, n, k, seed=11)
-    full = tl_linear.fp8_gemm(xq, xs, w, ws, torch.bfloat16, batch_invariant=True)
+    full = tri_gemm(xq, xs, w, ws, torch.bfloat16, batch_invariant=True)
     for lo, hi in ((0, 1), (17, 18), (300, 301), (5, 69), (100, 300)):
-        part = tl_linear.fp8_gemm(xq[lo:hi], xs[lo:hi], w, ws, torch.bfloat16, batch_invariant=True)
+        part = tri_gemm(xq[lo:hi], xs[lo:hi], w, ws, torch.bfloat16, batch_invariant=True)
         assert torch.equal(part, full[lo:hi])
 
 
@@ -192,7 +181,6 @@ def _prefill_candidate(name):
         4,
         3,
         block_k=64,
-        fp4_mode=2,
         prefetch_scales=True,
         **PREFILL_CANDIDATES[name],
     )
@@ -215,14 +203,11 @@ MOE_SHAPES = [
         "DECODE",
         "DECODE_WGMMA",
         "PREFILL",
-        "wg_k256_m1",
-        "mma_k256_m2",
-        "wg_k128_m2",
+        "mma_k256",
+        "wg_k128",
         "mma_words",
         "wg_bytes",
         "mma_words_n32",
-        "mma_m3",
-        "mma_m3_pf",
         "prefill_cols_pf",
         "prefill_words_k2",
         "prefill_m64",
@@ -235,19 +220,14 @@ def test_moe_experts_close_to_ref(t, d, i, e, k, cfg_name):
     args = moe_inputs(t, d, i, e, k, seed=t + e, neg=t % 2 == 1)
     want = ref_moe.moe_experts(*args, 10.0)
     extra = {
-        "wg_k256_m1": tmoe.MoeConfig(16, 64, 64, 4, 4, 4, True, 256, fp4_mode=1),
-        "mma_k256_m2": tmoe.MoeConfig(16, 64, 64, 4, 4, 4, False, 256, fp4_mode=2),
-        "wg_k128_m2": tmoe.MoeConfig(16, 64, 64, 4, 4, 4, True, 128, fp4_mode=2),
+        "mma_k256": tmoe.MoeConfig(16, 64, 64, 4, 4, 4, False, 256),
+        "wg_k128": tmoe.MoeConfig(16, 64, 64, 4, 4, 4, True, 128),
         "mma_words": dataclasses.replace(tmoe.DECODE, scale_words=True),
         "wg_bytes": dataclasses.replace(tmoe.DECODE_WGMMA, scale_words=False),
-        "mma_words_n32": tmoe.MoeConfig(16, 32, 32, 4, 4, 4, False, 128, 2, scale_words=True),
-        # FP4 mode 3 (fewer expansion instructions, scale multiply inside the PTX), with and
-        # without the scales loaded a step ahead
-        "mma_m3": dataclasses.replace(tmoe.DECODE, fp4_mode=3),
-        "mma_m3_pf": dataclasses.replace(tmoe.DECODE, fp4_mode=3, prefetch_scales=True),
+        "mma_words_n32": tmoe.MoeConfig(16, 32, 32, 4, 4, 4, False, 128, scale_words=True),
         # prefill options: 1-D column-fast grid, scale prefetch, a W2 K step of its own
         "prefill_cols_pf": tmoe.MoeConfig(
-            128, 64, 128, 8, 8, 3, block_k=64, fp4_mode=2, cols_fast=True, prefetch_scales=True
+            128, 64, 128, 8, 8, 3, block_k=64, cols_fast=True, prefetch_scales=True
         ),
         "prefill_words_k2": tmoe.MoeConfig(
             128,
@@ -257,7 +237,6 @@ def test_moe_experts_close_to_ref(t, d, i, e, k, cfg_name):
             8,
             3,
             block_k=64,
-            fp4_mode=2,
             cols_fast=True,
             prefetch_scales=True,
             block_k2=128,
@@ -265,42 +244,37 @@ def test_moe_experts_close_to_ref(t, d, i, e, k, cfg_name):
             scale_words=True,
         ),
         "prefill_m64": tmoe.MoeConfig(
-            64, 128, 128, 8, 8, 3, block_k=64, fp4_mode=2, cols_fast=True, prefetch_scales=True
+            64, 128, 128, 8, 8, 3, block_k=64, cols_fast=True, prefetch_scales=True
         ),
     }
     if cfg_name in PREFILL_CANDIDATES:
         extra[cfg_name] = _prefill_candidate(cfg_name)
     cfg = None if cfg_name == "auto" else extra.get(cfg_name) or getattr(tmoe, cfg_name)
     poison()
-    got = tmoe.moe_experts(*args, 10.0, config=cfg)
+    got = triton_moe_experts(*args, 10.0, config=cfg)
     assert got.dtype == torch.bfloat16
     assert rel(got, want) < 1.5e-2
 
 
-def test_fp4_expansion_modes_bitwise():
-    """The four FP4 expansions give the same bf16 values, in the wgmma configuration whose rows
-    are bitwise tile-independent: same outputs bit for bit, at real dims."""
+def test_fp4_scale_words_bitwise():
+    """The UE8M0 scales read as bytes or as int32 words give the same bf16 values, in the wgmma
+    configuration whose rows are bitwise tile-independent: same outputs bit for bit, real dims."""
     from deepinfer_kernels.triton import moe as tmoe
 
     args = moe_inputs(9, 5120, 2304, 64, 6, seed=61)
+    cfg = tmoe.MoeConfig(16, 64, 64, 4, 4, 4, True, 128)
     outs = [
-        tmoe.moe_experts(
-            *args, 10.0, config=tmoe.MoeConfig(16, 64, 64, 4, 4, 4, True, 128, fp4_mode=mode)
-        )
-        for mode in (0, 1, 2, 3)
+        triton_moe_experts(*args, 10.0, config=dataclasses.replace(cfg, scale_words=words))
+        for words in (False, True)
     ]
-    words = tmoe.MoeConfig(16, 64, 64, 4, 4, 4, True, 128, fp4_mode=2, scale_words=True)
-    outs.append(tmoe.moe_experts(*args, 10.0, config=words))
-    for o in outs[1:]:
-        assert torch.equal(outs[0], o)
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_moe_experts_real_dims_decode():
-    from deepinfer_kernels.triton import moe as tmoe
 
     args = moe_inputs(24, 5120, 2304, 384, 6, seed=5)
     want = ref_moe.moe_experts(*args, 10.0)
-    got = tmoe.moe_experts(*args, 10.0)
+    got = triton_moe_experts(*args, 10.0)
     assert rel(got, want) < 1.5e-2
 
 
@@ -313,9 +287,9 @@ def test_moe_experts_batch_invariant_bitwise(prefill, monkeypatch):
     if prefill is not None:
         monkeypatch.setattr(tmoe, "PREFILL", _prefill_candidate(prefill))
     x, tw, ids, *ws = moe_inputs(200, 512, 256, 16, 6, seed=21)
-    full = tmoe.moe_experts(x, tw, ids, *ws, 10.0, batch_invariant=True)
+    full = triton_moe_experts(x, tw, ids, *ws, 10.0, batch_invariant=True)
     for lo, hi in ((0, 1), (57, 58), (199, 200), (3, 40)):
-        part = tmoe.moe_experts(x[lo:hi], tw[lo:hi], ids[lo:hi], *ws, 10.0, batch_invariant=True)
+        part = triton_moe_experts(x[lo:hi], tw[lo:hi], ids[lo:hi], *ws, 10.0, batch_invariant=True)
         assert torch.equal(part, full[lo:hi])
 
 
@@ -338,7 +312,7 @@ def test_moe_ops_prefill_sizes_dispatch():
 
 
 def test_act_fake_quant_bf16_is_exact_dequant():
-    from deepinfer_kernels.cuda.moe_decode import k_permutation
+    from deepinfer_kernels.cuda.moe import k_permutation
     from deepinfer_kernels.triton import quant as tq
 
     x = torch.randn(33, 1280, device=DEV, generator=_gen(41)).bfloat16()
@@ -351,36 +325,31 @@ def test_act_fake_quant_bf16_is_exact_dequant():
 
 @pytest.mark.parametrize("m", [257, 1000])
 def test_fp8_linear_prefill_path_close_to_ref(m):
-    from deepinfer_kernels.triton import linear as tl_linear
-
     x = torch.randn(m, 1024, device=DEV, generator=_gen(m)).bfloat16()
     w, ws = quant.quantize_fp8_blocks(torch.randn(640, 1024, device=DEV, generator=_gen(3)) * 0.02)
     poison()
-    got = tl_linear.fp8_linear(x, w, ws)
+    got = tri_linear(x, w, ws)
     assert rel(got, ref_linear.fp8_linear(x, w, ws)) < 1e-2
 
 
 def test_fp8_linear_bf16_activation_path_is_bitwise_fp8_gemm():
     """fp8_linear feeds bf16-expanded activations; fp8_gemm expands x_fp8 per tile: same bits."""
-    from deepinfer_kernels.triton import linear as tl_linear
-
     x = torch.randn(400, 2048, device=DEV, generator=_gen(43)).bfloat16()
     w, ws = quant.quantize_fp8_blocks(torch.randn(512, 2048, device=DEV, generator=_gen(44)))
     xq, xs = quant.act_quant_fp8(x)
     for inv in (True, False):
-        lin = tl_linear.fp8_linear(x, w, ws, batch_invariant=inv)
-        gemm = tl_linear.fp8_gemm(xq, xs, w, ws, torch.bfloat16, batch_invariant=inv)
+        lin = tri_linear(x, w, ws, batch_invariant=inv)
+        gemm = tri_gemm(xq, xs, w, ws, torch.bfloat16, batch_invariant=inv)
         assert torch.equal(lin, gemm)
-    full = tl_linear.fp8_linear(x, w, ws, batch_invariant=True)
+    full = tri_linear(x, w, ws, batch_invariant=True)
     for lo, hi in ((0, 1), (399, 400), (10, 74)):
-        assert torch.equal(tl_linear.fp8_linear(x[lo:hi], w, ws, batch_invariant=True), full[lo:hi])
+        assert torch.equal(tri_linear(x[lo:hi], w, ws, batch_invariant=True), full[lo:hi])
 
 
 def test_moe_experts_cuda_graph_replay():
     """The decode path captures in a CUDA graph (no host sync) and replays on new routing."""
-    from deepinfer_kernels.triton import moe as tmoe
 
-    assert_graph_replays_new_routing(tmoe.moe_experts, 8, 512, 256, 32, 6)
+    assert_graph_replays_new_routing(triton_moe_experts, 8, 512, 256, 32, 6)
 
 
 # -- decode (weight-streaming) GEMM ------------------------------------------------------------
@@ -394,10 +363,6 @@ DECODE_SHAPES = [(1, 5120, 8192), (3, 40, 64), (16, 2112, 7168), (17, 33, 320), 
     [
         "auto",
         "swap64_s4",
-        "swap_words",
-        "fold_bk64_split2",
-        "fp8_n128_s2",
-        "fp8_words",
         "gemv_n16",
         "gemv_n32_c512",
         "gemv_full",
@@ -410,10 +375,6 @@ def test_decode_gemm_close_to_ref(m, n, k, cfg_name):
     cfg = {
         "auto": None,
         "swap64_s4": gemv.DecodeConfig(block_m=64, split_k=4),
-        "swap_words": gemv.DecodeConfig(scale_words=True),
-        "fold_bk64_split2": gemv.DecodeConfig(block_n=32, block_k=64, split_k=2, fold=True),
-        "fp8_n128_s2": gemv.DecodeConfig(block_n=128, block_k=32, split_k=2, mma_fp8=True),
-        "fp8_words": gemv.DecodeConfig(block_k=32, mma_fp8=True, scale_words=True),
         "gemv_n16": gemv.DecodeConfig(cuda_core=True, block_n=16, block_k=1024),
         "gemv_n32_c512": gemv.DecodeConfig(cuda_core=True, block_n=32, block_k=512, num_warps=8),
         "gemv_full": gemv.gemv_config(n, k),
@@ -430,56 +391,45 @@ def test_decode_gemm_close_to_ref(m, n, k, cfg_name):
     poison()
     got = gemv.decode_gemm(xq, xs, w, ws, torch.float32, cfg)
     assert rel(got, want) < 1e-3
-    if cfg is None or not cfg.mma_fp8:  # exact bf16 activations: the same products and bits
-        xa = quant.act_dequant_fp8(xq, xs, torch.bfloat16)
-        assert torch.equal(gemv.decode_gemm(xa, xa, w, ws, torch.float32, cfg), got)
+    xa = quant.act_dequant_fp8(xq, xs, torch.bfloat16)  # exact: the same products and bits
+    assert torch.equal(gemv.decode_gemm(xa, xa, w, ws, torch.float32, cfg), got)
     got16 = gemv.decode_gemm(xq, xs, w, ws.float(), torch.bfloat16, cfg)
     assert rel(got16, want) < 1e-2
 
 
 @pytest.mark.parametrize(("n", "k"), [(2112, 7168), (5120, 1024), (96, 320), (5120, 8192)])
 def test_decode_gemm_batch_invariant_across_paths(n, k):
-    """A row's bits are the same at M=1, M=64 and M=301, in invariant mode (where the TileLang
-    decode kernel takes the shape: it at every M; else the Triton decode kernel at M <= 64 and the
-    prefill tiles with its split of K above); in auto mode too where auto runs the same kernel
-    (TileLang at 2 <= M <= 64; Triton where auto splits K as invariant mode does)."""
+    """A row's bits are the same at M=1, M=64 and M=301 in invariant mode (the Triton decode
+    kernel at M <= 64 and the tiles with its split of K above); in auto mode too where auto runs
+    the same kernel (the decode kernel where auto splits K as invariant mode does)."""
+    from deepinfer_kernels.ops import linear as linear_ops
     from deepinfer_kernels.triton import gemv
-    from deepinfer_kernels.triton import linear as tl_linear
 
     xq, xs, w, ws = gemm_inputs(301, n, k, seed=n + k)
-    full = tl_linear.fp8_gemm(xq, xs, w, ws, torch.bfloat16, batch_invariant=True)
+    full = tri_gemm(xq, xs, w, ws, torch.bfloat16, batch_invariant=True)
     same_split = gemv.decode_split(n, k, False) == gemv.decode_split(n, k, True)
-    tilelang = tl_linear.tilelang_decode_reason(xq, xs, w, ws) is None
     for lo, hi in ((0, 1), (300, 301), (5, 69), (17, 30), (100, 300), (7, 9)):
-        # auto mode at M <= GEMV_AUTO_MAX_M runs the CUDA-core GEMV: other sums, other bits
-        auto_same = same_split and gemv.GEMV_AUTO_MAX_M < hi - lo <= 64
-        if tilelang:  # the same kernel in both modes exactly when both route to it
-            auto_same = tl_linear.tilelang_route(hi - lo, False) and tl_linear.tilelang_route(
-                hi - lo, True
-            )
+        # auto mode at M <= TRITON_GEMV_MAX_M runs the CUDA-core GEMV: other sums, other bits
+        auto_same = same_split and linear_ops.TRITON_GEMV_MAX_M < hi - lo <= 64
         for inv in (True, False) if auto_same else (True,):
-            part = tl_linear.fp8_gemm(
-                xq[lo:hi], xs[lo:hi], w, ws, torch.bfloat16, batch_invariant=inv
-            )
+            part = tri_gemm(xq[lo:hi], xs[lo:hi], w, ws, torch.bfloat16, batch_invariant=inv)
             assert torch.equal(part, full[lo:hi]), (lo, hi, inv)
 
 
 @pytest.mark.parametrize("m", [1, 4])
 def test_decode_gemm_graph_replay(m):
-    from deepinfer_kernels.triton import linear as tl_linear
-
     xq, xs, w, ws = gemm_inputs(m, 2112, 7168, seed=3)
-    out = tl_linear.fp8_gemm(xq, xs, w, ws, torch.bfloat16)
+    out = tri_gemm(xq, xs, w, ws, torch.bfloat16)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = tl_linear.fp8_gemm(xq, xs, w, ws, torch.bfloat16)
+        out = tri_gemm(xq, xs, w, ws, torch.bfloat16)
     x2, s2, *_ = gemm_inputs(m, 2112, 7168, seed=4)
     xq.copy_(x2)
     xs.copy_(s2)
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(out, tl_linear.fp8_gemm(xq, xs, w, ws, torch.bfloat16))
+    assert torch.equal(out, tri_gemm(xq, xs, w, ws, torch.bfloat16))
 
 
 @pytest.mark.parametrize(

@@ -174,136 +174,28 @@ def test_moe_experts_bad_arguments():
         ops.moe_experts(x, tw, ids + 2, w1, s1, w3, s3, w2, s2, 1.0)
 
 
-# ---------------------------------------------------------------------------------------------
-# FP4 mode 3 of the Triton MoE kernels: its PTX (`_FP4X8_SCALED_ASM`) emulated instruction by
-# instruction from the string the kernels use, against the e2m1 table times 2**(u - 127)
-# ---------------------------------------------------------------------------------------------
-
-E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
-
-
-def _prmt(a: int, b: int, sel: int) -> int:
-    """PTX prmt.b32 (default mode): byte i of the result is byte (sel >> 4i) & 7 of {b, a}, or,
-    with bit 3 of that selector nibble set, that byte's msb replicated over 8 bits."""
-    src = (b << 32) | a
-    out = 0
-    for i in range(4):
-        nib = (sel >> (4 * i)) & 0xF
-        byte = (src >> (8 * (nib & 7))) & 0xFF
-        if nib & 8:
-            byte = 0xFF if byte & 0x80 else 0
-        out |= byte << (8 * i)
-    return out
-
-
-def _bf16_value(bits: int) -> float:
-    """A bf16 bit pattern's value (normal or subnormal; no inf/nan in these inputs)."""
-    sign = -1.0 if bits & 0x8000 else 1.0
-    e, m = (bits >> 7) & 0xFF, bits & 0x7F
-    if e == 0:
-        return sign * m * 2.0**-133  # 2**-126 * m / 128
-    return sign * (1 + m / 128) * 2.0 ** (e - 127)
-
-
-def _run_fp4x8_asm(asm: str, word: int, pair: int) -> list[float]:
-    """Execute the PTX of `_FP4X8_SCALED_ASM` on one word and one scale pair: and/shr/prmt/
-    mul.lo/mul.rn.bf16x2/mov of 32-bit registers. The bf16 multiply is exact here (a power-of-two
-    scale times a value with <= 2 significant bits, in range), so it is emulated in float64.
-    Returns the 8 outputs $0..$7 as values."""
-    import re
-
-    regs: dict[str, int] = {"$8": word & 0xFFFFFFFF, "$9": pair & 0xFFFFFFFF}
-    outs: dict[int, float] = {}
-
-    def val(tok: str) -> int:
-        tok = tok.strip()
-        return int(tok, 16) if tok.startswith("0x") else (regs[tok] if tok in regs else int(tok))
-
-    for line in asm.strip().splitlines():
-        line = line.strip().rstrip(";")
-        if not line or line in "{}" or line.startswith(".reg"):
-            continue
-        op, rest = line.split(None, 1)
-        if op == "mov.b32":
-            m = re.match(r"\{\$(\d+), \$(\d+)\}, (\w+)", rest)
-            v = regs[m.group(3)]
-            outs[int(m.group(1))] = _bf16_value(v & 0xFFFF)
-            outs[int(m.group(2))] = _bf16_value(v >> 16)
-            continue
-        args = [a.strip() for a in rest.split(",")]
-        d, srcs = args[0], [val(a) for a in args[1:]]
-        if op == "and.b32":
-            regs[d] = srcs[0] & srcs[1]
-        elif op == "shr.u32":
-            regs[d] = srcs[0] >> srcs[1]
-        elif op == "prmt.b32":
-            regs[d] = _prmt(*srcs)
-        elif op == "mul.lo.u32":
-            regs[d] = (srcs[0] * srcs[1]) & 0xFFFFFFFF
-        elif op == "mul.rn.bf16x2":
-            lanes = []
-            for sh in (0, 16):
-                prod = _bf16_value((srcs[0] >> sh) & 0xFFFF) * _bf16_value((srcs[1] >> sh) & 0xFFFF)
-                lanes.append(prod)
-            regs[d] = _pack_exact(lanes)
-        else:
-            raise AssertionError(f"unexpected PTX op {op!r}")
-    return [outs[k] for k in range(8)]
-
-
-def _pack_exact(lanes: list[float]) -> int:
-    """Two exactly representable bf16 values (normal, or zero) -> their packed bits."""
-    out = 0
-    for i, v in enumerate(lanes):
-        bits = 0x8000 if math.copysign(1.0, v) < 0 else 0
-        a = abs(v)
-        if a != 0.0:
-            e = math.floor(math.log2(a))
-            m = a / 2.0**e - 1.0
-            assert m * 128 == int(m * 128), "not a bf16 value"
-            bits |= ((e + 127) << 7) | int(m * 128)
-        out |= bits << (16 * i)
-    return out
-
-
-@settings(max_examples=60, deadline=None)
-@given(word=st.integers(0, 2**32 - 1), u=st.integers(100, 128))
-def test_fp4_mode3_ptx_against_e2m1_table(word, u):
-    """Mode 3's PTX, run instruction by instruction, gives value k = e2m1(nibble k) * 2**(u-127)
-    in output k, signs (and -0) included, for the scale pair the kernel builds."""
+def test_moe_config_rejects_bad_k_steps():
     pytest.importorskip("triton")
     from deepinfer_kernels.triton import moe as tmoe
 
-    pair = ((u + 126) << 7) * 65537  # as `_fp4_words_scaled` builds it
-    got = _run_fp4x8_asm(str(tmoe._FP4X8_SCALED_ASM.value), word, pair)
-    for k in range(8):
-        nib = (word >> (4 * k)) & 0xF
-        want = E2M1[nib & 7] * 2.0 ** (u - 127) * (-1.0 if nib & 8 else 1.0)
-        assert got[k] == want and math.copysign(1.0, got[k]) == math.copysign(1.0, want), (k, nib)
-
-
-def test_moe_config_rejects_unknown_fp4_mode():
-    pytest.importorskip("triton")
-    from deepinfer_kernels.triton import moe as tmoe
-
-    with pytest.raises(ValueError, match="fp4_mode"):
-        tmoe.MoeConfig(16, 64, 64, 4, 4, 4, fp4_mode=4)
-    assert tmoe.MoeConfig(16, 64, 64, 4, 4, 4, fp4_mode=3).fp4_mode == 3
+    with pytest.raises(ValueError, match="K steps must be positive multiples of 32"):
+        tmoe.MoeConfig(16, 64, 64, 4, 4, 4, block_k=48)
+    assert tmoe.MoeConfig(16, 64, 64, 4, 4, 4, block_k=256).block_k == 256
 
 
 def test_moe_fragment_weights_need_words_and_128_wide_dims():
-    """Fragment-order weights (`quant.fp4_fragment_order`) are read as FP4 words in K steps of 64
-    or 128; D and I must be multiples of 128. Anything else is a ValueError naming it, raised
-    before any kernel runs."""
+    """Fragment-order weights (`quant.fp4_fragment_order`) are read in K steps of 64 or 128; D and
+    I must be multiples of 128. Anything else is a ValueError naming it, raised before any kernel
+    runs."""
     pytest.importorskip("triton")
     from dataclasses import replace
 
     from deepinfer_kernels.triton import moe as tmoe
 
-    with pytest.raises(ValueError, match="fragment_weights needs fp4_mode=2"):
-        tmoe.MoeConfig(16, 64, 64, 4, 4, 4, block_k=128, fp4_mode=3, fragment_weights=True)
+    with pytest.raises(ValueError, match="fragment_weights needs K steps of 64 or 128"):
+        tmoe.MoeConfig(16, 64, 64, 4, 4, 4, block_k=256, fragment_weights=True)
     with pytest.raises(ValueError, match="block_k=32"):
-        tmoe.MoeConfig(16, 64, 64, 4, 4, 4, block_k=32, fp4_mode=2, fragment_weights=True)
+        tmoe.MoeConfig(16, 64, 64, 4, 4, 4, block_k=32, fragment_weights=True)
     cfg = replace(tmoe.PREFILL, fragment_weights=True)
     e, d, i = 4, 192, 128  # D = 192: not a multiple of 128
     w = torch.zeros(e, i, d // 2, dtype=torch.int8)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from deepinfer_kernels.cuda.moe_decode import k_permutation
+from deepinfer_kernels.cuda.moe import k_permutation
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from triton_tier import DEV, triton_module

@@ -6,6 +6,7 @@ chosen, so importing deepinfer_kernels never imports triton, tilelang or a vendo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -32,6 +33,28 @@ def device_capability(device: torch.device) -> tuple[int, int] | None:
     if device.type != "cuda":
         return None
     return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """The SMs of a CUDA device (looked up once per GPU), which GEMM plans depend on; 132 (the
+    H200's) off CUDA, where no plan uses it."""
+    if device.type != "cuda":
+        return 132
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def device_guard(device: torch.device):
+    """A block whose kernels launch on `device`: GPU kernels launch on the current CUDA device,
+    so a call whose tensors live on another GPU runs under that device."""
+    other = device.type == "cuda" and device.index is not None
+    if other and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
 
 
 @dataclass(frozen=True)
@@ -84,18 +107,23 @@ class OpRegistry:
         self._active: ContextVar[KernelSettings | None] = ContextVar(
             f"kernel_settings_{id(self)}", default=None
         )
+        self._planners: dict[str, str] = {}
         self._loaded: dict[str, Callable[..., Any]] = {}
         # (op, device type, capability, forced tier) -> implementations whose static checks
         # pass, best first
         self._static: dict[tuple[str, str, tuple[int, int] | None, str | None], list] = {}
 
     # -- building ------------------------------------------------------------------------------
-    def declare(self, op: str, doc: str) -> None:
-        """Declare an op name with a one-line description (shapes, units)."""
+    def declare(self, op: str, doc: str, planner: str | None = None) -> None:
+        """Declare an op name with a one-line description (shapes, units). planner: for ops whose
+        tiers hold several kernels, ``"module:function"`` taking the op's arguments and returning
+        the tier a call runs on (its op module picks the kernel); `resolve` asks it."""
         if op in self._docs:
             raise ValueError(f"op {op!r} is declared twice")
         self._docs[op] = doc
         self._impls[op] = []
+        if planner is not None:
+            self._planners[op] = planner
 
     def register(self, impl: Implementation) -> None:
         if impl.op not in self._docs:
@@ -211,6 +239,10 @@ class OpRegistry:
 
     def resolve(self, op: str, *args: Any, **kwargs: Any) -> Implementation:
         """The implementation that a call of `op` with these arguments runs."""
+        planner = self._planners.get(op)
+        if planner is not None:
+            tier = self._target(planner)(*args, **kwargs)
+            return next(i for i in self.implementations(op) if i.tier == tier)
         return self._resolve(op, _first_tensor(args).device, args, kwargs)
 
     def _resolve(
@@ -237,15 +269,14 @@ class OpRegistry:
         )
 
     def call(self, op: str, *args: Any, **kwargs: Any) -> Any:
-        """Run `op` with the implementation `resolve` picks. GPU kernels launch on the current
-        CUDA device, so a call whose tensors live on another GPU runs under that device."""
+        """Run `op` with the implementation `resolve` picks, on the device of its tensors (ops
+        with a planner are called through their op module instead)."""
+        if op in self._planners:
+            raise TypeError(f"{op!r} picks its kernels in its op module: call ops.{op}")
         device = _first_tensor(args).device
         impl = self._resolve(op, device, args, kwargs)
-        other_gpu = device.type == "cuda" and device.index is not None
-        if other_gpu and device.index != torch.cuda.current_device():
-            with torch.cuda.device(device):
-                return self.function(impl)(*args, **kwargs)
-        return self.function(impl)(*args, **kwargs)
+        with device_guard(device):
+            return self.function(impl)(*args, **kwargs)
 
 
 REGISTRY = OpRegistry()

@@ -10,8 +10,7 @@
 // feeds a ring of STAGES 128-deep K stages (weight box, token box, the tokens' 4 scales per
 // stage); per k32 slice each consumer warpgroup runs one `wgmma.m64nTOKENSk32` into a fresh
 // partial and promotes it:
-// acc += part * (sw * sx), one FFMA per accumulator and slice (the TileLang decode kernel's
-// arithmetic, tilelang/decode_gemm.py). With PIPELINED (where a second partial fits the
+// acc += part * (sw * sx), one FFMA per accumulator and slice. With PIPELINED (where a second partial fits the
 // registers) the next slice's wgmma of the stage is issued before a slice is promoted, so the
 // promotion's FFMAs, which grow with TOKENS, overlap the tensor core instead of following it.
 //
@@ -21,10 +20,10 @@
 // a slice needs 4 scale products instead of 16, and a stage's scales come in 4 vector loads
 // instead of 68 scalar ones: the loop's issue, the bound at 64 tokens, shrinks by a third.
 //
-// K is cut into SPLIT chunks (the TileLang kernel's split, from (N, K) only), one CTA each, the
+// K is cut into SPLIT chunks (`decode_gemm.k_split`, from (N, K) only), one CTA each, the
 // SPLIT CTAs of a weight tile one cluster: each leaves its chunk's sums in its shared memory,
 // and the cluster adds them in chunk order through distributed shared memory (chunk 0 + chunk 1
-// + ...: the TileLang kernel's order), each CTA for its share of the tile's columns, and writes
+// + ...), each CTA for its share of the tile's columns, and writes
 // the output: one kernel, no fp32 partials in global memory. Nothing depends on M but the token
 // tile's width, and a wgmma column does not depend on the wgmma's N: batch-invariant.
 //

@@ -1,22 +1,20 @@
-"""Swap-AB FP8 decode GEMM in CUDA C++ (`decode_gemm.cu`), up to `MAX_M` tokens: the weight is the
-FP8 wgmma's A operand (64 rows per consumer warpgroup, fed by the TMA through a ring of 128-deep K
-stages), the tokens its B operand (64-token tiles the other way round: fewer scale products per
-thread, the same dot products); each k32 slice's partial is promoted with its weight and
-token scales (the TileLang decode kernel's arithmetic, `tilelang/decode_gemm.py`, with the same
-K split from (N, K): the same bits). The K chunks of a weight tile run as one thread-block cluster
-and are summed in chunk order through distributed shared memory, so a call is one kernel.
+"""Swap-AB FP8 decode GEMM in CUDA C++ (`decode_gemm.cu`), meant for M <= 256 tokens: the weight
+is the FP8 wgmma's A operand (64 rows per consumer warpgroup, fed by the TMA through a ring of
+128-deep K stages), the tokens its B operand (a token tile of 8 / 16 / 32 / 64; at 64 the other
+way round: fewer scale products per thread, the same dot products); each k32 slice's partial is
+promoted with its weight and token scales. The K chunks of a weight tile (`k_split`, a function
+of (N, K) only) run as one thread-block cluster and are summed in chunk order through
+distributed shared memory, so a call is one kernel and a row's bits do not depend on M or on the
+config.
 
 By default a call is a programmatic dependent launch: its prologue and first weight stages run
 while the kernel before it ends, and it reads the activations (and writes the output) only after
 that kernel has finished. The contract this asks of the caller: the kernel launched just before
 does not write the weights or their scales (inference never does; a weight update followed at
-once by this GEMM should pass `DecodeGemmCudaConfig(programmatic=False)`). H200, 16 calls per
-CUDA graph over 16 weights (NOTES.md, nineteenth session): 5120x8192 at M = 16 / 32 / 64 13.2 /
-14.3 / 16.2 us (75 / 70 / 62% of the copy ceiling; the sixteenth session's GEMV / TileLang routes
-16.3 / 18.6 / 24.9); without the programmatic launch it is about as fast as the TileLang kernel.
+once by this GEMM should pass `DecodeGemmCudaConfig(programmatic=False)`).
 
-Same contract as `ref.linear.fp8_gemm`. Compiled by NVRTC at first use (once per process per
-config; no GPU needed to compile).
+Same contract as `ref.linear.fp8_gemm`. Which calls run here and with which config is decided in
+`ops/linear.py`; compiled by NVRTC at first use (once per process per config).
 """
 
 from __future__ import annotations
@@ -28,23 +26,7 @@ from pathlib import Path
 import torch
 
 from . import module
-from .fp8_gemm import operand_reason
 from .module import check_fields
-
-MAX_M = 256
-"""The most tokens the cuda tier sends here (`linear.py`, see `takes`; more go to the prefill
-kernel). Above 64 a call runs several 64-token tiles, each streaming the weight (the later ones
-from L2): at 65-256 tokens the two kernels are close, so `takes` routes V4.1's weights by
-measurement (`ROUTES`)."""
-
-PREFILL_N = 2048
-"""From 193 tokens, auto mode sends weights of at least this many rows to the prefill kernel
-(weights without `ROUTES`). Narrower weights leave that kernel short of CTAs (this one splits K);
-from ~2K rows its tail cut (`fp8_gemm.call_config`: 66 tiles of 128 x 64 in two pieces each)
-fills the SMs. H200, M = 224 / 256, us, this kernel / prefill: 1280x5120 10.9 / 14.4, 11.1 /
-14.4; 2112x7168 23.3 / 20.6, 25.6 / 20.6; 4096x5120 31.8 / 21.1, 33.2 / 21.4; 5120x8192 51.7 /
-47.0, 52.5 / 47.2 (twenty-second session; before the cut 2112x7168 took 42.2 on the prefill
-kernel)."""
 
 SOURCE = Path(__file__).with_name("decode_gemm.cu")
 ARCH = "sm_90a"
@@ -93,101 +75,12 @@ class DecodeGemmCudaConfig:
 DEFAULT = DecodeGemmCudaConfig()
 
 
-TUNED_M = (8, 16, 32, 48, 64, 96, 128, 192)
-"""The M buckets of `TUNED`: a call of M tokens takes the first that holds M."""
-
-TUNED = {
-    (5120, 8192): "33333422",
-    (32768, 1280): "22222..2",
-    (1280, 5120): "33333434",
-    (4608, 5120): "33333334",
-    (5120, 2304): "23444332",
-    (2112, 7168): "23433334",
-    (7168, 2048): "2444422.",
-    (4096, 5120): "43333434",
-}
-"""Measured configs for [N, K] weights on 132 SMs, one character per `TUNED_M` bucket: 3 / 4 =
-64-row tiles at 3 / 4 CTAs per SM, 2 = 128-row tiles at 2, . = not measured (the prefill kernel
-takes those calls: `ROUTES`; direct calls get the fill rule's). The fastest at M = 1 / 16 / 32 /
-48 / 64 / 96 / 128 / 192 on an H200 (twentieth session, 16-call graphs over 16 weights; the times
-are in NOTES.md): V4.1's dense shapes (wo_b, wq_b, wq_a, the shared expert's W1/W3 and W2) and
-the benchmark's V3 shapes. The fill rule (`fill_config`) was up to 21% slower on them (5120x2304
-M=32 8.40 us against 6.95, 4096x5120 M=64 13.15 against 11.07)."""
-
-ROUTE_M = (*TUNED_M, MAX_M)
-"""The M buckets of `ROUTES`: `TUNED`'s, then up to MAX_M."""
-
-ROUTES = {
-    (5120, 8192): "-----aa-b",
-    (32768, 1280): "-----bb-b",
-    (1280, 5120): "---------",
-    (4608, 5120): "--------b",
-    (5120, 2304): "--------b",
-    (2112, 7168): "--------b",
-    (7168, 2048): "-----bbbb",
-    (4096, 5120): "-----bbbb",
-}
-"""Which kernel `takes` `TUNED`'s weights, one character per `ROUTE_M` bucket: - this kernel, a
-the prefill kernel in auto mode and this one in batch-invariant mode (both give the same bits
-there, and the prefill kernel's K split makes it the slower), b the prefill kernel in both modes.
-H200, twenty-third session (after the prefill kernel's row-tile box cut and TMA-store epilogue),
-16-call graphs, us, this kernel / prefill auto / prefill invariant: 5120x8192 M = 96 27.8 / 24.5
-/ 32.1, M = 192 38.3 / 44.1 / 45.0, M = 256 52.8 / 44.5 / 45.4; 32768x1280 M = 96 26.8 / 22.0 /
-22.1; 7168x2048 M = 160 18.2 / 15.0 / 16.1; 4096x5120 M = 128 18.9 / 16.2 / 19.3, M = 160 23.0 /
-20.5 / 21.8; 1280x5120 M = 256 11.0 / 13.6 / 17.9 (the whole table in NOTES.md). Twenty-fourth
-session, after batch-invariant mode's cut into pieces of several chunks, `tools/bench_prefill.py
---routes` (us summed over a bucket's first and last M): 2112x7168 at 193 + 256 48.5 / 39.1 /
-42.0 (its 66 invariant tiles now cut in two pieces of two chunks; uncut, 28.3 at M = 256);
-4096x5120 at 65 + 96 36.0 / 32.6 / 35.3, at 97 + 128 37.6 / 32.7 / 35.6."""
-
-_TUNED_CONFIGS = {"2": (2, 2), "3": (1, 3), "4": (1, 4)}
-
-
-def _measured(
-    table: dict[tuple[int, int], str], buckets: tuple[int, ...], m: int, n: int, k: int, sms: int
-) -> str | None:
-    """The character of `table` (`TUNED`, `ROUTES`) for M tokens on [N, K] on `sms` SMs: that of
-    the first of `buckets` that holds M; None where not measured (other weights, SM counts, M)."""
-    row = table.get((n, k)) if sms == 132 else None
-    if row is None or m > buckets[-1]:
-        return None
-    return row[next(i for i, top in enumerate(buckets) if m <= top)]
-
-
-@functools.lru_cache(maxsize=4096)  # pure; called on every routed call
-def takes(m: int, n: int, k: int, batch_invariant: bool = False, sms: int = 132) -> bool:
-    """Whether the cuda tier runs M tokens on an [N, K] weight here rather than on the prefill
-    kernel: M <= MAX_M, and for the weights of `ROUTES` (on 132 SMs) as measured there; for other
-    weights, in auto mode up to 192 tokens and beyond on weights of fewer than `PREFILL_N` rows,
-    in batch-invariant mode every M up to MAX_M (both kernels give the same bits there). Auto
-    mode takes no call that batch-invariant mode does not."""
-    if m > MAX_M:
-        return False
-    route = _measured(ROUTES, ROUTE_M, m, n, k, sms)
-    if route is None:
-        return batch_invariant or m <= TUNED_M[-1] or n < PREFILL_N
-    return route == "-" or (route == "a" and batch_invariant)
-
-
-@functools.lru_cache(maxsize=4096)  # pure; called on every routed call
-def pick_config(m: int, n: int, k: int, sms: int = 132) -> DecodeGemmCudaConfig:
-    """The config a call of M tokens on an [N, K] weight runs on `sms` SMs: the measured one of
-    `TUNED` where it has one (on 132 SMs, M <= 192), else `fill_config`'s. The choice never
-    changes a sum."""
-    digit = _measured(TUNED, TUNED_M, m, n, k, sms)
-    if digit in _TUNED_CONFIGS:
-        return DecodeGemmCudaConfig(*_TUNED_CONFIGS[digit])
-    return fill_config(m, n, k, sms)
-
-
 def fill_config(m: int, n: int, k: int, sms: int) -> DecodeGemmCudaConfig:
     """The rule for shapes not measured: the weight tile (64 or 128 rows) whose CTAs (weight
     tiles x K chunks x token tiles) fill the SMs' slots most evenly (128 rows on a tie: half the
     token-tile reloads), and as many CTAs per SM as hold them all at once: 64-row tiles 3 or 4,
     128-row tiles 2 (more would leave their consumers under 64 registers; more CTAs than that run
-    in waves). H200, 16-call graphs (sixteenth session, us, 64-row at 3 per SM / 128-row at 2):
-    5120x8192 (320 / 160 CTAs) M=16 14.2 / 15.9, M=64 22.6 / 26.6; 32768x1280 (512 / 256; 64-row
-    at 4 per SM) M=16 14.9 / 14.1, M=64 22.1 / 20.3."""
+    in waves). None of these changes a sum."""
     split, tiles_t = k_split(n, k), -(-m // token_tile(m))
 
     def ctas(consumers: int) -> int:
@@ -201,19 +94,28 @@ def fill_config(m: int, n: int, k: int, sms: int) -> DecodeGemmCudaConfig:
     return DecodeGemmCudaConfig(2, 2)
 
 
-def token_tile(m: int) -> int:
-    """Tokens per CTA (the wgmma's N) for M tokens: the smallest of 8 / 16 / 32 / 64 that holds
-    M (64 above: several token tiles)."""
-    return next((t for t in (8, 16, 32) if m <= t), MAX_TOKENS)
+NUM_SMS = 132
+"""The SM count `k_split` aims at: a constant, not read from the device, so that the split (and
+with it every row's bits) is a function of (N, K) alone."""
 
 
 @functools.lru_cache(maxsize=4096)  # pure; called on every routed call
 def k_split(n: int, k: int) -> int:
-    """K chunks for an [N, K] weight: the TileLang decode kernel's (`decode_tile_split`), so the
-    sums are that kernel's."""
-    from ..tilelang.decode_gemm import decode_tile_split
+    """K chunks for an [N, K] weight, a function of (N, K) only: doubles from 1 while there are
+    fewer than 2 CTAs per SM of 64-row weight tiles x chunks, a chunk keeps >= 1024 columns and
+    stays a multiple of 128 (whole stages). The prefill kernel cuts K the same way in
+    batch-invariant mode (`prefill_gemm.invariant_config`), so both give a row the same bits."""
+    tiles = -(-n // 64)
+    s = 1
+    while tiles * s < 2 * NUM_SMS and k % (2 * s * BLOCK_K) == 0 and k // (2 * s) >= 1024:
+        s *= 2
+    return s
 
-    return decode_tile_split(n, k)
+
+def token_tile(m: int) -> int:
+    """Tokens per CTA (the wgmma's N) for M tokens: the smallest of 8 / 16 / 32 / 64 that holds
+    M (64 above: several token tiles)."""
+    return next((t for t in (8, 16, 32) if m <= t), MAX_TOKENS)
 
 
 def stage_bytes(tokens: int, cfg: DecodeGemmCudaConfig) -> int:
@@ -280,12 +182,12 @@ def shape_reason(
     """Why the kernel cannot take w [N, K] at M tokens with this config, or None: K a positive
     multiple of 128 split into at most 8 whole-stage chunks, N a positive multiple of 8, the
     ring (at least 2 stages) and the chunk's sums within shared memory. Without a config:
-    `pick_config`'s on `sms` SMs (the one a call on such a device runs)."""
+    `fill_config`'s on `sms` SMs."""
     if k % BLOCK_K or k <= 0:
         return f"K={k} must be a positive multiple of {BLOCK_K}"
     if n % 8 or n <= 0:
         return f"N={n} must be a positive multiple of 8"
-    cfg = cfg or pick_config(max(m, 1), n, k, sms)
+    cfg = cfg or fill_config(max(m, 1), n, k, sms)
     split = k_split(n, k)
     if split > MAX_SPLIT:
         return f"the K split {split} is over the {MAX_SPLIT} CTAs of a portable cluster"
@@ -310,9 +212,9 @@ def call_reason(
     out_dtype: torch.dtype,
     cfg: DecodeGemmCudaConfig | None = None,
 ) -> str | None:
-    """Why `decode_gemm` cannot run this call here (the operands as the prefill kernel checks
-    them: dtypes, shapes, layout, alignment; then this kernel's shape limits), or None."""
-    why = operand_reason(x_fp8, x_scale, w, w_scale, out_dtype)
+    """Why `decode_gemm` cannot run this call here (the operands: dtypes, shapes, layout,
+    alignment; then this kernel's shape limits), or None."""
+    why = module.operand_reason(x_fp8, x_scale, w, w_scale, out_dtype)
     sms = module.sm_count(x_fp8.device)
     why = why or shape_reason(w.shape[0], w.shape[1], x_fp8.shape[0], cfg, sms)
     return why or module.launch_reason(x_fp8)
@@ -362,14 +264,14 @@ def decode_gemm(
     """``(x_fp8 * x_scale) @ (w * w_scale)^T`` with fp32 sums. x_fp8 [M, K] e4m3, x_scale
     [M, K/32] fp32 powers of two, w [N, K] e4m3, w_scale [ceil(N/32), K/32] e8m0 (or fp32 powers
     of two) -> [M, N] out_dtype (bfloat16 or float32); any M (token tiles of up to 64), meant for
-    M <= MAX_M. A row's bits are the TileLang decode kernel's, whatever M and config (without one:
-    `pick_config`). ValueError naming the problem when `call_reason` refuses the call."""
+    M <= 256. A row's bits do not depend on M or the config (default: `fill_config`'s).
+    ValueError naming the problem when `call_reason` refuses the call."""
     why = call_reason(x_fp8, x_scale, w, w_scale, out_dtype, config)
     if why is not None:
         raise ValueError(f"cuda decode_gemm: {why}")
     (m, k), n = x_fp8.shape, w.shape[0]
     dev = module.device_index(x_fp8.device)
-    cfg = config or pick_config(m, n, k, module.sm_count(x_fp8.device))
+    cfg = config or fill_config(m, n, k, module.sm_count(x_fp8.device))
     out = torch.empty(m, n, dtype=out_dtype, device=x_fp8.device)
     if m == 0:
         return out

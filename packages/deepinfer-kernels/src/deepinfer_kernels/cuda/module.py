@@ -97,9 +97,8 @@ def tensor_map_2d(
 def tail_box(m: int, tile: int) -> int:
     """Rows of the boxes the TMA loads per stage for the last tile of `tile` rows over M rows:
     its rows rounded up to 8 (a full tile: the tile). Rows past the tensor are zero-filled by the
-    TMA at a cost (H200: the decode kernel's 5120x8192 on one 64-token tile, M=33 19.5 us against
-    16.0 at M=64; the prefill kernel's 4096x5120 on 128 tiles, M=129 29.1 us against 21.4 at
-    256); the tile's rows past the box are never loaded and only feed sums that are not stored."""
+    TMA, slowly; the tile's rows past the box are never loaded and only feed sums that are not
+    stored."""
     return -(-(m - (-(-m // tile) - 1) * tile) // 8) * 8
 
 
@@ -362,3 +361,36 @@ def load_kernel(cubin: bytes, name: str, device: torch.device, shared_bytes: int
                 f"{shared_bytes} bytes of shared memory for {name}",
             )
     return Kernel(name, function, module)
+
+
+def operand_reason(
+    x_fp8: torch.Tensor,
+    x_scale: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> str | None:
+    """What is wrong with the operands of a cuda FP8 GEMM call (dtypes, shapes, layout,
+    alignment), or None: the TMA maps are built from these shapes, so a wrong one must not
+    pass. Both cuda GEMMs (`decode_gemm.py`, `prefill_gemm.py`) check their calls with it."""
+    if x_fp8.dtype != torch.float8_e4m3fn or w.dtype != torch.float8_e4m3fn:
+        return f"x_fp8 and w must be float8_e4m3fn, got {x_fp8.dtype} and {w.dtype}"
+    if x_fp8.dim() != 2 or w.dim() != 2 or w.shape[1] != x_fp8.shape[1]:
+        return f"x_fp8 [M, K] and w [N, K] must share K, got {list(x_fp8.shape)}, {list(w.shape)}"
+    (m, k), n = x_fp8.shape, w.shape[0]
+    if list(x_scale.shape) != [m, k // 32]:
+        return f"x_scale must be [{m}, {k // 32}], got {list(x_scale.shape)}"
+    if list(w_scale.shape) != [-(-n // 32), k // 32]:
+        return f"w_scale must be [{-(-n // 32)}, {k // 32}], got {list(w_scale.shape)}"
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        return f"out_dtype {out_dtype}: the cuda GEMM writes bfloat16 or float32"
+    if x_scale.dtype != torch.float32:
+        return f"x_scale is {x_scale.dtype}, the cuda GEMM reads float32"
+    if w_scale.dtype not in (torch.float8_e8m0fnu, torch.float32):
+        return f"w_scale is {w_scale.dtype}, the cuda GEMM reads float8_e8m0fnu or float32"
+    for name, t in (("x_fp8", x_fp8), ("x_scale", x_scale), ("w", w), ("w_scale", w_scale)):
+        if not t.is_contiguous():
+            return f"{name} is not contiguous"
+        if t.data_ptr() % 16:
+            return f"{name} is not 16-byte aligned (the TMA copies it)"
+    return None

@@ -1,4 +1,4 @@
-// What the FP8 wgmma GEMMs share (fp8_gemm.cu, decode_gemm.cu): the shared-memory descriptor of
+// What the FP8 wgmma GEMMs share (prefill_gemm.cu, decode_gemm.cu): the shared-memory descriptor of
 // a 128-byte-swizzled K-major tile, one k32 slice of `wgmma.m64nNk32` on e4m3, shared-memory
 // loads and the UE8M0 scale byte as a float.
 

@@ -15,8 +15,6 @@ from .quant import (
     fake_quant_fp4_e4m3_scale,
     fake_quant_fp4_ue8m0,
     fake_quant_fp8_ue8m0,
-    rms_norm_act_quant_fp8,
-    swiglu_act_quant_fp8,
 )
 from .rope import rope
 
@@ -39,8 +37,6 @@ __all__ = [
     "moe_fragment_order_pays",
     "moe_gate",
     "rms_norm",
-    "rms_norm_act_quant_fp8",
     "rope",
     "sparse_sink_attention",
-    "swiglu_act_quant_fp8",
 ]

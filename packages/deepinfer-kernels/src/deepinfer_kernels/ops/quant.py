@@ -1,6 +1,5 @@
-"""Activation quantisation ops: FP8 e4m3 per 32 channels with power-of-two (UE8M0) scales, alone
-and fused with the op that produces the activation (RMSNorm; clamped SwiGLU times the routing
-weight). The outputs feed `ops.fp8_gemm`.
+"""Activation quantisation op: FP8 e4m3 per 32 channels with power-of-two (UE8M0) scales
+(`act_quant_fp8`), whose outputs feed `ops.fp8_gemm`.
 
 KV fake-quantisation ops (quantise then dequantise, same dtype): `fake_quant_fp8_ue8m0` (window
 KV), `fake_quant_fp4_ue8m0` (index keys and queries), `fake_quant_fp4_e4m3_scale` (compressed
@@ -18,28 +17,20 @@ from ._checks import FLOAT_DTYPES, need, need_dtype
 REGISTRY.declare(
     "act_quant_fp8", "x [..., K] -> (x_fp8 [..., K] e4m3, scale [..., K/32] fp32 powers of two)"
 )
-REGISTRY.declare(
-    "rms_norm_act_quant_fp8",
-    "RMSNorm(x [..., K], weight [K], eps) then act_quant_fp8 -> (x_fp8, scale [..., K/32])",
+REGISTRY.register(
+    Implementation("act_quant_fp8", "ref", "deepinfer_kernels.ref.quant:act_quant_fp8")
 )
-REGISTRY.declare(
-    "swiglu_act_quant_fp8",
-    "silu(min(gate, L)) * clamp(up, +-L) * route_weight [..., 1], then act_quant_fp8",
-)
-
-for _op in ("act_quant_fp8", "rms_norm_act_quant_fp8", "swiglu_act_quant_fp8"):
-    REGISTRY.register(Implementation(_op, "ref", f"deepinfer_kernels.ref.quant:{_op}"))
-    REGISTRY.register(
-        Implementation(
-            _op,
-            "triton",
-            f"deepinfer_kernels.triton.quant:{_op}",
-            devices=("cuda",),
-            min_capability=(9, 0),
-            requires=("triton",),
-            supports="deepinfer_kernels.ops._checks:cuda_input_reason",
-        )
+REGISTRY.register(
+    Implementation(
+        "act_quant_fp8",
+        "triton",
+        "deepinfer_kernels.triton.quant:act_quant_fp8",
+        devices=("cuda",),
+        min_capability=(9, 0),
+        requires=("triton",),
+        supports="deepinfer_kernels.ops._checks:cuda_input_reason",
     )
+)
 
 
 REGISTRY.register(
@@ -136,37 +127,3 @@ def act_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     _check_k(x, "x")
     return REGISTRY.call("act_quant_fp8", x)
-
-
-def rms_norm_act_quant_fp8(
-    x: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``act_quant_fp8(rms_norm(x, weight, eps))`` in one pass; the normed value is rounded to
-    x.dtype first, as the unfused chain does.
-
-    x [..., K], weight [K] -> (x_fp8 [..., K], scale [..., K/32]).
-    """
-    _check_k(x, "x")
-    need(
-        weight.shape == (x.shape[-1],),
-        f"weight must be [{x.shape[-1]}], got {list(weight.shape)}",
-    )
-    return REGISTRY.call("rms_norm_act_quant_fp8", x, weight, eps)
-
-
-def swiglu_act_quant_fp8(
-    gate: torch.Tensor,
-    up: torch.Tensor,
-    route_weight: torch.Tensor | None = None,
-    swiglu_limit: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """V4.1's expert activation, quantised for W2: gate, up [..., I]; route_weight [..., 1] fp32 or
-    None; limit <= 0 disables the clamp. -> (h_fp8 [..., I], scale [..., I/32] fp32)."""
-    _check_k(gate, "gate")
-    need(up.shape == gate.shape, f"up must have gate's shape {list(gate.shape)}, got {up.shape}")
-    if route_weight is not None:
-        need(
-            route_weight.shape == (*gate.shape[:-1], 1),
-            f"route_weight must be {[*gate.shape[:-1], 1]}, got {list(route_weight.shape)}",
-        )
-    return REGISTRY.call("swiglu_act_quant_fp8", gate, up, route_weight, float(swiglu_limit))

@@ -17,7 +17,27 @@ import torch.nn.functional as F
 
 from .. import quant
 from .linear import matmul_rows
-from .quant import swiglu
+
+
+def swiglu(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    route_weight: torch.Tensor | None,
+    swiglu_limit: float,
+) -> torch.Tensor:
+    """V4.1's clamped SwiGLU times the routing weight, in fp32, rounded to gate.dtype.
+
+    ``silu(min(gate, limit)) * clamp(up, -limit, limit) * route_weight`` (no clamp when limit <= 0).
+    gate, up: [..., I]; route_weight: [..., 1] fp32 or None.
+    """
+    g, u = gate.float(), up.float()
+    if swiglu_limit > 0:
+        u = u.clamp(-swiglu_limit, swiglu_limit)
+        g = g.clamp(max=swiglu_limit)
+    h = F.silu(g) * u
+    if route_weight is not None:
+        h = route_weight.float() * h
+    return h.to(gate.dtype)
 
 
 def gate_scores(x: torch.Tensor, weight: torch.Tensor, gate_temp: float, batch_invariant: bool):

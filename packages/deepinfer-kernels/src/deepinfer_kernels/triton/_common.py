@@ -43,42 +43,6 @@ def quant_groups_fp8(y, BLOCK_ROWS: tl.constexpr, WIDTH: tl.constexpr, AMAX_FLOO
 
 
 @triton.jit
-def fp4_to_bf16_scaled(
-    packed,
-    scale_u8,
-    ROWS: tl.constexpr,
-    KP: tl.constexpr,
-    KG: tl.constexpr,
-    DIRECT: tl.constexpr = False,
-):
-    """packed [ROWS, KP] int8 (two e2m1 per byte, low nibble first) with UE8M0 scales
-    scale_u8 [ROWS, KG] (one per 32 values) -> [ROWS, 2*KP] bf16 values ``e2m1 * 2**(u - 127)``.
-
-    The nibble's exponent and mantissa bits go straight into an fp16's exponent and top mantissa
-    bit: exponent e >= 1 gives 2**(e - 15) * (1 + m/2) and e = 0 the subnormal 2**-14 * m/2, i.e.
-    the e2m1 value times 2**-14 either way (no branch). The scale carries the 2**14 back:
-    2**(u - 113), exact in bf16 for every u a real scale has (u <= 240). All steps are exact.
-    DIRECT puts the bits into a bf16 instead (the e2m1 value times 2**-126; 0.5 becomes a bf16
-    subnormal) and scales by 2**(u - 1): no fp16 -> bf16 conversion, but it relies on the bf16
-    multiply keeping subnormal inputs (the GPU tests check it), and on u <= 128 (scales <= 2).
-    """
-    p = packed.to(tl.uint8, bitcast=True).to(tl.int32)
-    nib = tl.reshape(tl.join(p & 0xF, p >> 4), (ROWS, 2 * KP))
-    if DIRECT:
-        bits = (((nib & 7) << 6) | ((nib & 8) << 12)).to(tl.int16)
-        v = bits.to(tl.bfloat16, bitcast=True)
-        s = ((scale_u8.to(tl.int32) + 126) << 23).to(tl.float32, bitcast=True).to(tl.bfloat16)
-    else:
-        bits = (((nib & 7) << 9) | ((nib & 8) << 12)).to(tl.int16)
-        v = bits.to(tl.float16, bitcast=True).to(tl.bfloat16)
-        s = ((scale_u8.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True).to(tl.bfloat16)
-    if KG == 1:
-        return v * s
-    v3 = tl.reshape(v, (ROWS, KG, 32)) * s[:, :, None]
-    return tl.reshape(v3, (ROWS, 2 * KP))
-
-
-@triton.jit
 def dot_exact(a, b, acc, F32_MATH: tl.constexpr):
     """acc + a @ b for bf16 a, b (products exact in fp32). F32_MATH runs the same values through an
     fp32 IEEE dot: what the CPU tests use, since the Triton interpreter's bf16 math is wrong."""
@@ -122,7 +86,7 @@ def rsqrt(v, ACCURATE: tl.constexpr):
 
 # 8 e2m1 nibbles (one int32 word, value k in bits 4k..4k+3) -> 8 bf16 bit patterns, each the
 # nibble's exponent/mantissa placed into the bf16's low exponent bits (the e2m1 value times
-# 2**-126) and its sign into the sign bit, as `fp4_to_bf16_scaled(DIRECT=True)` does per value.
+# 2**-126) and its sign into the sign bit.
 # Per pair of values (one byte): PRMT gathers the two nibbles into the low bits of two 16-bit
 # lanes (the other bits zero), one multiply by 2**6 + 2**12 copies each nibble to both bit places
 # it feeds (ranges 6-9, 12-15, 22-25, 28-31: no carries) and one AND keeps bits 6-8, 15, 22-24, 31.
@@ -177,8 +141,9 @@ def _fp4x8_values(words):
 def fp4_words_to_bf16_scaled(words, scale_u8, ROWS: tl.constexpr, KW: tl.constexpr):
     """words [ROWS, KW] int32 (8 e2m1 values each, the packed bytes read 4 at a time) with UE8M0
     scales [ROWS, KW // 4] (one per 32 values) -> [ROWS, 8*KW] bf16 ``e2m1 * 2**(u - 127)``:
-    the values of `fp4_to_bf16_scaled(DIRECT=True)`, bit for bit, with packed integer ops (inline
-    PTX, so the GPU only; the same bf16-subnormal and u <= 128 conditions)."""
+    with packed integer ops (inline PTX, so the GPU only). It relies on the bf16 multiply
+    keeping subnormal inputs (the e2m1 value 0.5 placed as a bf16 subnormal; the GPU tests check
+    it) and on u <= 128 (scales <= 2, as real checkpoints have)."""
     o = _fp4x8_values(words)
     # value k = 4i + 2j + l of a word sits in output 4i + 2j + l: join so that the last joined
     # axis is the lowest bit of k
@@ -221,15 +186,3 @@ def scale_groups(v, scale_u8, ROWS: tl.constexpr, K: tl.constexpr):
     s = ((scale_u8.to(tl.int32) + 126) << 23).to(tl.float32, bitcast=True).to(tl.bfloat16)
     v3 = tl.reshape(v, (ROWS, K // 32, 32)) * s[:, :, None]
     return tl.reshape(v3, (ROWS, K))
-
-
-@triton.jit
-def fp4_expand(packed, scale_u8, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, MODE: tl.constexpr):
-    """FP4 weights of one K step -> [ROWS, BLOCK_K] bf16 scaled values. MODE 0: packed [ROWS,
-    BLOCK_K/2] int8 via the fp16 trick; 1: the same bytes straight into bf16; 2: packed [ROWS,
-    BLOCK_K/8] int32 words via `fp4_words_to_bf16_scaled` (GPU only). The same values in each."""
-    if MODE == 2:
-        v = fp4_words_to_bf16_scaled(packed, scale_u8, ROWS, BLOCK_K // 8)
-    else:
-        v = fp4_to_bf16_scaled(packed, scale_u8, ROWS, BLOCK_K // 2, BLOCK_K // 32, MODE == 1)
-    return v

@@ -1,41 +1,23 @@
-"""Decode-shaped FP8 GEMM (few activation rows): a weight-streaming kernel with a fixed split-K.
+"""Decode-shaped FP8 GEMMs of the Triton tier (few activation rows): a weight-streaming kernel with
+a fixed split of K, a CUDA-core GEMV, and the fixed-order sum of split partials.
 
 At M <= 64 the op reads 32x32-block FP8 weights [N, K] once and does little arithmetic per byte,
-so the kernel is built to stream the weight: each program owns `block_n` output features and a
-fixed slice of K, loads the weight in full `block_k`-wide rows (no masks along K, so the loads stay
-cp.async vectors), and keeps the few activation rows of the tile in registers.
+so the kernels are built to stream the weight:
+- `_decode_gemm_kernel`: each program owns `block_n` output features and a fixed slice of K,
+  loads the weight in full `block_k`-wide rows (no masks along K, so the loads stay cp.async
+  vectors) and keeps the few activation rows of the tile in registers. 64 weight rows fill the
+  wgmma's M and are expanded ``e4m3 * 2**e`` exactly to bf16 (the tiled kernel's expansion);
+  the activation rows are the MMA's N (`block_m`, 16 or 64).
+- `_gemv_kernel` (M <= GEMV_MAX_M): no MMA; each program loads a tile of weight rows in one
+  piece and does fp32 FMAs on CUDA cores (`gemv_config`: the whole of K per program, one
+  kernel). Its fp32 sums run in another order than the wgmma kernels', so batch-invariant mode
+  never takes it.
 
-On Hopper with tilelang, `linear.tilelang_route` sends auto-mode calls with 2 <= M <= 64 and
-every batch-invariant call whose shape it takes to the TileLang swap-AB kernel
-(`tilelang/decode_gemm.py`: 17 us against 28 us here at M=2..16, 5120x8192, 16-call graph); the
-kernels below then serve M=1 in auto mode (`_gemv_kernel`) and the shapes TileLang cannot take.
-
-Three ways to form the products (measured on the H200, 5120x8192, CUDA-graph replay: NOTES.md):
-- swap (default): 64 weight rows fill the wgmma's M and are expanded ``e4m3 * 2**e`` exactly to
-  bf16 (the prefill kernel's expansion); the activation rows are the MMA's N (`block_m`; 16 or 64 as
-  `linear.pick_config` chooses).
-  32.5 us at M=1 (30% of HBM).
-- `fold`: a program's 32 weight rows are exactly one scale block row, so the scale of a (block
-  row, K group) pair multiplies the *activation* tile instead (x_hat[m, k] * 2**e, exact in bf16);
-  the weight is converted e4m3 -> bf16 with no multiply. Activations fill the MMA's M (padded to
-  64): wasteful at M=1 (86 us) but the fastest at M=64 with bf16 activations (47 vs 53 us).
-- `mma_fp8`: FP8 tensor-core dots per 32-K scale group, promoted into fp32 with both scales
-  (no conversion at all). As fast as swap (31.7 us at M=1), so conversion ALU is not what bounds
-  the kernel; but its products are summed in the MMA's reduced-precision FP8 accumulation
-  (4.5e-5 relative error against fp32, 1e-7 for the bf16 paths) and its rows differ from the
-  prefill kernel's: not used by default, never in batch-invariant mode.
-
-- `cuda_core` (`_gemv_kernel`, M <= GEMV_MAX_M): no MMA; each program loads a tile of weight
-  rows in one piece and does fp32 FMAs on CUDA cores (`gemv_config`: the whole of K per program,
-  one kernel). 20.7 us at M=1 (48% of HBM; a bare streaming read measures 18.6 us in the same
-  graph-replay harness, whose own floor is 5.2 us), no faster than swap from M=2: auto mode uses it
-  at M <= GEMV_AUTO_MAX_M only, batch-invariant mode never (its fp32 sums run in another order).
-
-The bf16 paths form exactly the products the prefill kernel (`linear._fp8_gemm_kernel`) forms and
-run on wgmma, whose rows do not depend on the tile (measured, see linear.py): with the same split
-of K the two kernels give a row the same bits (GPU tests check it across M=1/64/301). The split
-count comes from N and K only (`decode_split`), never from M, and the partial sums are added by
-`sum_splits` in a fixed order: batch-invariant by construction.
+The decode kernel forms exactly the products the tiled kernel (`linear._fp8_gemm_kernel`) forms
+and runs on wgmma, whose rows do not depend on the tile: with the same split of K the two give a
+row the same bits (the GPU tests check it across M). The split count comes from N and K only
+(`decode_split`), never from M, and the partials are added by `sum_splits` in a fixed order:
+batch-invariant by construction. Which kernel takes a call is decided in `ops/linear.py`.
 """
 
 from __future__ import annotations
@@ -46,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import dot_exact, e8m0_to_fp32, fp8_to_bf16_scaled, scale_bf16
+from ._common import dot_exact, e8m0_to_fp32, fp8_to_bf16_scaled
 
 NUM_SMS = 132
 """H200 multiprocessors: the split policy's target. A constant, not read from the device, so the
@@ -55,7 +37,9 @@ split (and therefore every row's bits) is a function of (N, K) alone."""
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """One decode-kernel configuration. `split_k` of 0 means `decode_split(N, K)` (invariant)."""
+    """One decode-kernel configuration. `split_k` of 0 means `decode_split(N, K)` (invariant).
+    cuda_core: `_gemv_kernel` (M <= GEMV_MAX_M), block_k is then the K chunk, or all of K in one
+    program with split_k=1; prefetch: (cuda_core) the program's weight tile into L2 first."""
 
     block_m: int = 16
     block_n: int = 64
@@ -63,26 +47,17 @@ class DecodeConfig:
     split_k: int = 0
     num_warps: int = 4
     num_stages: int = 4
-    fold: bool = False
-    mma_fp8: bool = False  # FP8 tensor-core dots per 32-K group, promoted with both scales
-    scale_words: bool = False  # e8m0 weight scales read as int32 words (slower: NOTES.md)
-    cuda_core: bool = False  # `_gemv_kernel` (M <= GEMV_MAX_M): block_k is the K chunk, or all
-    # of K in one program with split_k=1
-    prefetch: bool = True  # cuda_core: the program's weight tile prefetched into L2 first
+    cuda_core: bool = False
+    prefetch: bool = True
 
     def __post_init__(self) -> None:
-        if self.cuda_core and (self.fold or self.mma_fp8 or 32 % self.block_n):
+        if self.cuda_core and 32 % self.block_n:
             raise ValueError(
-                "DecodeConfig.cuda_core needs fold=False, mma_fp8=False and block_n dividing 32, "
-                f"got block_n={self.block_n}"
+                f"DecodeConfig.cuda_core needs block_n dividing 32, got block_n={self.block_n}"
             )
         if self.cuda_core and self.block_k & (self.block_k - 1):
             raise ValueError(f"DecodeConfig.block_k must be a power of two, got {self.block_k}")
-        if self.mma_fp8 and (self.fold or self.block_k != 32):
-            raise ValueError("DecodeConfig.mma_fp8 needs fold=False and block_k=32")
-        if self.fold and self.block_n != 32:
-            raise ValueError(f"DecodeConfig.block_n must be 32 with fold=True, got {self.block_n}")
-        if not self.fold and not self.cuda_core and self.block_n % 32:
+        if not self.cuda_core and self.block_n % 32:
             raise ValueError(f"DecodeConfig.block_n must be a multiple of 32, got {self.block_n}")
         if self.block_k % 32 or self.block_k < 32:
             raise ValueError(f"DecodeConfig.block_k must be a multiple of 32, got {self.block_k}")
@@ -107,19 +82,12 @@ def decode_split(n: int, k: int, batch_invariant: bool = True) -> int:
 GEMV_MAX_M = 4
 """Most activation rows `_gemv_kernel` takes (it does one FMA per weight value per row)."""
 
-GEMV_AUTO_MAX_M = 1
-"""Auto mode (not batch-invariant) sends calls with at most this many rows to `_gemv_kernel`
-(`gemv_config`); its fp32 sums run in another order than the wgmma kernels', so batch-invariant
-mode never uses it. Measured on the H200 (NOTES.md, third pass): faster than the wgmma kernel at
-M=1, slower from M=4."""
-
 
 def gemv_config(n: int, k: int) -> DecodeConfig:
     """The CUDA-core kernel over the whole of K per program (no partials, one kernel), with rows
     per program a function of (N, K): about 16 KB of weight per program, at most 4 rows, halved
-    while there would be fewer than 4 programs per SM. Measured on the H200 (graph replay, M=1):
-    5120x8192 2 rows 20.7 us, 4 rows 22.2-22.5, 8 rows 25.9; 32768x1280 4 rows 23.3, 16 rows
-    27.1 (smaller tiles: more programs resident, more bytes in flight)."""
+    while there would be fewer than 4 programs per SM (smaller tiles: more programs resident,
+    more bytes in flight)."""
     k_pad = triton.next_power_of_2(k)
     if k_pad > 32768:  # more than 256 B of weight per thread: 8192-wide chunks and partials
         return DecodeConfig(block_n=4, block_k=8192, cuda_core=True)
@@ -136,20 +104,6 @@ def pick_block_k(chunk: int, want: int) -> int:
     while chunk % bk:
         bk //= 2
     return bk
-
-
-@triton.jit
-def _weight_scales(row_ptrs, g, offs_g, WORDS: tl.constexpr, E8M0: tl.constexpr):
-    """fp32 scales [rows, KG] of groups g .. g + KG - 1 (offs_g = arange(KG)) from per-row
-    pointers to the scale row: int32 words of 4 UE8M0 bytes (WORDS; KG divides 4 and g is a
-    multiple of KG), else one byte (E8M0) or fp32 per group."""
-    if WORDS:
-        word = tl.load(row_ptrs + g // 4)
-        return e8m0_to_fp32((word[:, None] >> (8 * (g % 4 + offs_g))[None, :]) & 0xFF)
-    v = tl.load(row_ptrs[:, None] + (g + offs_g)[None, :])
-    if E8M0:
-        v = e8m0_to_fp32(v)
-    return v
 
 
 @triton.jit(do_not_specialize=["M"])  # one compile for every M
@@ -170,9 +124,6 @@ def _decode_gemm_kernel(
     stride_cm,
     A_BF16: tl.constexpr,
     WS_E8M0: tl.constexpr,
-    WS_WORDS: tl.constexpr,
-    FOLD: tl.constexpr,
-    MMA_FP8: tl.constexpr,
     F32_MATH: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -181,13 +132,10 @@ def _decode_gemm_kernel(
     """c[s, m, n] = sum over K slice s of x_hat[m, k] * w_hat[n, k] (fp32, one wgmma chain).
 
     a: x_fp8 [M, K] e4m3 with as [M, K/32] fp32 scales, or (A_BF16) x_hat [M, K] bf16 already
-    expanded. w [N, K] e4m3 with ws [ceil(N/32), K/32] (e8m0 bytes or fp32), or (WS_WORDS) the
-    e8m0 bytes as int32 words [ceil(N/32), K/128] (4 groups each, lowest byte first), so that the
-    scale load of a step is a 4-byte load the pipeliner makes asynchronous (cp.async needs >= 4
-    bytes; a 1-byte scale load is synchronous and puts a memory latency into every step).
-    k_chunk is a multiple of BLOCK_K and the K slices tile K exactly, so no load is masked along
-    K. Grid (M tiles, N tiles, splits): the M tiles of one weight tile are adjacent, so extra M
-    tiles hit L2. F32_MATH (CPU tensors: only the Triton interpreter runs those) computes the same
+    expanded. w [N, K] e4m3 with ws [ceil(N/32), K/32] (e8m0 bytes or fp32). k_chunk is a
+    multiple of BLOCK_K and the K slices tile K exactly, so no load is masked along K. Grid
+    (M tiles, N tiles, splits): the M tiles of one weight tile are adjacent, so extra M tiles
+    hit L2. F32_MATH (CPU tensors: only the Triton interpreter runs those) computes the same
     exact values in fp32 (the interpreter's bf16 arithmetic is wrong).
     """
     pid_m = tl.program_id(0)
@@ -206,63 +154,27 @@ def _decode_gemm_kernel(
     a_ptrs = a_ptr + rows_a[:, None] * stride_am + (k_begin + offs_k)[None, :]
     as_ptrs = as_ptr + rows_a[:, None] * stride_asm + (k_begin // 32 + offs_g)[None, :]
     w_ptrs = w_ptr + rows_w[:, None] * stride_wn + (k_begin + offs_k)[None, :]
-    if FOLD:  # one scale row per program: a [BLOCK_K] vector of per-column scales
-        ws_ptrs = ws_ptr + (pid_n * BLOCK_N // 32) * stride_wsn + (k_begin + offs_k) // 32
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    elif WS_WORDS or MMA_FP8:  # a row's scale row (words or per-group), see `_weight_scales`
-        ws_ptrs = ws_ptr + (rows_w // 32) * stride_wsn
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        ws_ptrs = ws_ptr + (rows_w // 32)[:, None] * stride_wsn + (k_begin // 32 + offs_g)[None, :]
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    g0 = k_begin // 32
+    ws_ptrs = ws_ptr + (rows_w // 32)[:, None] * stride_wsn + (k_begin // 32 + offs_g)[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for _ in range(0, k_chunk, BLOCK_K):
         w = tl.load(w_ptrs)
         a = tl.load(a_ptrs)
-        if MMA_FP8:
-            # the scales multiply the dot's result (no dot operand): Triton leaves these loads
-            # synchronous (a hand-made prefetch two steps ahead made it drop cp.async for the
-            # weight too, SASS sm_90)
-            sw = _weight_scales(ws_ptrs, g0, offs_g, WS_WORDS, WS_E8M0)
-            sa = tl.reshape(tl.load(as_ptrs), (BLOCK_M,))
-            g0 += 1
-        elif WS_WORDS:
-            sw = _weight_scales(ws_ptrs, g0, offs_g, True, True)
-            g0 += KG
+        sw = tl.load(ws_ptrs)
+        if WS_E8M0:
+            sw = e8m0_to_fp32(sw)
+        # x_hat = x_fp8 * 2**e, exact in bf16 (the same expansion as the tiled kernel)
+        if A_BF16:
+            a16 = a
         else:
-            sw = tl.load(ws_ptrs)
-            if WS_E8M0:
-                sw = e8m0_to_fp32(sw)
-        if MMA_FP8:
-            # one K=32 scale group: an FP8 tensor-core dot (exact products, fp32 sum), promoted
-            # into the fp32 accumulator with the weight row's and the activation row's scales
-            if F32_MATH:
-                part = tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)), input_precision="ieee")
-            else:
-                part = tl.dot(w, tl.trans(a))
-            scale = tl.reshape(sw, (BLOCK_N,))[:, None] * sa[None, :]
-            acc += part * scale
-        else:
-            # x_hat = x_fp8 * 2**e, exact in bf16 (the same expansion as the prefill kernel)
-            if A_BF16:
-                a16 = a
-            else:
-                sa = tl.load(as_ptrs)
-                a16 = fp8_to_bf16_scaled(a, sa, BLOCK_M, BLOCK_K, KG, F32_MATH)
-            if FOLD:
-                # x_hat * 2**e_w is exact in bf16; the weight is a plain e4m3 -> bf16 conversion
-                a16 = scale_bf16(a16, sw[None, :], F32_MATH)
-                acc = dot_exact(a16, tl.trans(w.to(tl.bfloat16)), acc, F32_MATH)
-            else:
-                w16 = fp8_to_bf16_scaled(w, sw, BLOCK_N, BLOCK_K, KG, F32_MATH)
-                acc = dot_exact(w16, tl.trans(a16), acc, F32_MATH)
+            sa = tl.load(as_ptrs)
+            a16 = fp8_to_bf16_scaled(a, sa, BLOCK_M, BLOCK_K, KG, F32_MATH)
+        w16 = fp8_to_bf16_scaled(w, sw, BLOCK_N, BLOCK_K, KG, F32_MATH)
+        acc = dot_exact(w16, tl.trans(a16), acc, F32_MATH)
         a_ptrs += BLOCK_K
         as_ptrs += KG
         w_ptrs += BLOCK_K
-        if not WS_WORDS and not MMA_FP8:
-            ws_ptrs += KG
-    if not FOLD:
-        acc = tl.trans(acc)
+        ws_ptrs += KG
+    acc = tl.trans(acc)
     c_ptrs = c_ptr + pid_s * stride_cs + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
     cmask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=cmask)
@@ -477,24 +389,10 @@ def decode_gemm(
     chunk = k // split
     bk = pick_block_k(chunk, cfg.block_k)
     a_bf16 = x.dtype == torch.bfloat16
-    if cfg.mma_fp8 and a_bf16:
-        raise ValueError("decode_gemm: DecodeConfig.mma_fp8 needs x_fp8 e4m3 activations, got bf16")
     x, w = x.contiguous(), w.contiguous()
     xs = x if a_bf16 else x_scale.contiguous()
     e8m0 = w_scale.dtype == torch.float8_e8m0fnu
     ws = (w_scale.view(torch.uint8) if e8m0 else w_scale.float()).contiguous()
-    # the scale bytes as int32 words (4 K groups each) when rows hold whole words and a step's
-    # groups never straddle two words (KG divides 4, steps start on multiples of KG)
-    words = (
-        cfg.scale_words
-        and e8m0
-        and not cfg.fold
-        and (k // 32) % 4 == 0
-        and bk <= 128
-        and ws.storage_offset() % 4 == 0
-    )
-    if words:
-        ws = ws.view(torch.int32)
     if m == 0:
         return torch.empty(0, n, dtype=out_dtype, device=x.device)
     if split > 1:
@@ -519,9 +417,6 @@ def decode_gemm(
         c.stride(1),
         A_BF16=a_bf16,
         WS_E8M0=e8m0,
-        WS_WORDS=words,
-        FOLD=cfg.fold,
-        MMA_FP8=cfg.mma_fp8,
         F32_MATH=x.device.type == "cpu",
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,

@@ -35,8 +35,8 @@ import triton.language as tl
 from .. import quant
 from ..quant import ACT_AMAX_FLOOR
 from ._common import (
-    fp4_expand,
     fp4_fragment_words_to_bf16_scaled,
+    fp4_words_to_bf16_scaled,
     pow2_ceil_scale,
     quant_groups_fp8,
 )
@@ -183,8 +183,6 @@ class MoeConfig:
     stages: int
     swap_ab: bool = False
     block_k: int = 32  # K per step (falls back to 32 where D or I is not a multiple)
-    fp4_mode: int = 0  # FP4 expansion: 0 fp16 trick, 1 bits into bf16, 2 packed PTX (fp4_expand),
-    # 3 packed PTX with fewer ops and the scale multiply inside (`_fp4_words_scaled`)
     scale_words: bool = False  # UE8M0 scales read as int32 words (4 groups; needs block_k 128)
     cols_fast: bool = False  # grid order: a tile's column blocks run together (`_program_tile`)
     block_k2: int = 0  # K step of the W2 kernel (0: block_k)
@@ -197,61 +195,32 @@ class MoeConfig:
     fragment_weights: bool = False
 
     def __post_init__(self) -> None:
-        if self.fp4_mode not in (0, 1, 2, 3):
-            raise ValueError(f"MoeConfig.fp4_mode must be 0, 1, 2 or 3, got {self.fp4_mode!r}")
         steps = (self.block_k, self.block_k2 or self.block_k)
-        if self.fragment_weights and (self.fp4_mode != 2 or not set(steps) <= {64, 128}):
+        if any(k % 32 or k < 32 for k in steps):
             raise ValueError(
-                "MoeConfig.fragment_weights needs fp4_mode=2 and K steps of 64 or 128, got "
-                f"fp4_mode={self.fp4_mode}, block_k={self.block_k}, block_k2={self.block_k2}"
+                "MoeConfig: K steps must be positive multiples of 32, got "
+                f"block_k={self.block_k}, block_k2={self.block_k2}"
+            )
+        if self.fragment_weights and not set(steps) <= {64, 128}:
+            raise ValueError(
+                "MoeConfig.fragment_weights needs K steps of 64 or 128, got "
+                f"block_k={self.block_k}, block_k2={self.block_k2}"
             )
 
 
-DECODE = MoeConfig(16, 64, 64, 4, 4, 4, swap_ab=False, block_k=128, fp4_mode=2)
-"""Few rows per expert: 16-row tiles on mma.sync, FP4 expanded with packed PTX (fastest measured
-for decode on the H200: 49-50% of HBM at T=16..256, against 32-33% with the per-value expansion).
-Fifth session (engine harness, chained graphs): 29-30% at T=1, 47-48% at T=16..256; FP4 mode 3,
-scale prefetch, scale rows warmed into L1/L2, 8 warps and 6 stages were not faster (NOTES.md,
-"MoE decode, fifth session")."""
-DECODE_WGMMA = MoeConfig(
-    16, 64, 64, 4, 4, 4, swap_ab=True, block_k=128, fp4_mode=2, scale_words=True
-)
+DECODE = MoeConfig(16, 64, 64, 4, 4, 4, swap_ab=False, block_k=128)
+"""Few rows per expert: 16-row tiles on mma.sync, FP4 expanded from int32 words by packed PTX."""
+DECODE_WGMMA = MoeConfig(16, 64, 64, 4, 4, 4, swap_ab=True, block_k=128, scale_words=True)
 """The same with A and B swapped so wgmma runs it: what batch-invariant mode uses for decode (its
 rows are bitwise those of PREFILL's wgmma tiles: the FP4 expansions give identical bf16 values).
-Its scales are read as int32 words: 6-8% faster on this wgmma path (H200, graph replay, T=1/16/
-64/256: 0.104/0.915/2.48/3.88 ms against 0.112/0.975/2.66/4.14), while on DECODE's mma.sync path
-words were slower (0.124/1.18/3.20/4.95 against 0.097/0.777/2.13/3.35: the converted tile then
-goes through shared memory, SASS sm_90: STS + LDSM per step)."""
-PREFILL = MoeConfig(
-    64, 64, 128, 4, 4, 3, block_k=64, fp4_mode=2, cols_fast=True, prefetch_scales=True
-)
+Its scales are read as int32 words (faster on this wgmma path, slower on DECODE's mma.sync path,
+where the converted tile then goes through shared memory)."""
+PREFILL = MoeConfig(64, 64, 128, 4, 4, 3, block_k=64, cols_fast=True, prefetch_scales=True)
 """The contiguous grouped layout for prefill: 64-row tiles on wgmma, one warpgroup per program
-(W1/W3: 64 + 64 columns, W2: 128), FP4 expanded with packed PTX, scale bytes loaded a K step
-ahead, the column-fast grid. H200, one V4.1 layer (T=8192, random routing): 13.0 ms = 267 TFLOP/s
-against 20.7 ms = 168 for the former MoeConfig(128, 64, 64, 8, 8, 3, block_k=64) in the same run
-(T=2048: 5.6 against 13.4 ms; T=16384: 23.3 against 35.3). Why this one and what bounds it:
-NOTES.md, "MoE prefill, fourth session"."""
-
-
+(W1/W3: 64 + 64 columns, W2: 128), scale bytes loaded a K step ahead, the column-fast grid."""
 PREFILL_FRAGMENT = replace(PREFILL, block_k=128, stages=2, fragment_weights=True)
 """PREFILL on weights in `quant.fp4_fragment_order`: 128-wide K steps (a 64-wide step gathers half
-of each 64-byte step), 2 stages. H200, T=8192: 13.54 ms against PREFILL's 13.11 on the
-checkpoint's order and 15.35 with PREFILL's own steps; the same bits (NOTES.md, eighth session)."""
-
-
-def pick_config(
-    pairs: int, experts: int, batch_invariant: bool, fragment_order: bool = False
-) -> MoeConfig:
-    """Decode-sized routing (few rows per expert) takes 16-row tiles; prefill 64-row tiles.
-
-    In batch-invariant mode only wgmma configurations are used: their row results do not depend
-    on the tile shape (measured, see triton/linear.py), and no configuration splits K.
-    fragment_order: the same tiles on weights in `quant.fp4_fragment_order` (PREFILL_FRAGMENT).
-    """
-    if pairs > 8 * experts:
-        return PREFILL_FRAGMENT if fragment_order else PREFILL
-    cfg = DECODE_WGMMA if batch_invariant else DECODE
-    return replace(cfg, fragment_weights=True) if fragment_order else cfg
+of each 64-byte step), 2 stages; the same bits."""
 
 
 @dataclass
@@ -449,10 +418,8 @@ def _program_tile(n_cols, COLS_FAST: tl.constexpr):
     """(tile, column block) of this program. COLS_FAST: a 1-D grid in which consecutive programs
     are the column blocks of one tile, so the programs resident at one time share a few tiles'
     gathered rows and a few experts' weights. Otherwise a 2-D grid (tile, column block) with the
-    tile fastest: resident programs hold hundreds of tiles of one column block. Measured on the
-    H200 (T=8192): column-fast is 9-10% faster for both kernels with the prefill tiles (64 rows,
-    4 warps) but 37% slower for W2 with 128-row, 8-warp, 64-column tiles, so it is a choice of
-    the config (NOTES.md, "MoE prefill, fourth session")."""
+    tile fastest: resident programs hold hundreds of tiles of one column block. Which is faster
+    depends on the tile, so it is a choice of the config."""
     if COLS_FAST:
         pid = tl.program_id(0)
         tile = pid // n_cols
@@ -478,27 +445,21 @@ def _expand(
     scale_u8,
     ROWS: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    MODE: tl.constexpr,
     F32_MATH: tl.constexpr,
     FRAGMENT: tl.constexpr = False,
 ):
-    """`fp4_expand` on the GPU (MODE 3: `_fp4_words_scaled`; FRAGMENT: words in
-    `quant.fp4_fragment_order`, `fp4_fragment_words_to_bf16_scaled`). F32_MATH (the Triton
-    interpreter on CPU, whose bf16 arithmetic is wrong and which has no inline PTX): the same
-    exact values through fp32 (the fp16 placement of mode 0, then the power-of-two scale in fp32),
-    from int8 bytes or int32 words (modes 2 and 3)."""
+    """FP4 words [ROWS, BLOCK_K / 8] int32 with UE8M0 scales -> [ROWS, BLOCK_K] bf16 values:
+    `fp4_words_to_bf16_scaled` (FRAGMENT: words in `quant.fp4_fragment_order`,
+    `fp4_fragment_words_to_bf16_scaled`). F32_MATH (the Triton interpreter on CPU, whose bf16
+    arithmetic is wrong and which has no inline PTX): the same exact values through fp32."""
     if F32_MATH:
-        if MODE >= 2:  # int32 words: 8 nibbles each, lowest first
-            w = packed.to(tl.uint32, bitcast=True)
-            sh = tl.arange(0, 8) * 4
-            nib = (w[:, :, None] >> sh[None, None, :]) & 0xF
-            if FRAGMENT:  # words (t, c), nibble 2m + b: value 32c + 8m + 2t + b
-                CG: tl.constexpr = BLOCK_K // 32
-                nib = tl.permute(tl.reshape(nib, (ROWS, 4, CG, 4, 2)), (0, 2, 3, 1, 4))
-            nib = tl.reshape(nib, (ROWS, BLOCK_K)).to(tl.int32)
-        else:
-            p = packed.to(tl.uint8, bitcast=True).to(tl.int32)
-            nib = tl.reshape(tl.join(p & 0xF, p >> 4), (ROWS, BLOCK_K))
+        w = packed.to(tl.uint32, bitcast=True)
+        sh = tl.arange(0, 8) * 4
+        nib = (w[:, :, None] >> sh[None, None, :]) & 0xF  # 8 nibbles a word, lowest first
+        if FRAGMENT:  # words (t, c), nibble 2m + b: value 32c + 8m + 2t + b
+            CG: tl.constexpr = BLOCK_K // 32
+            nib = tl.permute(tl.reshape(nib, (ROWS, 4, CG, 4, 2)), (0, 2, 3, 1, 4))
+        nib = tl.reshape(nib, (ROWS, BLOCK_K)).to(tl.int32)
         bits = (((nib & 7) << 9) | ((nib & 8) << 12)).to(tl.int16)
         v = bits.to(tl.float16, bitcast=True).to(tl.float32)  # e2m1 value * 2**-14
         s = ((scale_u8.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
@@ -506,63 +467,8 @@ def _expand(
         return tl.reshape(v3, (ROWS, BLOCK_K)).to(tl.bfloat16)
     elif FRAGMENT:
         return fp4_fragment_words_to_bf16_scaled(packed, scale_u8, ROWS, BLOCK_K // 8)
-    elif MODE == 3:
-        return _fp4_words_scaled(packed, scale_u8, ROWS, BLOCK_K // 8)
     else:
-        return fp4_expand(packed, scale_u8, ROWS, BLOCK_K, MODE)
-
-
-# 8 e2m1 nibbles (one int32 word $8, value k in bits 4k..4k+3) and one bf16x2 scale pair $9
-# (2**(u - 1) in both lanes) -> 8 bf16 values e2m1 * 2**(u - 127), output k = value k: the values
-# of `fp4_words_to_bf16_scaled` bit for bit (same placement, same bf16 multiply), in fewer
-# instructions. Even and odd nibbles are split once for the whole word (one shift, two ANDs);
-# then per pair (2m, 2m+1) one PRMT puts byte m of each into the low byte of a 16-bit lane and
-# zeroes the lanes' high bytes by PRMT's sign-replicate mode (the msb of a masked byte is 0), and
-# the multiply by 2**6 + 2**12 and the AND place exponent/mantissa and sign as in mode 2. The
-# scale multiply (HMUL2.BF16, as Triton's) is done on the packed pair before it is split into
-# halves. 3 + 4 x 5 = 23 PTX instructions per word against mode 2's 19 + 4 multiplies; in the
-# DECODE tile (sm_90 SASS, Triton 3.8) the W1/W3 loop goes from 614 to 544 instructions per
-# 128-deep step and W2's from 319 to 288. H200 (fifth session, chained graphs): -2% at T=16 and
-# 256, +10% at T=64, so not the default (NOTES.md, "MoE decode, fifth session").
-def _fp4x8_scaled_asm() -> str:
-    """The PTX above: the split into even/odd nibbles, then per pair m the PRMT (selector
-    0xC480 + 0x1111 m: bytes m of e and o into two 16-bit lanes, high bytes zeroed), placement,
-    scale multiply and the move into outputs $2m, $2m+1."""
-    pairs = "".join(
-        f"prmt.b32 u, e, o, 0x{0xC480 + 0x1111 * m:X};\n"
-        "mul.lo.u32 t, u, 0x1040;\n"
-        "and.b32 t, t, 0x81C081C0;\n"
-        "mul.rn.bf16x2 t, t, $9;\n"
-        f"mov.b32 {{${2 * m}, ${2 * m + 1}}}, t;\n"
-        for m in range(4)
-    )
-    split = "and.b32 e, $8, 0x0F0F0F0F;\nshr.u32 o, $8, 4;\nand.b32 o, o, 0x0F0F0F0F;\n"
-    return "\n{\n.reg .b32 e, o, u, t;\n" + split + pairs + "}\n"
-
-
-_FP4X8_SCALED_ASM = tl.constexpr(_fp4x8_scaled_asm())
-
-
-@triton.jit
-def _fp4_words_scaled(words, scale_u8, ROWS: tl.constexpr, KW: tl.constexpr):
-    """words [ROWS, KW] int32 (8 e2m1 values each) with UE8M0 scales [ROWS, KW // 4] (one per 32
-    values, u <= 128) -> [ROWS, 8*KW] bf16 e2m1 * 2**(u - 127) (FP4 mode 3, GPU only): the scale
-    pair 2**(u - 1) in both bf16 lanes is an integer ((u + 126) << 7) * 0x10001, broadcast to the
-    group's 4 words and multiplied inside the PTX (`_FP4X8_SCALED_ASM`)."""
-    pair = ((scale_u8.to(tl.int32) + 126) << 7) * 65537
-    o = tl.inline_asm_elementwise(
-        _FP4X8_SCALED_ASM,
-        "=h,=h,=h,=h,=h,=h,=h,=h,r,r",
-        [words, tl.reshape(tl.broadcast_to(pair[:, :, None], (ROWS, KW // 4, 4)), (ROWS, KW))],
-        dtype=(tl.bfloat16,) * 8,
-        is_pure=True,
-        pack=1,
-    )
-    # output k = value k; joined so that the last joined axis is the lowest bit of k (as in
-    # `fp4_words_to_bf16_scaled`)
-    lo = tl.join(tl.join(o[0], o[4]), tl.join(o[2], o[6]))
-    hi = tl.join(tl.join(o[1], o[5]), tl.join(o[3], o[7]))
-    return tl.reshape(tl.join(lo, hi), (ROWS, 8 * KW))
+        return fp4_words_to_bf16_scaled(packed, scale_u8, ROWS, BLOCK_K // 8)
 
 
 @triton.jit
@@ -575,20 +481,19 @@ def _weight_step(
     SPEC: tl.constexpr,
 ):
     """One K step of one FP4 weight matrix, as all three GEMMs (W1, W3, W2) run it: load the packed
-    tile [ROWS, BLOCK_K / PACK], then its UE8M0 scales (PREFETCH: take `s_ahead`, loaded during
+    tile [ROWS, BLOCK_K / 8] int32, then its UE8M0 scales (PREFETCH: take `s_ahead`, loaded during
     the previous step, and load the next step's now, if `more`), then expand to bf16
     [ROWS, BLOCK_K]. The order (weights, then scales, then expansion) is the one the decode SASS
     was measured in. Returns (expanded tile, the scales to pass as `s_ahead` next step; without
-    PREFETCH `s_ahead` unchanged). SPEC: the kernel's constants (ROWS, BLOCK_K, FP4_MODE, S_WORDS,
+    PREFETCH `s_ahead` unchanged). SPEC: the kernel's constants (ROWS, BLOCK_K, S_WORDS,
     PREFETCH, F32_MATH, FRAGMENT) as one tuple, built once per kernel (Triton 3.6 compiles
     indexing into a constexpr tuple, not `*SPEC` unpacking)."""
     ROWS: tl.constexpr = SPEC[0]
     BLOCK_K: tl.constexpr = SPEC[1]
-    FP4_MODE: tl.constexpr = SPEC[2]
-    S_WORDS: tl.constexpr = SPEC[3]
-    PREFETCH: tl.constexpr = SPEC[4]
-    F32_MATH: tl.constexpr = SPEC[5]
-    FRAGMENT: tl.constexpr = SPEC[6]
+    S_WORDS: tl.constexpr = SPEC[2]
+    PREFETCH: tl.constexpr = SPEC[3]
+    F32_MATH: tl.constexpr = SPEC[4]
+    FRAGMENT: tl.constexpr = SPEC[5]
     wq = tl.load(w_ptrs)
     if PREFETCH:
         cur = s_ahead
@@ -597,7 +502,7 @@ def _weight_step(
     else:
         cur = _scale_bytes(s_ptrs, offs_g, S_WORDS)
         nxt = s_ahead
-    return _expand(wq, cur, ROWS, BLOCK_K, FP4_MODE, F32_MATH, FRAGMENT), nxt
+    return _expand(wq, cur, ROWS, BLOCK_K, F32_MATH, FRAGMENT), nxt
 
 
 @triton.jit
@@ -636,14 +541,13 @@ def _tile_operands(
     constants, as `_weight_step` takes them."""
     BLOCK_N: tl.constexpr = SPEC[0]
     BLOCK_K: tl.constexpr = SPEC[1]
-    FP4_MODE: tl.constexpr = SPEC[2]
-    S_WORDS: tl.constexpr = SPEC[3]
-    FRAGMENT: tl.constexpr = SPEC[6]
+    S_WORDS: tl.constexpr = SPEC[2]
+    FRAGMENT: tl.constexpr = SPEC[5]
     offs_n = col * BLOCK_N + tl.arange(0, BLOCK_N)
     ncl = tl.where(offs_n < n, offs_n, 0).to(tl.int64)
     ex = expert.to(tl.int64)
     KG: tl.constexpr = BLOCK_K // 32
-    PACK: tl.constexpr = 8 if FP4_MODE >= 2 else 2  # values per weight element (int32 / int8)
+    PACK: tl.constexpr = 8  # FP4 values per int32 word
     offs_k = tl.arange(0, BLOCK_K)
     offs_p = tl.arange(0, BLOCK_K // PACK)
     if FRAGMENT and BLOCK_K == 64:  # groups 0, 1 of a 64-byte step: words (t, c) at 4t + c
@@ -664,7 +568,7 @@ def _w_advance(k0, W_STEP: tl.constexpr, SPEC: tl.constexpr):
     fragment-order weights read 64 values at a time (FP4 words), whose second half-step sits 2
     words into the same 64-byte step and whose next step 14 words after that."""
     BLOCK_K: tl.constexpr = SPEC[1]
-    FRAGMENT: tl.constexpr = SPEC[6]
+    FRAGMENT: tl.constexpr = SPEC[5]
     if FRAGMENT and BLOCK_K == 64:
         return tl.where((k0 // 64) % 2 == 0, 2, 14)
     else:
@@ -795,7 +699,6 @@ def _w13_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SWAP_AB: tl.constexpr,
-    FP4_MODE: tl.constexpr,
     S_WORDS: tl.constexpr,
     COLS_FAST: tl.constexpr = False,
     PREFETCH: tl.constexpr = False,
@@ -811,7 +714,7 @@ def _w13_kernel(
         return
     _, rows, rmask = _tile_rows(tiles_ptr, tile, BLOCK_M)
     tok = tl.load(tok_ptr + rows, mask=rmask, other=0).to(tl.int64)
-    SPEC: tl.constexpr = (BLOCK_N, BLOCK_K, FP4_MODE, S_WORDS, PREFETCH, F32_MATH, FRAGMENT)
+    SPEC: tl.constexpr = (BLOCK_N, BLOCK_K, S_WORDS, PREFETCH, F32_MATH, FRAGMENT)
     a_ptrs, offs_n, w_off, s_off, offs_g, W_STEP, S_STEP = _tile_operands(
         xa_ptr, tok, D, expert, col, I, stride_we, stride_wn, stride_se, stride_sn, SPEC
     )
@@ -869,7 +772,6 @@ def _w2_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SWAP_AB: tl.constexpr,
-    FP4_MODE: tl.constexpr,
     S_WORDS: tl.constexpr,
     COLS_FAST: tl.constexpr = False,
     PREFETCH: tl.constexpr = False,
@@ -883,7 +785,7 @@ def _w2_kernel(
         return
     row0, rows, rmask = _tile_rows(tiles_ptr, tile, BLOCK_M)
     r64 = tl.where(rmask, rows, row0).to(tl.int64)
-    SPEC: tl.constexpr = (BLOCK_N, BLOCK_K, FP4_MODE, S_WORDS, PREFETCH, F32_MATH, FRAGMENT)
+    SPEC: tl.constexpr = (BLOCK_N, BLOCK_K, S_WORDS, PREFETCH, F32_MATH, FRAGMENT)
     a_ptrs, offs_n, w_off, s_off, offs_g, W_STEP, S_STEP = _tile_operands(
         h_ptr, r64, I, expert, col, D, stride_we, stride_wn, stride_se, stride_sn, SPEC
     )
@@ -954,17 +856,16 @@ def moe_experts(
     s2: torch.Tensor,
     swiglu_limit: float,
     *,
-    batch_invariant: bool = False,
-    config: MoeConfig | None = None,
+    config: MoeConfig,
     fragment_order: bool = False,
 ) -> torch.Tensor:
-    """Routed FP4 experts on the GPU; same contract and numerics as `ref.moe.moe_experts`
-    (fragment_order: w1, w3, w2 in `quant.fp4_fragment_order`, the same sums; a config must
-    then have fragment_weights)."""
+    """Routed FP4 experts on the GPU with `config`'s tiles (`ops.moe.triton_config` picks them);
+    same contract and numerics as `ref.moe.moe_experts` (fragment_order: w1, w3, w2 in
+    `quant.fp4_fragment_order`, the same sums; the config must then have fragment_weights)."""
     t, d = x.shape
     k = topk_ids.shape[1]
     e, i = w1.shape[0], w1.shape[1]
-    if config is not None and config.fragment_weights != fragment_order:
+    if config.fragment_weights != fragment_order:
         raise ValueError(
             f"triton moe_experts: config.fragment_weights={config.fragment_weights} but "
             f"fragment_order={fragment_order}"
@@ -972,7 +873,7 @@ def moe_experts(
     out = torch.empty_like(x)
     if t == 0 or k == 0:
         return out.zero_()
-    cfg = config or pick_config(t * k, e, batch_invariant, fragment_order)
+    cfg = config
     for name, s in (("s1", s1), ("s3", s3), ("s2", s2)):
         if s.dtype != torch.float8_e8m0fnu:  # ops.moe routes other scale dtypes to ref
             raise NotImplementedError(f"triton moe_experts: {name} must be float8_e8m0fnu")
@@ -990,8 +891,8 @@ def moe_experts(
     h = torch.empty(p, i, dtype=torch.bfloat16, device=x.device)
     y = torch.empty(p, d, dtype=x.dtype, device=x.device)
     w1, w3, w2 = w1.contiguous(), w3.contiguous(), w2.contiguous()
-    if cfg.fp4_mode >= 2:  # the packed bytes read as int32 words (8 values); strides in words
-        w1, w3, w2 = w1.view(torch.int32), w3.view(torch.int32), w2.view(torch.int32)
+    # the packed bytes read as int32 words (8 values); strides in words
+    w1, w3, w2 = w1.view(torch.int32), w3.view(torch.int32), w2.view(torch.int32)
     s1u, s3u, s2u = (s.contiguous().view(torch.uint8) for s in (s1, s3, s2))
     bk1 = cfg.block_k if d % cfg.block_k == 0 else 32
     k2 = cfg.block_k2 or cfg.block_k
@@ -1033,7 +934,6 @@ def moe_experts(
         BLOCK_N=cfg.block_n1,
         BLOCK_K=bk1,
         SWAP_AB=cfg.swap_ab,
-        FP4_MODE=cfg.fp4_mode,
         S_WORDS=words1,
         COLS_FAST=cfg.cols_fast,
         PREFETCH=cfg.prefetch_scales,
@@ -1058,7 +958,6 @@ def moe_experts(
         BLOCK_N=cfg.block_n2,
         BLOCK_K=bk2,
         SWAP_AB=cfg.swap_ab,
-        FP4_MODE=cfg.fp4_mode,
         S_WORDS=words2,
         COLS_FAST=cols_fast2,
         PREFETCH=cfg.prefetch_scales,

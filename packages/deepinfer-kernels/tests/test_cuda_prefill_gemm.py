@@ -1,4 +1,4 @@
-"""The CUDA FP8 block-scaled GEMM (`cuda/fp8_gemm.py`, `fp8_gemm.cu`).
+"""The CUDA FP8 block-scaled prefill GEMM (`cuda/prefill_gemm.py`, `prefill_gemm.cu`).
 
 CPU: the config's checks, the shape and call reasons, and (where NVRTC loads) the kernel compiled
 for sm_90a: no local memory, FP8 wgmmas that ptxas does not serialize, one FFMA per accumulator
@@ -13,8 +13,8 @@ from dataclasses import replace
 
 import pytest
 import torch
-from deepinfer_kernels.cuda import fp8_gemm as fg
 from deepinfer_kernels.cuda import module
+from deepinfer_kernels.cuda import prefill_gemm as fg
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from sass_checks import unspilled_sass
@@ -168,11 +168,11 @@ def test_tail_cut_is_modelled_faster_and_fits(m, n, k, sms):
 def test_invariant_config_is_the_decode_kernels_split():
     """Batch-invariant mode's config cuts K as the TileLang decode kernel does (a function of N
     and K only), with as many stages as fit beside the chunks' total."""
-    from deepinfer_kernels.tilelang.decode_gemm import decode_tile_split
+    from deepinfer_kernels.cuda.decode_gemm import k_split
 
     for n, k in ((5120, 8192), (32768, 1280), (2112, 7168), (1536, 512), (24576, 1536)):
         cfg = fg.invariant_config(n, k)
-        assert cfg.k_split == decode_tile_split(n, k)
+        assert cfg.k_split == k_split(n, k)
         assert fg.shape_reason(n, k, cfg) is None
         assert fg.shape_reason(n, k, replace(cfg, stages=cfg.stages + 1)) is not None or (
             cfg.stages == fg.DEFAULT.stages
@@ -368,9 +368,8 @@ def test_cuda_graph_replay(m):
 
 @needs_hopper
 def test_registry_sends_prefill_here():
-    """Prefill M resolves to the cuda tier (in batch-invariant mode as INVARIANT_PREFILL says;
-    decode M too, on its decode kernel); fp8_linear through it matches ref on the same quantised
-    operands."""
+    """Prefill M resolves to the cuda tier in both modes (decode M too, on its decode kernel);
+    fp8_linear through it matches ref on the same quantised operands."""
     from deepinfer_kernels import REGISTRY, KernelSettings, ops, quant
     from deepinfer_kernels.ref import linear as ref_linear
     from gpu_checks import gemm_inputs, rel
@@ -387,18 +386,14 @@ def test_registry_sends_prefill_here():
         assert rel(ops.fp8_linear(x, wq, ws), want) < 1e-2
         with REGISTRY.batch_invariant_mode():
             kw = {"batch_invariant": True}
-            tier = REGISTRY.resolve("fp8_linear", x, wq, ws, **kw).tier
-            assert (tier == "cuda") == fg.INVARIANT_PREFILL
+            assert REGISTRY.resolve("fp8_linear", x, wq, ws, **kw).tier == "cuda"
 
 
 @needs_hopper
 @pytest.mark.parametrize(("n", "k"), [(5120, 8192), (2112, 7168), (1536, 512)])
-def test_invariant_rows_match_the_decode_kernel(n, k, monkeypatch):
-    """`invariant_config` (the decode kernel's K split) gives the TileLang decode kernel's bits,
-    and routed with INVARIANT_PREFILL a row has the same bits at every M (`gpu_checks`). The gate
-    for switching INVARIANT_PREFILL on."""
-    pytest.importorskip("tilelang")
+def test_invariant_rows_match_the_decode_kernel(n, k):
+    """`invariant_config` (the decode kernel's K split) gives the decode kernel's bits, and routed
+    in batch-invariant mode a row has the same bits at every M (`gpu_checks`)."""
     from gpu_checks import assert_invariant_prefill_rows, gemm_inputs
 
-    monkeypatch.setattr(fg, "INVARIANT_PREFILL", True)
     assert_invariant_prefill_rows(fg.fp8_gemm, "cuda", *gemm_inputs(300, n, k, seed=n + k))

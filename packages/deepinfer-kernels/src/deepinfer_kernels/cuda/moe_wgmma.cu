@@ -2,7 +2,7 @@
 // over all of K in natural order that the Triton tier's prefill tiles compute, so a routed row's
 // bits do not depend on the batch, decode or prefill: batch-invariant mode's decode kernels, and
 // with routing tiles of 64-128 tokens the prefill kernels.
-// Compiled at run time by NVRTC; `moe_decode.py` holds the contract and picks the constants.
+// Compiled at run time by NVRTC; `moe.py` holds the contract and picks the constants.
 //
 // How: a CTA is WG warpgroups on 64 WG weight rows of each matrix (warp w: rows 16w..16w+15,
 // lane (g, t): rows g and g + 8, the mma A-fragment layout), over all of K. The A operand comes from
@@ -16,7 +16,7 @@
 // With K_PERMUTED (auto mode's prefill: not the prefill tiles' sums) no exchange either: thread t
 // feeds its own group t's 32 values in natural order to its fragment slots, so the wgmmas run K
 // permuted within each 128-value step (k16 step s, slot 8 hi + 2t + e <- value 32t + 4s + 2hi + e),
-// and the caller permutes the activations' columns the same way (`moe_decode.k_permutation`).
+// and the caller permutes the activations' columns the same way (`moe.k_permutation`).
 // The routing tile's activations reach shared memory in wgmma's K-major layout by cp.async:
 // all of K before the first step (X_STAGES = 0: a decode tile of 8-16 tokens), or a ring of
 // X_STAGES K steps that the whole CTA refills X_STAGES - 2 steps ahead (prefill tiles). With

@@ -1,33 +1,23 @@
-"""Routed FP4 experts: the `cuda` tier of `moe_experts`. Two kernel pairs: mma.sync
-(`moe_decode.cu`), the fastest at decode sizes, and wgmma (`moe_decode_wgmma.cu`), whose fp32
-sums are those of the Triton tier's prefill tiles, so that a routed row's bits do not depend on
-the batch or on which path (decode or prefill) ran it: batch-invariant mode's decode kernels, and
-with 128- or 160-token routing tiles that the TMA streams through shared memory the prefill kernels
-(WGMMA_PREFILL_FRAGMENT on fragment-order weights, WGMMA_PREFILL_EXCHANGE on the checkpoint's
-order; outside batch-invariant mode WGMMA_PREFILL on the checkpoint's order, which sums K in a
-permuted order instead of exchanging bytes: auto mode's kernels above
-WGMMA_PREFILL_PAIRS_PER_EXPERT routed pairs per expert). The
-mma.sync pair loads its weights through shared memory from the tensor-memory accelerator (TMA,
-TMA_TILE16: the default) or straight into registers (REGISTER: for weights the TMA cannot copy):
-the same sums either way. From 2 tokens the TMA W2 is a programmatic dependent launch of W1/W3:
-its prologue runs under W1/W3's last CTAs.
+"""Routed FP4 experts' two GEMMs in CUDA C++: the `cuda` tier of `moe_experts` (`ops/moe.py`
+routes the tokens and quantises the activations with the Triton tier's kernels, runs these,
+then combines). Two kernel pairs: mma.sync (`moe_mma.cu`), the fastest at decode sizes, loading
+its weights through shared memory from the tensor-memory accelerator (TMA) or straight into
+registers (REGISTER: for weights the TMA cannot copy; the same sums); and wgmma
+(`moe_wgmma.cu`), whose fp32 sums are those of the Triton tier's prefill tiles, so that a routed
+row's bits do not depend on the batch or on which path ran it (batch-invariant mode), with
+128- or 160-token routing tiles that the TMA streams through shared memory at prefill sizes.
 
-Same contract and numerics as `ref.moe.moe_experts` (and the Triton tier's): activations
-quantised per 32 to FP8 and expanded exactly to bf16, FP4 weights expanded exactly to bf16 in
-registers, fp32 sums; gate/up rounded to x.dtype, clamped SwiGLU x routing weight rounded to
-x.dtype, quantised per 32 to FP8 for W2; each routed row's W2 output rounded to x.dtype; rows
-summed per token in fp32 in routing order. Only the fp32 summation order differs from the
-reference (mma.sync: K split across SPLIT warps, summed in warp order; wgmma: one chain of k16
-steps over all of K, in order).
-
-Routing (`triton.moe.build_routing`, 8- to 160-row tiles), the activation quantisation and the final
-combine are the Triton tier's kernels; the two GEMMs are CUDA C++ compiled at first use by NVRTC.
+Same contract and numerics as `ref.moe.moe_experts`: activations quantised per 32 to FP8 and
+expanded exactly to bf16, FP4 weights expanded exactly to bf16 in registers, fp32 sums; gate/up
+rounded to x.dtype, clamped SwiGLU x routing weight rounded to x.dtype, quantised per 32 to FP8
+for W2; each routed row's W2 output rounded to x.dtype. Only the fp32 summation order differs
+from the reference (mma.sync: K split across SPLIT warps, summed in warp order; wgmma: one chain
+of k16 steps over all of K, in order). Compiled by NVRTC at first use.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -37,8 +27,8 @@ from ..quant import ACT_AMAX_FLOOR
 from . import module
 from .module import MAX_SHARED, check_fields
 
-SOURCE = Path(__file__).with_name("moe_decode.cu")
-WGMMA_SOURCE = Path(__file__).with_name("moe_decode_wgmma.cu")
+SOURCE = Path(__file__).with_name("moe_mma.cu")
+WGMMA_SOURCE = Path(__file__).with_name("moe_wgmma.cu")
 ARCH = "sm_90a"
 
 
@@ -89,14 +79,9 @@ class MoeDecodeCudaConfig:
 REGISTER = MoeDecodeCudaConfig()
 """The register-loop kernels: for weights or scales that are not 16-byte aligned."""
 TMA = MoeDecodeCudaConfig(tma=True, depth=2)
-"""REGISTER's splits (the same bits) fed by the tensor-memory accelerator, 2 stages per warp: the
-default up to TMA_TILE8_TOKENS tokens (H200: 10% faster than REGISTER at T=1, 19% at T=2, 13% at
-T=8, 10% at T=16, 6% at T=64, 4% at T=256; NOTES.md, tenth session)."""
+"""REGISTER's splits (the same bits) fed by the tensor-memory accelerator, 2 stages per warp."""
 TMA_TILE16 = MoeDecodeCudaConfig(tma=True, depth=2, tile_tokens=16)
-"""TMA with 16-token routing tiles (two mma columns per weight fragment; the same bits): the
-default above TMA_TILE8_TOKENS (H200: 14% faster than REGISTER and TMA at T=512, 9% slower than
-TMA at T=256)."""
-TMA_TILE8_TOKENS = 256
+"""TMA with 16-token routing tiles (two mma columns per weight fragment; the same bits)."""
 
 
 @dataclass(frozen=True)
@@ -204,9 +189,7 @@ WGMMA_FRAGMENT = MoeDecodeWgmmaConfig(
 )
 """On fragment-order weights (the default W1/W3 schedule spills there: the loaded words now live
 until their group's wgmma), W1 and W3 on separate warpgroup pairs (16 warps per CTA at 93
-registers). H200, 8-routing chained graphs: 1.13 / 1.26 / 1.21x the TMA mma.sync kernels at T =
-1 / 16 / 64, 4-5% faster than with both matrices on 2 warpgroups (NOTES.md, eleventh session);
-pinned loads 0-3% faster (twelfth session)."""
+registers)."""
 WGMMA_PREFILL_FRAGMENT = MoeDecodeWgmmaConfig(
     tile_tokens=128, depth1=2, depth2=2, min_blocks1=1, min_blocks2=1, warpgroups1=4,
     warpgroups2=4, x_stages=4, pinned_loads=True, x_tma=True, wgmma_groups=3, w_tma=True,
@@ -215,27 +198,21 @@ WGMMA_PREFILL_FRAGMENT = MoeDecodeWgmmaConfig(
 """Prefill-sized routing on fragment-order weights: 128-token tiles (the wgmmas of a tail tile
 cover its tokens rounded up to 32), 4 warpgroups (W1 on two, W3 on two), the activations and
 the weights' bytes by TMA through a ring of 4 K steps, the scales loaded 2 K steps ahead
-(pinned loads), two wgmma groups in flight while the next expands. H200, one V4.1 layer: see
-NOTES.md, thirteenth to fifteenth sessions (1.7x Triton's PREFILL_FRAGMENT at 2K-8K tokens; the
-weights by TMA with two groups in flight 3-8% faster than by registers with one)."""
+(pinned loads), two wgmma groups in flight while the next expands."""
 WGMMA_PREFILL = replace(WGMMA_PREFILL_FRAGMENT, fragment_weights=False, permuted_k=True)
 """Auto mode's prefill (the checkpoint's order outside batch-invariant mode): the fragment
-schedule with K permuted instead of the byte exchange. H200, one V4.1 layer: see NOTES.md,
-fifteenth session (8.21 ms, 420 TFLOP/s at 8K tokens, 1.56x Triton's PREFILL in the same run;
-on `wide_tiles`, which auto mode runs there, 7.42 ms, 463 TFLOP/s, 1.73x)."""
+schedule with K permuted instead of the byte exchange."""
 WGMMA_PREFILL_EXCHANGE = replace(WGMMA_PREFILL_FRAGMENT, fragment_weights=False, wgmma_groups=2)
 """Batch-invariant mode's prefill on the checkpoint's order: the fragment schedule with the byte
-exchange per K step (the prefill tiles' sums), one wgmma group in flight (two spill here). H200,
-one V4.1 layer: 1.09-1.16x WGMMA_PREFILL's time at 2K-16K tokens, on `wide_tiles` 1.05-1.06x
-(fifteenth session)."""
+exchange per K step (the prefill tiles' sums), one wgmma group in flight (two spill here)."""
 WIDE_TILE_TOKENS = 160
 
 
 def wide_tiles(cfg: MoeDecodeWgmmaConfig) -> MoeDecodeWgmmaConfig:
     """Prefill config cfg on 160-token routing tiles (wgmma N up to 160): the weights by TMA
     through a ring of 3 K steps (4 do not fit shared memory), one wgmma group in flight while
-    the next expands (two are 4-6% slower here), which fits the 4-warpgroup kernels' 128
-    registers (the same sums: the same bits)."""
+    the next expands, which fits the 4-warpgroup kernels' 128 registers (the same sums: the same
+    bits)."""
     return replace(
         cfg,
         tile_tokens=WIDE_TILE_TOKENS,
@@ -245,39 +222,7 @@ def wide_tiles(cfg: MoeDecodeWgmmaConfig) -> MoeDecodeWgmmaConfig:
     )
 
 
-def wide_tiles_pay(pairs_per_expert: float) -> bool:
-    """Whether routing with this many (token, slot) pairs per expert on average runs faster on
-    160-token routing tiles (`wide_tiles`) than on 128-token ones: each tile is one pass over its
-    expert's weights, and an expert with the mean plus two standard deviations of uniform routing
-    (m + 2 sqrt(m) pairs) takes fewer wide tiles. H200, one V4.1 layer (NOTES.md, fifteenth
-    session): at 128 pairs per expert (8K tokens) 1.11-1.17x faster, at 256 1.03-1.07x; at 32,
-    64 and 192, where the tile count is the same, 4-16% slower (3 stages, one group in flight)."""
-    reach = pairs_per_expert + 2.0 * math.sqrt(max(pairs_per_expert, 0.0))
-    return math.ceil(reach / WIDE_TILE_TOKENS) < math.ceil(reach / 128)
-
-
-WGMMA_PREFILL_PAIRS_PER_EXPERT = 16
-"""Auto mode: up to this many routed pairs per expert the TMA decode kernels run, above it
-WGMMA_PREFILL (H200, one V4.1 layer: TMA_TILE16 3.4 / 4.3 / 5.9 ms, WGMMA_PREFILL 4.2 / 4.2 /
-4.4 ms at 12 / 16 / 24 pairs per expert; NOTES.md, thirteenth session)."""
 WGMMA_ROWS = 64  # weight rows per warpgroup (its M)
-PREFILL_PAIRS_PER_EXPERT = 8
-"""Routing with more (token, slot) pairs than this per expert is prefill-sized: batch-invariant
-mode's switch from the decode to the prefill kernels (the same bits either side)."""
-
-
-def prefill_sized(pairs: int, experts: int, per_expert: int = PREFILL_PAIRS_PER_EXPERT) -> bool:
-    """Whether routing `pairs` (token, slot) pairs over `experts` experts has more than
-    `per_expert` pairs per expert (by default: is prefill-sized)."""
-    return pairs > per_expert * experts
-
-
-def prefill_kernels(pairs: int, experts: int, batch_invariant: bool) -> bool:
-    """Whether routing `pairs` pairs over `experts` experts runs the prefill kernels: in
-    batch-invariant mode when prefill-sized, in auto mode above WGMMA_PREFILL_PAIRS_PER_EXPERT
-    pairs per expert (the TMA decode kernels are faster below)."""
-    per_expert = PREFILL_PAIRS_PER_EXPERT if batch_invariant else WGMMA_PREFILL_PAIRS_PER_EXPERT
-    return prefill_sized(pairs, experts, per_expert)
 
 
 def k_permutation(k: int) -> torch.Tensor:
@@ -325,7 +270,7 @@ def _wgmma_shared_bytes(kind: str, k: int, cfg: MoeDecodeWgmmaConfig) -> int:
 
 
 def _wgmma_static_bytes(kind: str, cfg: MoeDecodeWgmmaConfig) -> int:
-    """The static shared memory of wgmma kernel `kind` (moe_decode_wgmma.cu), as the cubin
+    """The static shared memory of wgmma kernel `kind` (moe_wgmma.cu), as the cubin
     declares it: each warp's scratch for one K step of packed bytes (none with fragment-order
     weights), W1/W3's per-warp amax exchange, the tile's token row addresses (with x_tma a
     barrier per stage instead; 128-byte aligned) and the 1 KiB that sm_90 reserves per CTA."""
@@ -404,49 +349,6 @@ def order_reason(batch_invariant: bool, config: Config | None, fragment_order: b
     if config is not None and weights != fragment_order:
         return f"config.fragment_weights={weights} but fragment_order={fragment_order}"
     return None
-
-
-def pick_config(
-    batch_invariant: bool,
-    fragment_order: bool,
-    tokens: int,
-    aligned: bool = True,
-    prefill: bool = False,
-    pairs_per_expert: float = 0.0,
-) -> Config:
-    """The kernels that a call of `tokens` tokens runs when it names no config; aligned: its
-    weights and scales are 16-byte aligned (the TMA and the wgmma prefill kernels need it);
-    prefill: its routing runs the prefill kernels (`prefill_kernels`), on 160-token tiles where
-    `wide_tiles_pay(pairs_per_expert)`."""
-    if prefill:
-        if fragment_order:
-            cfg = WGMMA_PREFILL_FRAGMENT
-        else:
-            cfg = WGMMA_PREFILL_EXCHANGE if batch_invariant else WGMMA_PREFILL
-        return wide_tiles(cfg) if wide_tiles_pay(pairs_per_expert) else cfg
-    if fragment_order:
-        return WGMMA_FRAGMENT
-    if batch_invariant:
-        return WGMMA_DEFAULT
-    if not aligned:
-        return REGISTER
-    return TMA if tokens <= TMA_TILE8_TOKENS else TMA_TILE16
-
-
-def default_config(
-    batch_invariant: bool,
-    fragment_order: bool,
-    x: torch.Tensor,
-    topk_ids: torch.Tensor,
-    weights: tuple[torch.Tensor, ...],
-) -> Config:
-    """`pick_config` for a call on x [T, D] routed by topk_ids [T, k] with weights (w1, s1, w3,
-    s3, w2, s2): whether its routing runs the prefill kernels, and its pairs per expert."""
-    pairs, experts = topk_ids.numel(), weights[0].shape[0]
-    prefill = prefill_kernels(pairs, experts, batch_invariant)
-    return pick_config(
-        batch_invariant, fragment_order, x.shape[0], aligned(*weights), prefill, pairs / experts
-    )
 
 
 def aligned(*tensors: torch.Tensor) -> bool:
@@ -551,73 +453,44 @@ def weight_map(w: torch.Tensor, box_rows: int) -> module.TensorMap:
     return _map(w.data_ptr(), w.shape[0] * w.shape[1], w.shape[2], box_rows)
 
 
-def moe_experts(
-    x: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
+def expert_gemms(
+    xa: torch.Tensor,
+    sorted_token: torch.Tensor,
+    sorted_weight: torch.Tensor,
+    tiles: torch.Tensor,
     w1: torch.Tensor,
     s1: torch.Tensor,
     w3: torch.Tensor,
     s3: torch.Tensor,
     w2: torch.Tensor,
     s2: torch.Tensor,
+    tokens: int,
     swiglu_limit: float,
-    *,
-    batch_invariant: bool = False,
-    config: Config | None = None,
-    fragment_order: bool = False,
+    cfg: Config,
 ) -> torch.Tensor:
-    """Routed FP4 experts (see the module docstring). x [T, D] bf16; topk_weights [T, k] fp32;
-    topk_ids [T, k] (< 0: skipped); w1/w3 [E, I, D/2] int8 + s1/s3 [E, I, D/32] e8m0; w2
-    [E, D, I/2] + s2 [E, D, I/32] -> [T, D] bf16. batch_invariant: the wgmma kernels (config: a
-    MoeDecodeWgmmaConfig, default WGMMA_DEFAULT, or WGMMA_PREFILL_EXCHANGE for prefill-sized
-    routing); otherwise at decode sizes the mma.sync ones fed by the TMA (TMA up to
-    TMA_TILE8_TOKENS tokens, else TMA_TILE16; REGISTER for unaligned weights: the same bits),
-    above WGMMA_PREFILL_PAIRS_PER_EXPERT routed pairs per expert the wgmma ones with K permuted
-    (WGMMA_PREFILL; on 160-token tiles where `wide_tiles_pay`), or whichever kernels `config`
-    names.
-    fragment_order: w1, w3, w2 are in `quant.fp4_fragment_order`, which only the wgmma kernels
-    read (default WGMMA_FRAGMENT, or WGMMA_PREFILL_FRAGMENT for prefill-sized routing; a config
-    must then have fragment_weights)."""
-    from ..triton.moe import build_routing, combine
-    from ..triton.quant import act_fake_quant_bf16
-
-    why = order_reason(batch_invariant, config, fragment_order)
-    if why is not None:
-        raise ValueError(f"cuda moe_experts: {why}")
-    t, d = x.shape
-    e, i = w1.shape[0], w1.shape[1]
-    w1, s1, w3, s3, w2, s2 = (v.contiguous() for v in (w1, s1, w3, s3, w2, s2))
-    ws = (w1, s1, w3, s3, w2, s2)
-    cfg = config or default_config(batch_invariant, fragment_order, x, topk_ids, ws)
-    why = call_reason(x, {"w1": w1, "w3": w3, "w2": w2}, {"s1": s1, "s3": s3, "s2": s2}, cfg)
-    if why is not None:
-        raise ValueError(f"cuda moe_experts: {why}")
-    out = torch.empty_like(x)
-    if t == 0 or topk_ids.shape[1] == 0:
-        return out.zero_()
-    route = build_routing(topk_weights, topk_ids, e, cfg.tile_tokens)
-    # permuted K: the columns in the order the kernels sum K (W1/W3 write h in that order);
-    # x_tma: the routed rows in tile order, for the TMA boxes
-    x_tma = getattr(cfg, "x_tma", False)
-    permuted = getattr(cfg, "permuted_k", False)
-    xa = act_fake_quant_bf16(x, route.sorted_token if x_tma else None, permuted)
-    p = topk_ids.numel()
-    h = torch.empty(p, i, dtype=torch.bfloat16, device=x.device)
-    y = torch.empty(p, d, dtype=torch.bfloat16, device=x.device)
-    n_tiles = route.tiles.shape[0]
-    dev = module.device_index(x.device)
+    """W1/W3 with the clamped SwiGLU x routing weight, then W2, over routed rows: xa the
+    activations quantised and expanded to bf16 ([T, D], or with `x_tma` [P, D] in routing order;
+    with `permuted_k` their columns in `k_permutation` order), the routing of
+    `triton.moe.build_routing` on `cfg.tile_tokens`-row tiles (sorted_token / sorted_weight [P],
+    tiles [n_tiles, 3]), `tokens` = T; weights as `moe_experts` takes them (contiguous, checked by
+    `call_reason`). -> y [P, D] bf16, each routed row's W2 output (rows in routing order)."""
+    d, i = w1.shape[2] * 2, w1.shape[1]
+    p = sorted_token.shape[0]
+    h = torch.empty(p, i, dtype=torch.bfloat16, device=xa.device)
+    y = torch.empty(p, d, dtype=torch.bfloat16, device=xa.device)
+    n_tiles = tiles.shape[0]
+    dev = module.device_index(xa.device)
     # TMA kernels: the weight maps first, and room for the tile's token rows (a tile holds at
-    # most t tokens) last
+    # most T tokens) last
     maps1, maps2, tail, x_cap = (), (), (), None
-    if x_tma:
+    if getattr(cfg, "x_tma", False):
         maps1, maps2 = (rows_map(xa),), (rows_map(h),)
     if getattr(cfg, "w_tma", False):  # one box per matrix (W2: per row set) and K step
         rows1 = _wgmma_rows("w13", cfg)
         maps1 += (weight_map(w1, rows1), weight_map(w3, rows1))
         maps2 += (weight_map(w2, WGMMA_ROWS * cfg.warpgroups2),)
     if getattr(cfg, "tma", False):
-        x_cap = min(t, cfg.tile_tokens)
+        x_cap = min(tokens, cfg.tile_tokens)
         maps1 = (weight_map(w1, 16 * cfg.rt1), weight_map(w3, 16 * cfg.rt1))
         maps2 = (weight_map(w2, 16 * cfg.rt2),)
         tail = (x_cap,)
@@ -626,17 +499,16 @@ def moe_experts(
         (ctas, n_tiles),
         threads,
         (
-            *maps1, xa, w1, s1, w3, s3, route.sorted_token, route.sorted_weight, route.tiles, h,
+            *maps1, xa, w1, s1, w3, s3, sorted_token, sorted_weight, tiles, h,
             float(swiglu_limit), float(ACT_AMAX_FLOOR), *tail,
         ),
         shared,
     )  # fmt: skip
     ctas, threads, shared = _launch_shape("w2", d, i, cfg, x_cap)
     # from 2 tokens the TMA W2 starts its prologue (barriers, first weight stages, scales) under
-    # W1/W3's last CTAs and waits for W1/W3's end before it reads h (H200: T=2..4 3-5% faster,
-    # T=1 1-2% slower; NOTES.md, tenth session)
+    # W1/W3's last CTAs and waits for W1/W3's end before it reads h
     _kernel("w2", d, i, cfg, dev).launch(
-        (ctas, n_tiles), threads, (*maps2, h, w2, s2, route.tiles, y, *tail), shared,
-        programmatic=bool(tail) and t >= 2,
+        (ctas, n_tiles), threads, (*maps2, h, w2, s2, tiles, y, *tail), shared,
+        programmatic=bool(tail) and tokens >= 2,
     )  # fmt: skip
-    return combine(y, route, out)
+    return y

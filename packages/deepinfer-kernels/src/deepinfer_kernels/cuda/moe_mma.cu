@@ -1,5 +1,5 @@
 // FP4 MoE decode GEMMs on mma.sync (m16n8k16, bf16 in, fp32 sums), compiled at run time by NVRTC
-// (`moe_decode.py` holds the contract and picks the constants below).
+// (`moe.py` holds the contract and picks the constants below).
 //
 // Why this shape: at decode an expert sees a handful of tokens, so the GEMM streams FP4 weights
 // once and the cost is the instructions spent per weight byte. Each thread takes 16 packed bytes
@@ -243,7 +243,7 @@ static __device__ __forceinline__ void run_tma(float (&acc)[NA][TOKG][4], const 
       bulk_copy(smem + m * ROWS_PER_CTA * KG, s[m] + ((u64)p.expert * N_DIM + p.row0) * KG,
                 ROWS_PER_CTA * KG, &scale_bar);
   }
-  // W2 runs as a programmatic dependent of W1/W3 (moe_decode.py): everything above (barriers,
+  // W2 runs as a programmatic dependent of W1/W3 (moe.py): everything above (barriers,
   // the first weight stages, the scales) overlaps W1/W3's last CTAs; the activations (h) are
   // W1/W3's output. For W1/W3 (a plain launch) the wait returns at once.
   asm volatile("griddepcontrol.wait;" ::: "memory");

@@ -1,16 +1,15 @@
-"""FP8 block-scaled GEMM in CUDA C++ (`fp8_gemm.cu`), prefill shapes: FP8 wgmma per 32-deep K
+"""FP8 block-scaled prefill GEMM in CUDA C++ (`prefill_gemm.cu`): FP8 wgmma per 32-deep K
 slice, each slice's partial promoted into fp32 accumulators with its activation and weight
 scales by the CUDA cores; the TMA feeds a ring of 128-deep K stages; one producer warpgroup, two
-consumer warpgroups of 64 rows. Same contract as `ref.linear.fp8_gemm`: only the fp32 summation
-order differs (and the tensor core's own sum of each 32 products).
+consumer warpgroups of 64 rows; the tile leaves through shared memory by TMA stores. Same
+contract as `ref.linear.fp8_gemm`: only the fp32 summation order differs (and the tensor core's
+own sum of each 32 products).
 
-The cuda tier (`linear.py`) runs it where `decode_gemm.takes` does not send the call to the
-decode kernel (in batch-invariant mode with `invariant_config`'s K split). H200, 8192 rows:
-684-693 TFLOP/s at K = 8192, 644-688 at K = 1280-5120 (NOTES.md, twenty-fourth session). A
-call's time goes by waves of tiles: `call_config` picks the tile width and whether to cut the
+A call's time goes by waves of tiles: `call_config` picks the tile width and whether to cut the
 last partial wave's tiles along K (`tail_split`) or to walk the tiles with one persistent CTA per
-SM (`persistent`) by a call-time model fitted on the H200 (`tools/bench_prefill.py`; 5120x8192 at
-M = 512 90 -> 70 us by the cut, 32768x1280 at 8192 rows 1140 -> 1067 us persistent).
+SM (`persistent`) by a call-time model fitted on the H200 (`tools/bench_prefill.py`). In
+batch-invariant mode K is cut as the decode kernel cuts it (`invariant_config`), so a row has
+the decode kernel's bits at every M. Which calls run here is decided in `ops/linear.py`.
 
 Compiled by NVRTC at first use (once per process per config; no GPU needed to compile).
 """
@@ -24,9 +23,10 @@ from pathlib import Path
 import torch
 
 from . import module
+from .decode_gemm import k_split
 from .module import MAX_SHARED, check_fields
 
-SOURCE = Path(__file__).with_name("fp8_gemm.cu")
+SOURCE = Path(__file__).with_name("prefill_gemm.cu")
 ARCH = "sm_90a"
 BLOCK_M = 128  # rows per CTA: two consumer warpgroups of 64
 BLOCK_K = 128  # K values per ring stage (one 128-byte swizzle row of e4m3)
@@ -81,9 +81,7 @@ class Fp8GemmCudaConfig:
 
 
 DEFAULT = Fp8GemmCudaConfig()
-"""H200, fifteenth session (NOTES.md): 6 stages 0-5% faster than 5 at M = 8K-16K; 64-column tiles
-slower (0.83-0.85x at M >= 2K); raster groups of 8 m tiles as fast, of 32 slower; waiting for the
-wgmmas every second stage no faster."""
+"""The measured-fastest uncut config at 2K-16K rows (PERF.md)."""
 
 
 def shared_bytes(k: int, cfg: Fp8GemmCudaConfig) -> int:
@@ -128,39 +126,6 @@ def shape_reason(n: int, k: int, cfg: Fp8GemmCudaConfig | None = None) -> str | 
     return None
 
 
-def operand_reason(
-    x_fp8: torch.Tensor,
-    x_scale: torch.Tensor,
-    w: torch.Tensor,
-    w_scale: torch.Tensor,
-    out_dtype: torch.dtype,
-) -> str | None:
-    """What is wrong with the operands of a cuda FP8 GEMM call (dtypes, shapes, layout,
-    alignment), or None: the TMA maps are built from these shapes, so a wrong one must not
-    pass. Both cuda GEMMs (this one and `decode_gemm.py`) check their calls with it."""
-    if x_fp8.dtype != torch.float8_e4m3fn or w.dtype != torch.float8_e4m3fn:
-        return f"x_fp8 and w must be float8_e4m3fn, got {x_fp8.dtype} and {w.dtype}"
-    if x_fp8.dim() != 2 or w.dim() != 2 or w.shape[1] != x_fp8.shape[1]:
-        return f"x_fp8 [M, K] and w [N, K] must share K, got {list(x_fp8.shape)}, {list(w.shape)}"
-    (m, k), n = x_fp8.shape, w.shape[0]
-    if list(x_scale.shape) != [m, k // 32]:
-        return f"x_scale must be [{m}, {k // 32}], got {list(x_scale.shape)}"
-    if list(w_scale.shape) != [-(-n // 32), k // 32]:
-        return f"w_scale must be [{-(-n // 32)}, {k // 32}], got {list(w_scale.shape)}"
-    if out_dtype not in (torch.bfloat16, torch.float32):
-        return f"out_dtype {out_dtype}: the cuda GEMM writes bfloat16 or float32"
-    if x_scale.dtype != torch.float32:
-        return f"x_scale is {x_scale.dtype}, the cuda GEMM reads float32"
-    if w_scale.dtype not in (torch.float8_e8m0fnu, torch.float32):
-        return f"w_scale is {w_scale.dtype}, the cuda GEMM reads float8_e8m0fnu or float32"
-    for name, t in (("x_fp8", x_fp8), ("x_scale", x_scale), ("w", w), ("w_scale", w_scale)):
-        if not t.is_contiguous():
-            return f"{name} is not contiguous"
-        if t.data_ptr() % 16:
-            return f"{name} is not 16-byte aligned (the TMA copies it)"
-    return None
-
-
 def call_reason(
     x_fp8: torch.Tensor,
     x_scale: torch.Tensor,
@@ -171,34 +136,21 @@ def call_reason(
 ) -> str | None:
     """Why `fp8_gemm` cannot run this call here (`operand_reason`, the shape limits, device,
     NVRTC), or None."""
-    why = operand_reason(x_fp8, x_scale, w, w_scale, out_dtype)
+    why = module.operand_reason(x_fp8, x_scale, w, w_scale, out_dtype)
     return why or shape_reason(w.shape[0], w.shape[1], cfg) or module.launch_reason(x_fp8)
-
-
-INVARIANT_PREFILL = True
-"""Batch-invariant mode sends M > `decode_gemm.MAX_M` here with `invariant_config` (the TileLang
-decode kernel's K split, so that a row's bits are the same at every M:
-`test_invariant_rows_match_the_decode_kernel`, GPU-tested), instead of to the TileLang prefill
-kernel with that split. H200, 5120x8192 weights, M = 2K / 8K / 16K: 1.10 / 1.10 / 1.06x auto
-mode's time, against 1.29 / 1.22 / 1.16x there."""
 
 
 @functools.lru_cache(maxsize=4096)  # pure; called on every routed call
 def invariant_config(n: int, k: int) -> Fp8GemmCudaConfig:
-    """The config batch-invariant mode runs an [N, K] weight with: the TileLang decode kernel's K
-    split (`decode_gemm.decode_tile_split`), as many stages as then fit."""
-    from ..tilelang.decode_gemm import decode_tile_split
-
-    return config_for(k, replace(DEFAULT, k_split=decode_tile_split(n, k)))
+    """The config batch-invariant mode runs an [N, K] weight with: the decode kernel's K split
+    (`decode_gemm.k_split`), as many stages as then fit."""
+    return config_for(k, replace(DEFAULT, k_split=k_split(n, k)))
 
 
-# The call-time model `call_config` picks tiles by, refitted to 50 (shape, M) points of V4.1's
-# five prefill weights at M = 256-8192 measured in two runs (H200, twenty-fourth session,
-# `tools/bench_prefill.py`, every config at each point): its pick is the fastest measured config
-# at 96 of the 100 (point, run) pairs and within 1.7% at the other four (before the refit: 92,
-# within 6%: 4608x5120 at M = 256 took 64 / 8 pieces, 31.6-32.0 us against 30.1-30.2 uncut).
+# The call-time model `call_config` picks tiles by, fitted to V4.1's five prefill weights at
+# M = 256-8192 on the H200 (`tools/bench_prefill.py`, every config at each point; PERF.md).
 N64_TILE_TIME = 0.64
-"""A 128 x 64 tile's time over a 128 x 128 tile's (twenty-first session: 0.61-0.65)."""
+"""A 128 x 64 tile's time over a 128 x 128 tile's."""
 TILE_FIXED_STAGES = 6
 """A tile's time beyond its K stages (the prologue, the ring's first loads, the stores), in the
 time of one 128-deep stage."""
@@ -207,18 +159,15 @@ CUT_FIXED_STAGES = 14
 sums out to L2 and back, and the wait for the last piece."""
 CUT_SLOWDOWN = 0.02
 """The kernel built with the tail cut runs its whole tiles this much slower: ptxas schedules the
-same K loop otherwise (1-4% measured at M = 4224-8192 without a tail)."""
+same K loop otherwise."""
 CUT_MAX_WAVES = 4
 """No cut past this many whole waves: the SMs then no longer finish a wave together, and the
-last partial wave costs less than a wave (2112x7168 at M = 8192, 8 waves: 1.01-1.03x the uncut
-time)."""
+last partial wave costs less than a wave."""
 MIN_PIECE_STAGES = 4
 """The fewest 128-deep K stages a piece of a cut tile takes."""
 PERSISTENT_SAVED_STAGES = 1.0
 """A persistent CTA's tiles after its first take this many stages less than a tile of its own:
-their stores overlap the next tile's first loads (twenty-fourth session, over one CTA per tile:
-32768x1280 0.90-0.93x at 4-125 waves, 7168x2048 0.95-0.98x, 4608x5120 0.96-0.99x, 5120x8192
-0.97-1.01x)."""
+their stores overlap the next tile's first loads."""
 
 
 def tail_split_for(tiles: int, k: int, sms: int, chunks: int | None = None) -> int:
@@ -321,7 +270,7 @@ def fp8_gemm(
     [M, K/32] fp32 powers of two, w [N, K] e4m3, w_scale [ceil(N/32), K/32] e8m0 (or fp32 powers
     of two) -> [M, N] out_dtype (bfloat16 or float32). ValueError naming the problem when
     `call_reason` refuses the call. Without a config: `call_config`'s (batch_invariant:
-    `invariant_config`'s K split, whose sums are the TileLang decode kernel's). A row's sums do
+    `invariant_config`'s K split, whose sums are the decode kernel's). A row's sums do
     not depend on M wherever the config's tail_split is 1 or its k_split (so in batch-invariant
     mode always); auto mode's cuts of other counts change the last wave's sums with M."""
     m = x_fp8.shape[0] if x_fp8.dim() == 2 else 0

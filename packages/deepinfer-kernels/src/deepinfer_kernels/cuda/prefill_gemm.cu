@@ -16,8 +16,8 @@
 // The sums of a row depend on K only (fixed tiles): batch-invariant, also where SPLIT_TAIL cuts
 // the last partial wave's tiles into pieces of K_SPLIT's chunks (cut otherwise, they depend on
 // M). With K_SPLIT, K runs in chunks of `chunk_steps` stages, each summed from zero and the chunk
-// sums added in order (the TileLang decode kernel's split, for batch-invariant mode: the same
-// sums as that kernel's); the running total of the chunks waits in shared memory. Compile-time
+// sums added in order (the decode kernel's split, for batch-invariant mode: the same sums as
+// that kernel's); the running total of the chunks waits in shared memory. Compile-time
 // constants: BLOCK_N (64 or 128), STAGES (2..8), GROUP_M (m tiles per raster group: CTAs in
 // launch order walk GROUP_M tiles down before the next column, so the weights a wave reads stay
 // in L2), K_SPLIT, PERSISTENT (`TILE_LOOP`), SPLIT_TAIL (`tail_sum`), SB_F32, OUT_F32.
