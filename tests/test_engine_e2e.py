@@ -11,8 +11,8 @@ import re
 import pytest
 import torch
 from deepinfer import LLM, SamplingParams
+from deepinfer_model.batch import ForwardBatch
 from deepinfer_model.cache import CacheSpec, KVCache
-from deepinfer_model.forward_batch import ForwardBatch
 
 PROMPTS = ["Hello, my name is", "The capital of France is a city that", "1 2 3"]
 

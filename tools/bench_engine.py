@@ -108,7 +108,7 @@ class ZeroLogits(torch.nn.Module):
         self.vocab, self.device = vocab, torch.device(device)
 
     def forward(self, batch, cache):
-        from deepinfer_model.forward_batch import ForwardOutput
+        from deepinfer_model.batch import ForwardOutput
 
         rows = batch.logits_indices.shape[0]
         return ForwardOutput(torch.zeros(rows, self.vocab, device=self.device))

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import tokenizers
 import torch
 from deepinfer_engine.model_runner import ModelBundle
-from deepinfer_model.forward_batch import ForwardBatch, ForwardOutput
+from deepinfer_model.batch import ForwardBatch, ForwardOutput
 from tokenizers import models, pre_tokenizers
 
 CHARS = [*'abcdefghijklmnopqrstuvwxy {}[]":,.0123456789', "\n"]  # no "z"

@@ -6,11 +6,12 @@ the buffer is too small and some uploads fall back to plain ones."""
 
 import pytest
 import torch
+from deepinfer_model.batch import ForwardBatch, HostBatchInfo
 from deepinfer_model.cache import CacheSpec, KVCache
 from deepinfer_model.config import ModelConfig
 from deepinfer_model.cuda_graph import DecodeGraphs
-from deepinfer_model.forward_batch import ForwardBatch, HostBatchInfo, HostStaging
 from deepinfer_model.model import Model, init_random_
+from deepinfer_model.staging import HostStaging
 
 
 @pytest.fixture(scope="module")

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 from deepinfer_kernels import quant
+from deepinfer_model.batch import ForwardBatch
 from deepinfer_model.cache import CacheSpec, KVCache
 from deepinfer_model.chat import encode_messages
 from deepinfer_model.config import ModelConfig
-from deepinfer_model.forward_batch import ForwardBatch
 from deepinfer_model.loader import CheckpointReader, load_model, read_safetensors_header
 from deepinfer_model.tiny_checkpoint import (
     TINY_SEED,

@@ -2,9 +2,10 @@
 
 `ModelConfig` (config), `Model` (model; one `forward(ForwardBatch, KVCache)` for prefill,
 chunked prefill, decode and verify), `KVCache`/`CacheSpec` (cache), `ForwardBatch`/
-`ForwardOutput` (forward_batch), the DSpark stages (`dspark.dspark_step`), and weight loading /
-tokenizer / chat encoding / the built-in tiny checkpoint (loader, tokenizer, chat,
-tiny_checkpoint). Heavy submodules are imported on attribute access.
+`ForwardOutput` and their builder `build_batch` (batch), the DSpark stages
+(`dspark.dspark_step`), and weight loading / tokenizer / chat encoding / the built-in tiny
+checkpoint (loader, tokenizer, chat, tiny_checkpoint). Heavy submodules are imported on
+attribute access.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ _EXPORTS = {
     "init_random_": "model",
     "KVCache": "cache",
     "CacheSpec": "cache",
-    "ForwardBatch": "forward_batch",
-    "ForwardOutput": "forward_batch",
+    "ForwardBatch": "batch",
+    "ForwardOutput": "batch",
+    "SequenceInput": "batch",
+    "build_batch": "batch",
     "DraftOutput": "dspark",
     "dspark_step": "dspark",
 }

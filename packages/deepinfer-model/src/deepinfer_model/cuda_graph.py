@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 import torch
 from deepinfer_kernels import REGISTRY
 
+from .batch import ForwardBatch, ForwardOutput
 from .cache import KVCache
-from .forward_batch import ForwardBatch, ForwardOutput
 from .layers.block import AttentionInputs
 
 

@@ -13,14 +13,16 @@ import torch
 from deepinfer_kernels import REGISTRY, ops
 from torch import nn
 
+from .batch import ForwardBatch, ForwardOutput, HostBatchInfo
 from .cache import KVCache
 from .config import ModelConfig
 from .dspark import DSparkStage
-from .forward_batch import ForwardBatch, ForwardOutput, HostBatchInfo, HostStaging, StepContext
 from .layers.block import Block
 from .layers.engram import EngramHasher
 from .layers.linear import Embedding, RMSNorm, dense
 from .layers.mhc import identity_pre
+from .staging import HostStaging
+from .step_context import StepContext
 
 
 class Head(nn.Module):
