@@ -56,7 +56,7 @@ def test_greedy_equals_plain_loop_and_mixed_batch_equals_alone(llm):
     sp = SamplingParams(temperature=0, max_tokens=3)
     outs = llm.generate(PROMPTS, sp, use_tqdm=False)
     for o in outs:
-        ref = plain_greedy(eng.bundle.model, eng.bundle.model.config, o.prompt_token_ids, 3)
+        ref = plain_greedy(eng.model.model, eng.model.config, o.prompt_token_ids, 3)
         assert o.outputs[0].token_ids == ref
         assert o.outputs[0].text == llm.get_tokenizer().decode(ref)
     alone = llm.generate([PROMPTS[1]], sp, use_tqdm=False)[0]
@@ -118,7 +118,7 @@ def test_yoco_compact_matches_the_models_truncated_prefill_under_chunking():
     out = llm.generate(
         [prompt, "1 2 3"], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False
     )
-    model, cfg = llm.engine.bundle.model, llm.engine.bundle.model.config
+    model, cfg = llm.engine.model.model, llm.engine.model.config
     for o in out:
         ids = o.prompt_token_ids
         ref = plain_greedy(model, cfg, ids, 3, floor=max(0, len(ids) - k))
@@ -139,7 +139,7 @@ def test_one_token_prompt_admitted_next_to_a_decode_row():
     prompts = [list(range(5, 15)), list(range(20, 32)), [40]]
     sps = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (2, 8, 3)]
     outs = llm.generate(prompts, sps, use_tqdm=False)
-    model, cfg = llm.engine.bundle.model, llm.engine.bundle.model.config
+    model, cfg = llm.engine.model.model, llm.engine.model.config
     for o, m in zip(outs, (2, 8, 3), strict=True):
         ref = plain_greedy(model, cfg, o.prompt_token_ids, m)
         assert o.outputs[0].token_ids == ref

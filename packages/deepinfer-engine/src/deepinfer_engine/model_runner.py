@@ -14,75 +14,19 @@ On CPU everything is synchronous and the same code runs.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from deepinfer_model.batch import SequenceInput, build_batch
 from deepinfer_model.cuda_graph import GraphCaptureError
 
+from deepinfer_engine.engine_model import EngineModel
+from deepinfer_engine.output_processor import RowResult
 from deepinfer_engine.outputs import Logprob
-from deepinfer_engine.scheduler import RowResult, ScheduledChunk, SchedulerOutput
+from deepinfer_engine.scheduler import ScheduledChunk, SchedulerOutput
 
 logger = logging.getLogger("deepinfer.engine")
-
-
-@dataclass
-class ModelBundle:
-    """Everything the engine needs from a model, whatever produced it.
-
-    model.forward(ForwardBatch, cache) -> ForwardOutput(logits [R, vocab] fp32, hidden | None).
-    make_cache(num_blocks, num_slots, device, dtype) -> an object with `reset_slot(slot)`, passed
-    to every forward. cache_spec(block_size, dtype) -> (block_size, bytes_per_block,
-    bytes_per_slot) via an object with those attributes.
-    """
-
-    model: Any
-    tokenizer: Any
-    vocab_size: int
-    eos_token_id: int | None
-    max_position_embeddings: int
-    sliding_window: int
-    cache_spec: Callable[[int, torch.dtype], Any]
-    make_cache: Callable[[Any, int, int, torch.device, torch.dtype], Any]
-    supports_yoco_floor: bool = False
-    name: str = "model"
-    decode_graphs: Callable[[int], Any] | None = None
-    """decode_graphs(max_batch) -> an object with `unsupported(batch) -> str | None` and
-    `forward(batch, cache)` that runs pure decode steps through CUDA graphs (None: never)."""
-
-    @classmethod
-    def from_loaded(cls, loaded: Any) -> ModelBundle:
-        """Wrap a `deepinfer_model.loader.LoadedModel`."""
-        from deepinfer_model.batch import ForwardBatch
-        from deepinfer_model.cache import CacheSpec, KVCache
-        from deepinfer_model.cuda_graph import DecodeGraphs
-
-        cfg = loaded.config
-
-        def spec(block_size: int, dtype: torch.dtype) -> Any:
-            return CacheSpec.from_config(cfg, block_size=block_size, dtype=dtype)
-
-        def make(spec_: Any, num_blocks: int, num_slots: int, device, dtype) -> Any:
-            return KVCache(cfg, spec_, num_blocks, num_slots, device=device, dtype=dtype)
-
-        return cls(
-            model=loaded.model,
-            tokenizer=loaded.tokenizer,
-            vocab_size=cfg.vocab_size,
-            eos_token_id=cfg.eos_token_id,
-            max_position_embeddings=cfg.max_position_embeddings,
-            sliding_window=cfg.sliding_window,
-            cache_spec=spec,
-            make_cache=make,
-            # YOCO compact prefill needs ForwardBatch.yoco_floor in the model's batch type.
-            supports_yoco_floor="yoco_floor" in {f.name for f in dataclasses.fields(ForwardBatch)},
-            name=str(loaded.path),
-            decode_graphs=lambda max_batch: DecodeGraphs(loaded.model, max_batch),
-        )
 
 
 @dataclass
@@ -115,7 +59,7 @@ class SampledStep:
 class ModelRunner:
     def __init__(
         self,
-        bundle: ModelBundle,
+        model: EngineModel,
         num_blocks: int,
         num_slots: int,
         block_size: int,
@@ -126,15 +70,15 @@ class ModelRunner:
         graph_max_batch: int = 0,
     ) -> None:
         """graph_max_batch: decode steps of up to this many sequences replay CUDA graphs (on
-        CUDA, when the bundle offers them; 0 = always eager)."""
+        CUDA, when the model offers them; 0 = always eager)."""
         from deepinfer_sampling.sampler import Sampler
 
-        self.bundle = bundle
+        self.model = model
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
-        self.spec = bundle.cache_spec(block_size, dtype)
-        self.cache = bundle.make_cache(self.spec, num_blocks, num_slots, device, dtype)
+        self.spec = model.cache_spec(block_size, dtype)
+        self.cache = model.make_cache(self.spec, num_blocks, num_slots, device, dtype)
         self.sampler = Sampler()
         # Fresh randomness for unseeded rows; seeded from the engine seed so whole runs repeat.
         gen_device = device if device.type == "cuda" else torch.device("cpu")
@@ -142,8 +86,8 @@ class ModelRunner:
         self.generator.manual_seed(seed)
         self.keep_tokens = keep_tokens  # YOCO compact prefill: decoder runs on the last K only
         self.graphs = None
-        if device.type == "cuda" and graph_max_batch > 0 and bundle.decode_graphs is not None:
-            self.graphs = bundle.decode_graphs(graph_max_batch)
+        if device.type == "cuda" and graph_max_batch > 0:
+            self.graphs = model.decode_graphs(graph_max_batch)
 
     # ---- forward -----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -166,7 +110,7 @@ class ModelRunner:
                 logger.warning("CUDA graphs switched off, decode runs eagerly: %s", e)
                 self.graphs = None
         if res is None:
-            res = self.bundle.model.forward(batch, self.cache)
+            res = self.model.forward(batch, self.cache)
         return LaunchedStep(out, res.logits if sample_chunks else None, sample_chunks)
 
     def _sequence_input(self, c: ScheduledChunk, prev: SampledStep | None) -> SequenceInput:
