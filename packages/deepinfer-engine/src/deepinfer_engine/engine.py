@@ -15,6 +15,7 @@ n+1; that row is dropped.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 
@@ -120,17 +121,20 @@ class Engine:
             max_model_len,
         )
         self.max_model_len = plan.max_model_len
-        logger.info(
-            "engine: %s; model %s (vocab %d, dspark stages: %s); device %s, dtype %s, "
-            "max_model_len %d, kernels %s",
+        resolved = dataclasses.replace(
             config,
-            model.name,
-            model.vocab_size,
-            model.has_dspark_stages,
+            model=model.name,
+            dtype=str(self.dtype).removeprefix("torch."),
+            max_model_len=self.max_model_len,
+        )
+        logger.info(
+            "engine config: %s; device %s; %s; model: vocab %d, yoco floor %s, dspark stages %s",
+            resolved,
             self.device,
-            self.dtype,
-            self.max_model_len,
             self.kernel_settings,
+            model.vocab_size,
+            model.supports_yoco_floor,
+            model.has_dspark_stages,
         )
         logger.info(
             "KV cache: %d slots, %d blocks of %d tokens = %d tokens (%.1f MiB on %s)",
