@@ -3,9 +3,9 @@
 `ModelConfig` (config), `Model` (model; one `forward(ForwardBatch, KVCache)` for prefill,
 chunked prefill, decode and verify), `KVCache`/`CacheSpec` (cache), `ForwardBatch`/
 `ForwardOutput` and their builder `build_batch` (batch), the DSpark stages
-(`dspark.dspark_step`), and weight loading / tokenizer / chat encoding / the built-in tiny
-checkpoint (loader, tokenizer, chat, tiny_checkpoint). Heavy submodules are imported on
-attribute access.
+(`dspark.dspark_step`), a loaded model as an engine runs it (`runtime.ModelRuntime`), and weight
+loading / tokenizer / chat encoding / the built-in tiny checkpoint (loader, tokenizer, chat,
+tiny_checkpoint). Heavy submodules are imported on attribute access.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ _EXPORTS = {
     "ForwardOutput": "batch",
     "SequenceInput": "batch",
     "build_batch": "batch",
+    "ModelRuntime": "runtime",
     "DraftOutput": "dspark",
     "dspark_step": "dspark",
 }
