@@ -11,8 +11,8 @@ import re
 import pytest
 import torch
 from deepinfer import LLM, SamplingParams
+from deepinfer_model.batch import ForwardBatch
 from deepinfer_model.cache import CacheSpec, KVCache
-from deepinfer_model.forward_batch import ForwardBatch
 
 PROMPTS = ["Hello, my name is", "The capital of France is a city that", "1 2 3"]
 
@@ -56,7 +56,7 @@ def test_greedy_equals_plain_loop_and_mixed_batch_equals_alone(llm):
     sp = SamplingParams(temperature=0, max_tokens=3)
     outs = llm.generate(PROMPTS, sp, use_tqdm=False)
     for o in outs:
-        ref = plain_greedy(eng.bundle.model, eng.bundle.model.config, o.prompt_token_ids, 3)
+        ref = plain_greedy(eng.model.model, eng.model.config, o.prompt_token_ids, 3)
         assert o.outputs[0].token_ids == ref
         assert o.outputs[0].text == llm.get_tokenizer().decode(ref)
     alone = llm.generate([PROMPTS[1]], sp, use_tqdm=False)[0]
@@ -118,7 +118,7 @@ def test_yoco_compact_matches_the_models_truncated_prefill_under_chunking():
     out = llm.generate(
         [prompt, "1 2 3"], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False
     )
-    model, cfg = llm.engine.bundle.model, llm.engine.bundle.model.config
+    model, cfg = llm.engine.model.model, llm.engine.model.config
     for o in out:
         ids = o.prompt_token_ids
         ref = plain_greedy(model, cfg, ids, 3, floor=max(0, len(ids) - k))
@@ -139,7 +139,7 @@ def test_one_token_prompt_admitted_next_to_a_decode_row():
     prompts = [list(range(5, 15)), list(range(20, 32)), [40]]
     sps = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (2, 8, 3)]
     outs = llm.generate(prompts, sps, use_tqdm=False)
-    model, cfg = llm.engine.bundle.model, llm.engine.bundle.model.config
+    model, cfg = llm.engine.model.model, llm.engine.model.config
     for o, m in zip(outs, (2, 8, 3), strict=True):
         ref = plain_greedy(model, cfg, o.prompt_token_ids, m)
         assert o.outputs[0].token_ids == ref
@@ -172,3 +172,65 @@ def test_cuda_graphs_give_the_eager_tokens():
         )
         assert buckets == [4]
         assert got == want, f"async_scheduling={async_on}"
+
+
+TINY_CPU = {
+    "accelerator": "cpu",
+    "dtype": "float32",
+    "kv_cache_bytes": 64 << 20,
+    "max_num_seqs": 4,
+    "block_size": 8,
+    "max_model_len": 128,
+}
+
+
+def test_model_dir_env_is_resolved_by_the_engine_config(tmp_path, monkeypatch):
+    """DEEPINFER_HF_MODEL_DIR reaches the loader through EngineConfig: the same model as the
+    explicit path (the model package itself reads no environment)."""
+    from deepinfer_model.tiny_checkpoint import write_tiny_checkpoint
+
+    ckpt = write_tiny_checkpoint(tmp_path / "ckpt")
+    monkeypatch.setenv("DEEPINFER_HF_MODEL_DIR", str(ckpt))
+    from_env = LLM(**TINY_CPU)
+    monkeypatch.delenv("DEEPINFER_HF_MODEL_DIR")
+    explicit = LLM(str(ckpt), **TINY_CPU)
+    assert from_env.engine.config.model == str(ckpt)
+    assert from_env.engine.model.name == explicit.engine.model.name == str(ckpt)
+    sp = SamplingParams(temperature=0, max_tokens=3)
+    a, b = (llm.generate([PROMPTS[0]], sp, use_tqdm=False)[0] for llm in (from_env, explicit))
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+def test_batch_invariant_argument_and_env_give_the_same_bits(monkeypatch):
+    """LLM(batch_invariant=True) and DEEPINFER_BATCH_INVARIANT=1 are one setting: the same
+    tokens and logprobs, bit for bit, with an engine of the other mode built and run in between;
+    every forward of each engine runs in its own engine's mode."""
+    from deepinfer_kernels import REGISTRY
+
+    def recording(llm: LLM) -> tuple[LLM, list[bool]]:
+        modes: list[bool] = []
+        runtime = llm.engine.model
+        forward = runtime.forward
+
+        def spy(batch, cache):
+            modes.append(REGISTRY.batch_invariant)
+            return forward(batch, cache)
+
+        runtime.forward = spy
+        return llm, modes
+
+    by_arg, arg_modes = recording(LLM(batch_invariant=True, **TINY_CPU))
+    monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1")
+    by_env, env_modes = recording(LLM(**TINY_CPU))
+    monkeypatch.delenv("DEEPINFER_BATCH_INVARIANT")
+    default, default_modes = recording(LLM(**TINY_CPU))
+    sp = SamplingParams(temperature=0, max_tokens=2, logprobs=2)
+
+    def run(llm: LLM):  # short prompts: batch-invariant mode runs every token alone
+        outs = llm.generate(["ab", "1 2"], sp, use_tqdm=False)
+        return [(c.token_ids, c.cumulative_logprob, c.logprobs) for o in outs for c in o.outputs]
+
+    want = run(by_arg)
+    run(default)
+    assert run(by_env) == want
+    assert set(arg_modes) == set(env_modes) == {True} and set(default_modes) == {False}

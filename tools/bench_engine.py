@@ -48,7 +48,7 @@ from contextlib import contextmanager
 
 import torch
 from deepinfer_engine.llm import LLM
-from deepinfer_engine.model_runner import ModelBundle
+from deepinfer_model.runtime import ModelRuntime
 from deepinfer_sampling.params import SamplingParams
 
 
@@ -62,10 +62,8 @@ class IdTokenizer:
         return "".join(f" t{i}" for i in ids)
 
 
-def slice_bundle(device: str, experts: int) -> ModelBundle:
-    from deepinfer_model.cache import CacheSpec, KVCache
+def slice_bundle(device: str, experts: int) -> ModelRuntime:
     from deepinfer_model.config import ModelConfig
-    from deepinfer_model.cuda_graph import DecodeGraphs
     from deepinfer_model.model import Model, init_random_
 
     cfg = ModelConfig(
@@ -86,18 +84,7 @@ def slice_bundle(device: str, experts: int) -> ModelBundle:
         model = Model(cfg, dtype=torch.bfloat16)
     init_random_(model, seed=0, expert_codes=True)
     model.eval()
-    return ModelBundle(
-        model=model,
-        tokenizer=IdTokenizer(),
-        vocab_size=cfg.vocab_size,
-        eos_token_id=cfg.eos_token_id,
-        max_position_embeddings=cfg.max_position_embeddings,
-        sliding_window=cfg.sliding_window,
-        cache_spec=lambda bs, dt: CacheSpec.from_config(cfg, block_size=bs, dtype=dt),
-        make_cache=lambda spec, nb, ns, dev, dt: KVCache(cfg, spec, nb, ns, device=dev, dtype=dt),
-        name="v41-slice",
-        decode_graphs=lambda max_batch: DecodeGraphs(model, max_batch),
-    )
+    return ModelRuntime(model, cfg, IdTokenizer(), "v41-slice")
 
 
 class ZeroLogits(torch.nn.Module):
@@ -108,29 +95,27 @@ class ZeroLogits(torch.nn.Module):
         self.vocab, self.device = vocab, torch.device(device)
 
     def forward(self, batch, cache):
-        from deepinfer_model.forward_batch import ForwardOutput
+        from deepinfer_model.batch import ForwardOutput
 
         rows = batch.logits_indices.shape[0]
         return ForwardOutput(torch.zeros(rows, self.vocab, device=self.device))
 
 
-def stub_bundle(device: str) -> ModelBundle:
-    from deepinfer_model.cache import CacheSpec, KVCache
+class StubRuntime(ModelRuntime):
+    """The tiny config's cache with `ZeroLogits` as the forward, and no CUDA graphs."""
+
+    def decode_graphs(self, max_batch: int) -> None:
+        return None
+
+
+def stub_bundle(device: str) -> ModelRuntime:
+    import dataclasses
+
     from deepinfer_model.config import ModelConfig
 
-    cfg = ModelConfig.tiny()
     vocab = 129280  # V4.1's, so the sampler works at its real width
-    return ModelBundle(
-        model=ZeroLogits(vocab, device),
-        tokenizer=IdTokenizer(),
-        vocab_size=vocab,
-        eos_token_id=cfg.eos_token_id,
-        max_position_embeddings=cfg.max_position_embeddings,
-        sliding_window=cfg.sliding_window,
-        cache_spec=lambda bs, dt: CacheSpec.from_config(cfg, block_size=bs, dtype=dt),
-        make_cache=lambda spec, nb, ns, dev, dt: KVCache(cfg, spec, nb, ns, device=dev, dtype=dt),
-        name="stub",
-    )
+    cfg = dataclasses.replace(ModelConfig.tiny(), vocab_size=vocab)
+    return StubRuntime(ZeroLogits(vocab, device), cfg, IdTokenizer(), "stub")
 
 
 class Probe:
@@ -208,7 +193,7 @@ def run_one(llm: LLM, probe: Probe, batch: int, args, async_on: bool, graphs) ->
     eng.config.async_scheduling = async_on
     eng.runner.graphs = graphs
     g = torch.Generator().manual_seed(batch)
-    vocab = min(eng.bundle.vocab_size, 500)
+    vocab = min(eng.model.vocab_size, 500)
     prompts = [
         torch.randint(3, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(batch)
     ]
@@ -286,7 +271,7 @@ def _validated(llm: LLM, prompts, sp):
 
     eng = llm.engine
     return validate_requests(
-        prompts, sp, eng.tokenizer.encode, eng.bundle.vocab_size, eng.max_model_len
+        prompts, sp, eng.tokenizer.encode, eng.model.vocab_size, eng.max_model_len
     )
 
 
@@ -342,7 +327,7 @@ def _measure(args, rows: list) -> None:
             )
         else:
             build = slice_bundle if name == "slice" else lambda dev, _: stub_bundle(dev)
-            llm = LLM.from_bundle(
+            llm = LLM.from_model(
                 build(args.device, args.slice_experts),
                 accelerator=accel,
                 max_num_seqs=max(args.batches),

@@ -139,8 +139,8 @@ class Bench:
 
     def step(self, batch):
         """Run both layers once on `batch`; return per-layer seconds (synchronised)."""
-        from deepinfer_model.forward_batch import StepContext
         from deepinfer_model.layers.mhc import identity_pre
+        from deepinfer_model.step_context import StepContext
 
         c = self.config
         ctx = StepContext.from_batch(batch)
@@ -164,7 +164,7 @@ class Bench:
             torch.cuda.synchronize()
 
     def decode_batch(self, b: int):
-        from deepinfer_model.forward_batch import ForwardBatch
+        from deepinfer_model.batch import ForwardBatch
 
         n = self.per_seq_blocks
         tables = [list(range(i * n, (i + 1) * n)) for i in range(b)]
@@ -173,7 +173,7 @@ class Bench:
         )
 
     def prefill_batch(self):
-        from deepinfer_model.forward_batch import ForwardBatch
+        from deepinfer_model.batch import ForwardBatch
 
         n = -(-self.prefill // self.block_size)
         ids = torch.randint(3, self.config.vocab_size, (self.prefill,)).tolist()

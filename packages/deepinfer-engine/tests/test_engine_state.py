@@ -9,16 +9,16 @@ from deepinfer_engine.llm import LLM
 from deepinfer_sampling.params import SamplingParams
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from toy import NAN_TOKEN, VOCAB, ToyModel, greedy_reference, toy_bundle
+from toy import NAN_TOKEN, VOCAB, ToyModel, greedy_reference
 
 PROMPTS = [[3, 4, 5], [7] * 11, [9, 2, 30, 31, 8, 6], [12], list(range(2, 40))]
 
 
-def make(bundle=None, **kw):
+def make(model=None, **kw):
     kw.setdefault("accelerator", "cpu")
     kw.setdefault("dtype", "float32")
     kw.setdefault("block_size", 4)
-    return LLM.from_bundle(bundle or toy_bundle(), **kw)
+    return LLM.from_model(model or ToyModel(), **kw)
 
 
 def assert_idle(llm: LLM) -> None:
@@ -69,6 +69,7 @@ class FailingModel(ToyModel):
     """The toy model, raising on its `fail_at`-th forward call (an OOM, a kernel error...)."""
 
     def __init__(self, fail_at: int) -> None:
+        super().__init__()
         self.calls = 0
         self.fail_at = fail_at
 
@@ -81,9 +82,7 @@ class FailingModel(ToyModel):
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_exception_mid_generate_leaves_the_engine_clean(async_scheduling):
-    bundle = toy_bundle()
-    bundle.model = FailingModel(fail_at=3)
-    llm = make(bundle, async_scheduling=async_scheduling, max_num_batched_tokens=8)
+    llm = make(FailingModel(fail_at=3), async_scheduling=async_scheduling, max_num_batched_tokens=8)
     sp = SamplingParams(temperature=0, max_tokens=6)
     with pytest.raises(RuntimeError, match="device error"):
         llm.generate(PROMPTS, sp, use_tqdm=False)
@@ -130,9 +129,7 @@ class MaskedVocabModel(ToyModel):
 
 
 def test_minus_inf_logits_are_not_an_error_but_nan_is():
-    bundle = toy_bundle()
-    bundle.model = MaskedVocabModel()
-    llm = make(bundle)
+    llm = make(MaskedVocabModel())
     sp = SamplingParams(temperature=1.0, seed=3, max_tokens=6, logprobs=1)
     outs = llm.generate([PROMPTS[0], [3, NAN_TOKEN]], sp, use_tqdm=False)
     good, bad = outs[0].outputs[0], outs[1].outputs[0]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from deepinfer_engine.llm import LLM
 from deepinfer_sampling.params import SamplingParams
-from toy import EOS, NAN_TOKEN, VOCAB, greedy_reference, toy_bundle
+from toy import EOS, NAN_TOKEN, VOCAB, ToyModel, greedy_reference
 
 PROMPTS = [[3, 4, 5], [7] * 11, [9, 2, 30, 31, 8, 6], [12], list(range(2, 40))]
 
@@ -14,7 +14,7 @@ def make(**kw):
     kw.setdefault("accelerator", "cpu")
     kw.setdefault("dtype", "float32")
     kw.setdefault("block_size", 4)
-    return LLM.from_bundle(toy_bundle(), **kw)
+    return LLM.from_model(ToyModel(), **kw)
 
 
 def tokens(outs):
@@ -119,7 +119,7 @@ def test_each_engine_runs_its_steps_in_its_own_kernel_mode():
 
     def recording(batch_invariant: bool):
         llm = make(batch_invariant=batch_invariant)
-        model = llm.engine.bundle.model
+        model = llm.engine.model
         forward = model.forward
 
         def spy(batch, cache):

@@ -1,4 +1,5 @@
-"""Scheduler + KV cache manager, driven by a simulated model (no torch model needed).
+"""Scheduler + KV cache manager + output processor, driven by a simulated model (no torch model
+needed).
 
 The simulated model keeps, per slot, the tokens written at each position, and its "next token"
 is a hash of the slot's contents. So a wrong schedule (a stale slot after preemption, a chunk at
@@ -12,7 +13,8 @@ import math
 
 import pytest
 from deepinfer_engine.kv_cache_manager import KVCacheManager, plan_cache
-from deepinfer_engine.scheduler import RowResult, Scheduler, SchedulerOutput
+from deepinfer_engine.output_processor import OutputProcessor, RowResult
+from deepinfer_engine.scheduler import Scheduler, SchedulerOutput
 from deepinfer_engine.sequence import Sequence
 from deepinfer_sampling.params import SamplingParams
 from hypothesis import given, settings
@@ -77,7 +79,8 @@ def run_all(
     prompts, max_tokens, num_blocks, block_size, budget, max_seqs, async_mode, max_model_len=64
 ):
     kv = KVCacheManager(num_slots=max_seqs, num_blocks=num_blocks, block_size=block_size)
-    sched = Scheduler(kv, max_seqs, budget, max_model_len, EOS)
+    sched = Scheduler(kv, max_seqs, budget)
+    outputs = OutputProcessor(sched, EOS, max_model_len)
     seqs = []
     for i, p in enumerate(prompts):
         s = Sequence(i, str(i), 0, list(p), SamplingParams(max_tokens=max_tokens))
@@ -95,10 +98,10 @@ def run_all(
         results = model.run(out, sampled) if not out.is_empty else []
         if async_mode:
             if inflight is not None:
-                sched.update(*inflight)
+                outputs.update(*inflight)
             inflight = (out, results) if not out.is_empty else None
         else:
-            sched.update(out, results)
+            outputs.update(out, results)
         sampled = {c.seq.seq_id: r.token_id for c, r in zip(out.chunks, results, strict=False) if r}
     return seqs, sched
 
@@ -141,12 +144,13 @@ def test_tiny_budget_preempts_and_keeps_tokens():
 
 def test_decode_rows_come_first_and_prefill_is_chunked():
     kv = KVCacheManager(num_slots=4, num_blocks=64, block_size=4)
-    sched = Scheduler(kv, 4, 8, 256, EOS)
+    sched = Scheduler(kv, 4, 8)
+    outputs = OutputProcessor(sched, EOS, 256)
     a = Sequence(0, "a", 0, [1, 2, 3], SamplingParams(max_tokens=5))
     sched.add(a)
     out = sched.schedule()
     assert [(c.seq.seq_id, c.num_tokens, c.sample) for c in out.chunks] == [(0, 3, True)]
-    sched.update(out, [RowResult(token_id=7)])
+    outputs.update(out, [RowResult(token_id=7)])
     b = Sequence(1, "b", 0, list(range(1, 20)), SamplingParams(max_tokens=5))
     sched.add(b)
     out = sched.schedule()
@@ -169,13 +173,14 @@ def test_decode_rows_come_first_and_prefill_is_chunked():
 )
 def test_stop_rules(params, tokens, reason, stop_reason, n_out):
     kv = KVCacheManager(num_slots=1, num_blocks=64, block_size=4)
-    sched = Scheduler(kv, 1, 64, 256, EOS)
+    sched = Scheduler(kv, 1, 64)
+    outputs = OutputProcessor(sched, EOS, 256)
     s = Sequence(0, "r", 0, [1, 2], params)
     sched.add(s)
     i = 0
     while not s.is_finished:
         out = sched.schedule()
-        sched.update(out, [RowResult(token_id=tokens[min(i, len(tokens) - 1)])])
+        outputs.update(out, [RowResult(token_id=tokens[min(i, len(tokens) - 1)])])
         i += 1
     assert (s.finish_reason, s.stop_reason, len(s.output_token_ids)) == (reason, stop_reason, n_out)
     assert kv.num_free_blocks == 64 and kv.num_free_slots == 1
@@ -183,13 +188,14 @@ def test_stop_rules(params, tokens, reason, stop_reason, n_out):
 
 def test_error_row_ends_only_that_sequence():
     kv = KVCacheManager(num_slots=2, num_blocks=64, block_size=4)
-    sched = Scheduler(kv, 2, 64, 256, EOS)
+    sched = Scheduler(kv, 2, 64)
+    outputs = OutputProcessor(sched, EOS, 256)
     a = Sequence(0, "a", 0, [1], SamplingParams(max_tokens=3))
     b = Sequence(1, "b", 0, [2], SamplingParams(max_tokens=3))
     sched.add(a)
     sched.add(b)
     out = sched.schedule()
-    sched.update(out, [RowResult(error="non-finite logits"), RowResult(token_id=4)])
+    outputs.update(out, [RowResult(error="non-finite logits"), RowResult(token_id=4)])
     assert a.finish_reason == "error" and a.error == "non-finite logits"
     assert not b.is_finished and b.output_token_ids == [4]
 

@@ -11,14 +11,14 @@ import pytest
 from deepinfer_engine.llm import LLM
 from deepinfer_sampling.params import SamplingParams
 from test_engine_toy import PROMPTS
-from toy import greedy_reference, toy_bundle
+from toy import ToyModel, greedy_reference
 
 K = 10  # >= toy window 8 + backtracking (use_nextn_decode 1 + 1)
 
 
 def make(mode, **kw):
-    return LLM.from_bundle(
-        toy_bundle(yoco=True),
+    return LLM.from_model(
+        ToyModel(yoco=True),
         accelerator="cpu",
         dtype="float32",
         block_size=4,
@@ -61,15 +61,15 @@ def test_compact_with_preemption_is_unchanged():
 
 def test_keep_tokens_too_small_and_missing_model_support():
     with pytest.raises(ValueError, match=r"yoco_prefill_keep_tokens.*window \(8\).*= 14"):
-        LLM.from_bundle(
-            toy_bundle(yoco=True),
+        LLM.from_model(
+            ToyModel(yoco=True),
             accelerator="cpu",
             yoco_prefill_truncation_mode="compact",
             yoco_prefill_keep_tokens=13,
         )
     with pytest.raises(NotImplementedError, match="yoco_floor"):
-        LLM.from_bundle(
-            toy_bundle(yoco=False),
+        LLM.from_model(
+            ToyModel(yoco=False),
             accelerator="cpu",
             yoco_prefill_truncation_mode="compact",
             yoco_prefill_keep_tokens=140,

@@ -1,8 +1,9 @@
-"""A toy model that keeps the model contract (ForwardBatch in, ForwardOutput out, per-slot cache)
-so the engine is tested without the V4.1 model. Its next-token logits are a float64 function of
-the whole token history *as read from its cache slot*, so an engine bug that corrupts or skips
-cache state changes the tokens; `reference_logits(tokens)` computes the same function from the
-plain token list, with no cache, for the independent greedy loop of the tests.
+"""A toy model that implements the engine's `EngineModel` protocol (ForwardBatch in,
+ForwardOutput out, per-slot cache) so the engine is tested without the V4.1 model. Its next-token
+logits are a float64 function of the whole token history *as read from its cache slot*, so an
+engine bug that corrupts or skips cache state changes the tokens; `reference_logits(tokens)`
+computes the same function from the plain token list, with no cache, for the independent greedy
+loop of the tests.
 """
 
 from __future__ import annotations
@@ -11,8 +12,7 @@ from dataclasses import dataclass
 
 import tokenizers
 import torch
-from deepinfer_engine.model_runner import ModelBundle
-from deepinfer_model.forward_batch import ForwardBatch, ForwardOutput
+from deepinfer_model.batch import ForwardBatch, ForwardOutput
 from tokenizers import models, pre_tokenizers
 
 CHARS = [*'abcdefghijklmnopqrstuvwxy {}[]":,.0123456789', "\n"]  # no "z"
@@ -92,6 +92,34 @@ class ToySpec:
 
 
 class ToyModel:
+    """The toy as an `EngineModel`: `max_len` positions, `bytes_per_slot` of state per sequence,
+    `yoco`: whether it honours `ForwardBatch.yoco_floor`."""
+
+    name = "toy"
+    eos_token_id = EOS
+    vocab_size = len(VOCAB)
+    sliding_window = 8
+    has_dspark_stages = False
+
+    def __init__(self, max_len: int = 256, bytes_per_slot: int = 4096, yoco: bool = False) -> None:
+        self.tokenizer = ToyTokenizer()
+        self.max_position_embeddings = max_len
+        self.bytes_per_slot = bytes_per_slot
+        self.supports_yoco_floor = yoco
+
+    def cache_spec(self, block_size: int, dtype: torch.dtype) -> ToySpec:
+        return ToySpec(block_size, bytes_per_slot=self.bytes_per_slot)
+
+    def make_cache(self, spec, num_blocks, num_slots, device, dtype) -> ToyCache:
+        return ToyCache(
+            torch.zeros(num_slots, _EMB.shape[1], dtype=torch.float64),
+            torch.full((num_slots,), -1),
+            torch.zeros(num_slots, dtype=torch.int64),
+        )
+
+    def decode_graphs(self, max_batch: int) -> None:
+        return None
+
     def forward(self, batch: ForwardBatch, cache: ToyCache) -> ForwardOutput:
         cu = batch.cu_seqlens.tolist()
         ids = batch.input_ids.tolist()
@@ -114,28 +142,6 @@ class ToyModel:
         sel = batch.logits_indices.tolist()
         logits = torch.stack([rows[j] for j in sel]).float() if sel else torch.empty(0, len(VOCAB))
         return ForwardOutput(logits=logits)
-
-
-def toy_bundle(max_len: int = 256, bytes_per_slot: int = 4096, yoco: bool = False) -> ModelBundle:
-    def make_cache(spec, num_blocks, num_slots, device, dtype):
-        return ToyCache(
-            torch.zeros(num_slots, _EMB.shape[1], dtype=torch.float64),
-            torch.full((num_slots,), -1),
-            torch.zeros(num_slots, dtype=torch.int64),
-        )
-
-    return ModelBundle(
-        model=ToyModel(),
-        tokenizer=ToyTokenizer(),
-        vocab_size=len(VOCAB),
-        eos_token_id=EOS,
-        max_position_embeddings=max_len,
-        sliding_window=8,
-        cache_spec=lambda block_size, dtype: ToySpec(block_size, bytes_per_slot=bytes_per_slot),
-        make_cache=make_cache,
-        supports_yoco_floor=yoco,
-        name="toy",
-    )
 
 
 def greedy_reference(

@@ -11,9 +11,9 @@ import math
 import pytest
 import torch
 from deepinfer_kernels import quant
+from deepinfer_model.batch import ForwardBatch
 from deepinfer_model.cache import CacheSpec, KVCache
 from deepinfer_model.config import ModelConfig
-from deepinfer_model.forward_batch import ForwardBatch
 from deepinfer_model.model import Model, init_random_
 
 F64 = torch.float64

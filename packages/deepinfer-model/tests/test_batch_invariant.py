@@ -4,9 +4,9 @@ prefill/decode split, with the reference's KV fake-quantisation on."""
 import pytest
 import torch
 from deepinfer_kernels import REGISTRY
+from deepinfer_model.batch import ForwardBatch
 from deepinfer_model.cache import CacheSpec, KVCache
 from deepinfer_model.config import ModelConfig
-from deepinfer_model.forward_batch import ForwardBatch
 from deepinfer_model.model import Model, init_random_
 
 

@@ -7,10 +7,10 @@ records and replays real CUDA graphs (skipped without a GPU).
 
 import pytest
 import torch
+from deepinfer_model.batch import ForwardBatch, HostBatchInfo
 from deepinfer_model.cache import CacheSpec, KVCache
 from deepinfer_model.config import ModelConfig
 from deepinfer_model.cuda_graph import DecodeGraphs, bucket_sizes
-from deepinfer_model.forward_batch import ForwardBatch, HostBatchInfo
 from deepinfer_model.model import Model, init_random_
 from hypothesis import given
 from hypothesis import strategies as st

@@ -3,10 +3,10 @@ what a draft sees, the block sees itself both ways, and the Markov head chains t
 
 import pytest
 import torch
+from deepinfer_model.batch import ForwardBatch
 from deepinfer_model.cache import CacheSpec, KVCache
 from deepinfer_model.config import ModelConfig
 from deepinfer_model.dspark import dspark_step
-from deepinfer_model.forward_batch import ForwardBatch
 from deepinfer_model.model import Model, init_random_
 
 TOL = dict(rtol=1e-4, atol=1e-4)

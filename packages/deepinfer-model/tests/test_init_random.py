@@ -2,9 +2,9 @@
 
 import torch
 from deepinfer_kernels import quant
+from deepinfer_model.batch import ForwardBatch
 from deepinfer_model.cache import CacheSpec, KVCache
 from deepinfer_model.config import ModelConfig
-from deepinfer_model.forward_batch import ForwardBatch
 from deepinfer_model.layers.linear import FP4Weight
 from deepinfer_model.model import Model, init_random_
 

@@ -6,14 +6,15 @@ import math
 import pytest
 import torch
 from deepinfer_kernels import quant
+from deepinfer_model.batch import ForwardBatch
 from deepinfer_model.cache import CacheSpec, KVCache
 from deepinfer_model.config import ModelConfig
-from deepinfer_model.forward_batch import ForwardBatch, StepContext
 from deepinfer_model.layers.compressor import Compressor
 from deepinfer_model.layers.engram import EngramHasher, hash_multipliers
 from deepinfer_model.layers.moe import MoE
 from deepinfer_model.layers.rope import layer_inv_freq, yarn_inv_freq
 from deepinfer_model.model import Model, init_random_
+from deepinfer_model.step_context import StepContext
 
 
 def test_yarn_frequencies_match_formula():

@@ -6,9 +6,9 @@ block; the sublayers themselves are taken as captured (they are tested elsewhere
 import math
 
 import torch
+from deepinfer_model.batch import ForwardBatch
 from deepinfer_model.cache import CacheSpec, KVCache
 from deepinfer_model.config import ModelConfig
-from deepinfer_model.forward_batch import ForwardBatch
 from deepinfer_model.model import Model, init_random_
 
 F64 = torch.float64

@@ -11,9 +11,9 @@ import itertools
 
 import pytest
 import torch
+from deepinfer_model.batch import ForwardBatch
 from deepinfer_model.cache import CacheSpec, KVCache
 from deepinfer_model.config import ModelConfig
-from deepinfer_model.forward_batch import ForwardBatch
 from deepinfer_model.model import Model, init_random_
 from hypothesis import example, given, settings
 from hypothesis import strategies as st

@@ -6,11 +6,13 @@ the buffer is too small and some uploads fall back to plain ones."""
 
 import pytest
 import torch
+from deepinfer_model.batch import ForwardBatch, HostBatchInfo
 from deepinfer_model.cache import CacheSpec, KVCache
 from deepinfer_model.config import ModelConfig
 from deepinfer_model.cuda_graph import DecodeGraphs
-from deepinfer_model.forward_batch import ForwardBatch, HostBatchInfo, HostStaging
 from deepinfer_model.model import Model, init_random_
+from deepinfer_model.staging import HostStaging
+from deepinfer_model.step_context import StepContext
 
 
 @pytest.fixture(scope="module")
@@ -63,10 +65,8 @@ def test_staged_uploads_give_the_same_logits(tiny, graphs, capacity):
     assert staging.next == 7 % 2  # one staged block per forward (7 forwards)
 
 
-def test_staged_views_are_filled_when_the_block_ends(tiny):
-    model = tiny[1]
-    batch = _batch([[1, 2, 3]], [0], [[0]])
-    ctx, _ = model.step_context(batch)
+def test_staged_views_are_filled_when_the_block_ends():
+    ctx = StepContext.from_batch(_batch([[1, 2, 3]], [0], [[0]]))
     staging = HostStaging(torch.device("cpu"), capacity=64, depth=1)
     with ctx.staged(staging):
         up = ctx.upload(torch.arange(5, dtype=torch.int64) + 7)

@@ -11,10 +11,10 @@ shape-only stand-in replaces it here.
 import pytest
 import torch
 from deepinfer_kernels import REGISTRY, ops
+from deepinfer_model.batch import ForwardBatch
 from deepinfer_model.cache import CacheSpec, KVCache
 from deepinfer_model.config import ModelConfig
 from deepinfer_model.dspark import dspark_step
-from deepinfer_model.forward_batch import ForwardBatch
 from deepinfer_model.model import Model
 
 META = torch.device("meta")

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 from deepinfer_kernels import quant
+from deepinfer_model.batch import ForwardBatch
 from deepinfer_model.cache import CacheSpec, KVCache
 from deepinfer_model.chat import encode_messages
 from deepinfer_model.config import ModelConfig
-from deepinfer_model.forward_batch import ForwardBatch
 from deepinfer_model.loader import CheckpointReader, load_model, read_safetensors_header
 from deepinfer_model.tiny_checkpoint import (
     TINY_SEED,
@@ -158,7 +158,6 @@ def test_load_model_none_uses_the_tiny_checkpoint_and_generates(
     tmp_path: Path, monkeypatch, caplog
 ) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.delenv("DEEPINFER_HF_MODEL_DIR", raising=False)
     with caplog.at_level(logging.INFO, logger="deepinfer_model.loader"):
         loaded = load_model(None, "cpu", torch.float32, progress=False)
     assert loaded.path.parent == tmp_path / "deepinfer"
@@ -184,12 +183,17 @@ def test_load_model_none_uses_the_tiny_checkpoint_and_generates(
         assert 0.1 < row.std().item() < 10.0
 
 
-def test_env_model_dir_and_explicit_path_load_the_same_model(tiny_dir: Path, monkeypatch) -> None:
-    monkeypatch.setenv("DEEPINFER_HF_MODEL_DIR", str(tiny_dir))
+def test_load_model_none_is_the_tiny_checkpoint_whatever_the_env(
+    tiny_dir: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """The package reads no deepinfer setting from the environment: DEEPINFER_HF_MODEL_DIR is
+    the engine config's (tests/test_engine_e2e.py), and `load_model(None)` is the tiny
+    checkpoint, the same model as an explicit path to it."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("DEEPINFER_HF_MODEL_DIR", str(tmp_path / "not-a-checkpoint"))
     a = load_model(None, "cpu", torch.float32, progress=False)
-    monkeypatch.delenv("DEEPINFER_HF_MODEL_DIR")
     b = load_model(tiny_dir, "cpu", torch.float32, progress=False)
-    assert a.path == b.path == tiny_dir
+    assert a.path.parent == tmp_path / "deepinfer" and b.path == tiny_dir
     prompt = a.tokenizer.encode("abc")
     assert _greedy(a, prompt, 3)[0] == _greedy(b, prompt, 3)[0]
 
@@ -212,7 +216,6 @@ def test_fresh_process_writes_the_same_bytes_and_loads(tiny_dir: Path, tmp_path:
         "PYTHONHASHSEED": "12345",
         "OMP_NUM_THREADS": "1",
     }
-    env.pop("DEEPINFER_HF_MODEL_DIR", None)
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     written = Path(out.stdout.strip())

@@ -5,9 +5,9 @@ import itertools
 
 import pytest
 import torch
+from deepinfer_model.batch import ForwardBatch
 from deepinfer_model.cache import CacheSpec, KVCache
 from deepinfer_model.config import ModelConfig
-from deepinfer_model.forward_batch import ForwardBatch
 from deepinfer_model.model import Model, init_random_
 
 TOL = dict(rtol=1e-4, atol=1e-4)

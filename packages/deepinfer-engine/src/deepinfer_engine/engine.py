@@ -15,6 +15,7 @@ n+1; that row is dropped.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 
@@ -23,10 +24,12 @@ from deepinfer_kernels import REGISTRY
 
 from deepinfer_engine.config import EngineConfig, resolve_device
 from deepinfer_engine.detokenizer import IncrementalDetokenizer
+from deepinfer_engine.engine_model import EngineModel
 from deepinfer_engine.kv_cache_manager import KVCacheManager, plan_cache
-from deepinfer_engine.model_runner import LaunchedStep, ModelBundle, ModelRunner, SampledStep
+from deepinfer_engine.model_runner import LaunchedStep, ModelRunner, SampledStep
+from deepinfer_engine.output_processor import OutputProcessor
 from deepinfer_engine.outputs import CompletionOutput, RequestOutput
-from deepinfer_engine.scheduler import Scheduler
+from deepinfer_engine.scheduler import Scheduler, SchedulerOutput
 from deepinfer_engine.sequence import Sequence
 from deepinfer_engine.validation import ValidatedRequest
 
@@ -74,28 +77,40 @@ class StepStats:
     preemptions: int = 0
 
 
+@dataclass
+class InflightStep:
+    """A launched step and its sampling (None when no row of it was sampled)."""
+
+    launched: LaunchedStep
+    sampled: SampledStep | None
+
+
 class Engine:
-    def __init__(self, config: EngineConfig, bundle: ModelBundle) -> None:
+    """One model's offline engine: requests in (`add_request`), one `step()` at a time, finished
+    sequences out. Parts: `scheduler` (what runs), `runner` (the forward and the sampler),
+    `output` (tokens -> outputs and stops)."""
+
+    def __init__(self, config: EngineConfig, model: EngineModel) -> None:
         self.config = config
-        self.bundle = bundle
+        self.model = model
         # This engine's kernel settings (argument, else DEEPINFER_BATCH_INVARIANT /
-        # DEEPINFER_KERNELS): every step runs under them, whatever other engines use.
+        # DEEPINFER_KERNELS): every model call it makes runs under them, whatever other engines
+        # use.
         self.kernel_settings = config.kernel_settings()
         REGISTRY.check(self.kernel_settings)
-        logger.info("kernel settings: %s", self.kernel_settings)
-        self.tokenizer = bundle.tokenizer
+        self.tokenizer = model.tokenizer
         self.device = torch.device(resolve_device(config.accelerator))
         self.dtype = config.torch_dtype(self.device.type)
-        spec = bundle.cache_spec(config.block_size, self.dtype)
+        spec = model.cache_spec(config.block_size, self.dtype)
         budget = self._kv_budget_bytes()
-        max_model_len = config.max_model_len or bundle.max_position_embeddings
-        if max_model_len > bundle.max_position_embeddings:
+        max_model_len = config.max_model_len or model.max_position_embeddings
+        if max_model_len > model.max_position_embeddings:
             # As in vLLM: positions past the model's limit are outside what its RoPE/YaRN
             # scaling was built for, so generating there would be silently wrong.
             raise ValueError(
                 f"max_model_len={max_model_len} is larger than the model's "
-                f"max_position_embeddings ({bundle.max_position_embeddings}); "
-                f"allowed: 2..{bundle.max_position_embeddings}"
+                f"max_position_embeddings ({model.max_position_embeddings}); "
+                f"allowed: 2..{model.max_position_embeddings}"
             )
         plan = plan_cache(
             budget,
@@ -106,6 +121,21 @@ class Engine:
             max_model_len,
         )
         self.max_model_len = plan.max_model_len
+        resolved = dataclasses.replace(
+            config,
+            model=model.name,
+            dtype=str(self.dtype).removeprefix("torch."),
+            max_model_len=self.max_model_len,
+        )
+        logger.info(
+            "engine config: %s; device %s; %s; model: vocab %d, yoco floor %s, dspark stages %s",
+            resolved,
+            self.device,
+            self.kernel_settings,
+            model.vocab_size,
+            model.supports_yoco_floor,
+            model.has_dspark_stages,
+        )
         logger.info(
             "KV cache: %d slots, %d blocks of %d tokens = %d tokens (%.1f MiB on %s)",
             plan.num_slots,
@@ -115,31 +145,27 @@ class Engine:
             (plan.num_slots * spec.bytes_per_slot + plan.num_blocks * spec.bytes_per_block) / 2**20,
             self.device,
         )
-        keep = self._check_truncation(config, bundle)
+        keep = self._check_truncation(config, model)
         self.kv = KVCacheManager(plan.num_slots, plan.num_blocks, plan.block_size)
-        self.scheduler = Scheduler(
-            self.kv,
-            config.max_num_seqs,
-            config.max_num_batched_tokens,
-            self.max_model_len,
-            bundle.eos_token_id,
-        )
-        self.runner = ModelRunner(
-            bundle,
-            plan.num_blocks,
-            plan.num_slots,
-            plan.block_size,
-            self.device,
-            self.dtype,
-            config.seed,
-            keep_tokens=keep,
-            graph_max_batch=0 if config.enforce_eager else config.max_num_seqs,
-        )
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.output = OutputProcessor(self.scheduler, model.eos_token_id, self.max_model_len)
+        with REGISTRY.configured(self.kernel_settings):
+            self.runner = ModelRunner(
+                model,
+                plan.num_blocks,
+                plan.num_slots,
+                plan.block_size,
+                self.device,
+                self.dtype,
+                config.seed,
+                keep_tokens=keep,
+                graph_max_batch=0 if config.enforce_eager else config.max_num_seqs,
+            )
         self.eos_ids: tuple[int, ...] = (
-            (bundle.eos_token_id,) if bundle.eos_token_id is not None else ()
+            (model.eos_token_id,) if model.eos_token_id is not None else ()
         )
         self._grammar_cache = None
-        self._inflight: tuple[LaunchedStep, SampledStep | None] | None = None
+        self._inflight: InflightStep | None = None
         self._next_seq_id = 0
         self._next_request_id = 0
         self.stats = StepStats()
@@ -159,24 +185,24 @@ class Engine:
         return self.config.kv_cache_bytes
 
     @staticmethod
-    def _check_truncation(config: EngineConfig, bundle: ModelBundle) -> int | None:
+    def _check_truncation(config: EngineConfig, model: EngineModel) -> int | None:
         """SWA bounded replay (YOCO prefill truncation): returns K in compact mode, else None."""
         if config.yoco_prefill_truncation_mode == "off":
             return None
         k = config.yoco_prefill_keep_tokens
-        need = bundle.sliding_window + config.max_backtrack
+        need = model.sliding_window + config.max_backtrack
         if k < need:
             raise ValueError(
                 f"yoco_prefill_keep_tokens (DEEPINFER_YOCO_PREFILL_KEEP_TOKENS)={k} is smaller "
-                f"than the window ({bundle.sliding_window}) + maximum backtracking "
+                f"than the window ({model.sliding_window}) + maximum backtracking "
                 f"(DEEPINFER_USE_NEXTN_DECODE {config.use_nextn_decode} + 1) = {need}: the decoder "
                 "layers' SWA rings would not be full after a truncated prefill"
             )
-        if not bundle.supports_yoco_floor:
+        if not model.supports_yoco_floor:
             raise NotImplementedError(
                 "yoco_prefill_truncation_mode='compact' needs the model to run decoder layers "
-                "only on each prompt's last K tokens (ForwardBatch.yoco_floor in "
-                "deepinfer_model); this model's forward does not support it. Use 'off'."
+                "only on each prompt's last K tokens (ForwardBatch.yoco_floor); this model "
+                "does not support it (supports_yoco_floor is False). Use 'off'."
             )
         return k
 
@@ -187,7 +213,7 @@ class Engine:
             info = tokenizer_info_from_tokenizer(
                 self.tokenizer.backend,
                 stop_token_ids=list(self.eos_ids),
-                vocab_size=self.bundle.vocab_size,
+                vocab_size=self.model.vocab_size,
             )
             self._grammar_cache = GrammarCache(info)
         return self._grammar_cache
@@ -241,44 +267,48 @@ class Engine:
         self._inflight = None
         for seq in [*self.scheduler.running, *self.scheduler.waiting]:
             seq.num_inflight = 0
-            self.scheduler.finish(seq, "error", error=reason)
+            self.output.finish(seq, "error", error=reason)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None
 
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
-        """Run one engine iteration; return the sequences that finished in it."""
-        with REGISTRY.configured(self.kernel_settings):
-            return self._step()
+        """Run one engine iteration; return the sequences that finished in it.
 
-    def _step(self) -> list[Sequence]:
-        finished: list[Sequence] = []
-        out = self.scheduler.schedule()
-        prev_sampled = self._inflight[1] if self._inflight is not None else None
-        launched = self.runner.launch(out, prev_sampled) if not out.is_empty else None
-        if self._inflight is not None:
-            # While the device runs `launched`, resolve the previous step on the host.
-            prev_launched, prev = self._inflight
+        Schedule step n, launch its forward, resolve step n-1 (with async scheduling, on the host
+        while the device runs step n), sample step n, and update from it now (synchronous) or
+        in the next iteration (async)."""
+        with REGISTRY.configured(self.kernel_settings):
+            out = self.scheduler.schedule()
+            prev = self._inflight
+            launched = self._launch(out, prev)
             self._inflight = None
-            finished += self._update(prev_launched, prev)
-        elif launched is None and self.scheduler.has_unfinished():
-            raise RuntimeError(
-                "scheduler made no progress with nothing in flight (waiting: "
-                f"{len(self.scheduler.waiting)}, running: {len(self.scheduler.running)})"
-            )
-        if launched is not None:
-            sampled = self.runner.sample(launched, self.eos_ids)
-            if self.config.async_scheduling:
-                self._inflight = (launched, sampled)
-            else:
-                finished += self._update(launched, sampled)
+            finished = self._update(prev) if prev is not None else []
+            if launched is not None:
+                step = InflightStep(launched, self.runner.sample(launched, self.eos_ids))
+                if self.config.async_scheduling:
+                    self._inflight = step
+                else:
+                    finished += self._update(step)
         self.stats.steps += 1
         self.stats.preemptions = self.scheduler.num_preemptions
         return finished
 
-    def _update(self, launched: LaunchedStep, sampled: SampledStep | None) -> list[Sequence]:
-        results = self.runner.resolve(sampled, launched)
-        finished = self.scheduler.update(launched.out, results)
-        self.stats.tokens_generated = self.scheduler.num_generated
+    def _launch(self, out: SchedulerOutput, prev: InflightStep | None) -> LaunchedStep | None:
+        """Enqueue the forward of `out` (None: nothing was scheduled)."""
+        if not out.is_empty:
+            return self.runner.launch(out, prev.sampled if prev is not None else None)
+        if prev is None and self.scheduler.has_unfinished():
+            raise RuntimeError(
+                "scheduler made no progress with nothing in flight (waiting: "
+                f"{len(self.scheduler.waiting)}, running: {len(self.scheduler.running)})"
+            )
+        return None
+
+    def _update(self, step: InflightStep) -> list[Sequence]:
+        """Wait for `step`'s sampled tokens and turn them into outputs."""
+        results = self.runner.resolve(step.sampled, step.launched)
+        finished = self.output.update(step.launched.out, results)
+        self.stats.tokens_generated = self.output.num_generated
         return finished

@@ -11,7 +11,7 @@ from deepinfer_sampling.params import SamplingParams
 
 from deepinfer_engine.config import EngineConfig, resolve_device
 from deepinfer_engine.engine import Engine, Request
-from deepinfer_engine.model_runner import ModelBundle
+from deepinfer_engine.engine_model import EngineModel
 from deepinfer_engine.outputs import RequestOutput
 from deepinfer_engine.validation import validate_requests
 
@@ -31,6 +31,7 @@ class LLM:
     def __init__(self, model: str | None = None, **config: Any) -> None:
         cfg = EngineConfig.from_env(model=model, **config)
         from deepinfer_model.loader import load_model
+        from deepinfer_model.runtime import ModelRuntime
 
         if cfg.model is None:
             logger.warning(
@@ -39,13 +40,13 @@ class LLM:
             )
         device = resolve_device(cfg.accelerator)
         loaded = load_model(cfg.model, device=device, dtype=cfg.torch_dtype(device))
-        self.engine = Engine(cfg, ModelBundle.from_loaded(loaded))
+        self.engine = Engine(cfg, ModelRuntime.from_loaded(loaded))
 
     @classmethod
-    def from_bundle(cls, bundle: ModelBundle, **config: Any) -> LLM:
+    def from_model(cls, model: EngineModel, **config: Any) -> LLM:
         """An LLM over an already-built model (tests, tools, models not on disk)."""
         self = cls.__new__(cls)
-        self.engine = Engine(EngineConfig.from_env(**config), bundle)
+        self.engine = Engine(EngineConfig.from_env(**config), model)
         return self
 
     def get_tokenizer(self) -> Any:
@@ -71,7 +72,7 @@ class LLM:
             prompts,
             sampling_params,
             eng.tokenizer.encode,
-            eng.bundle.vocab_size,
+            eng.model.vocab_size,
             eng.max_model_len,
         )
         eng.check_requests(reqs)

@@ -1,10 +1,9 @@
 """ModelRunner: turns a scheduled step into one `Model.forward` and one `Sampler` call.
 
 A step is split in two so that async scheduling can overlap host work with the device:
-  * `launch(out, prev)` builds the flat `ForwardBatch` (token ids, positions, `cu_seqlens`,
-    context lengths, slots, block tables, logits rows), uploads it in one pinned non-blocking
-    copy together with its CPU mirror (`ForwardBatch.host`, so the model's forward never reads
-    the device back) and enqueues the forward. Tokens still in
+  * `launch(out, prev)` builds the flat `ForwardBatch` with the model package's builder
+    (`deepinfer_model.batch.build_batch`: one pinned non-blocking upload plus the CPU mirror, so
+    the model's forward never reads the device back) and enqueues the forward. Tokens still in
     flight (placeholders, -1 on the host) are copied on the device from `prev`, the previous
     step's sampled-id tensor, so launching never waits for the previous step's result.
   * `sample(step, rows)` runs the sampler on the step's logits (after the host has filled the
@@ -15,74 +14,19 @@ On CPU everything is synchronous and the same code runs.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
+from deepinfer_model.batch import SequenceInput, build_batch
 from deepinfer_model.cuda_graph import GraphCaptureError
 
+from deepinfer_engine.engine_model import EngineModel
+from deepinfer_engine.output_processor import RowResult
 from deepinfer_engine.outputs import Logprob
-from deepinfer_engine.scheduler import RowResult, ScheduledChunk, SchedulerOutput
+from deepinfer_engine.scheduler import ScheduledChunk, SchedulerOutput
 
 logger = logging.getLogger("deepinfer.engine")
-
-
-@dataclass
-class ModelBundle:
-    """Everything the engine needs from a model, whatever produced it.
-
-    model.forward(ForwardBatch, cache) -> ForwardOutput(logits [R, vocab] fp32, hidden | None).
-    make_cache(num_blocks, num_slots, device, dtype) -> an object with `reset_slot(slot)`, passed
-    to every forward. cache_spec(block_size, dtype) -> (block_size, bytes_per_block,
-    bytes_per_slot) via an object with those attributes.
-    """
-
-    model: Any
-    tokenizer: Any
-    vocab_size: int
-    eos_token_id: int | None
-    max_position_embeddings: int
-    sliding_window: int
-    cache_spec: Callable[[int, torch.dtype], Any]
-    make_cache: Callable[[Any, int, int, torch.device, torch.dtype], Any]
-    supports_yoco_floor: bool = False
-    name: str = "model"
-    decode_graphs: Callable[[int], Any] | None = None
-    """decode_graphs(max_batch) -> an object with `unsupported(batch) -> str | None` and
-    `forward(batch, cache)` that runs pure decode steps through CUDA graphs (None: never)."""
-
-    @classmethod
-    def from_loaded(cls, loaded: Any) -> ModelBundle:
-        """Wrap a `deepinfer_model.loader.LoadedModel`."""
-        from deepinfer_model.cache import CacheSpec, KVCache
-        from deepinfer_model.cuda_graph import DecodeGraphs
-        from deepinfer_model.forward_batch import ForwardBatch
-
-        cfg = loaded.config
-
-        def spec(block_size: int, dtype: torch.dtype) -> Any:
-            return CacheSpec.from_config(cfg, block_size=block_size, dtype=dtype)
-
-        def make(spec_: Any, num_blocks: int, num_slots: int, device, dtype) -> Any:
-            return KVCache(cfg, spec_, num_blocks, num_slots, device=device, dtype=dtype)
-
-        return cls(
-            model=loaded.model,
-            tokenizer=loaded.tokenizer,
-            vocab_size=cfg.vocab_size,
-            eos_token_id=cfg.eos_token_id,
-            max_position_embeddings=cfg.max_position_embeddings,
-            sliding_window=cfg.sliding_window,
-            cache_spec=spec,
-            make_cache=make,
-            # YOCO compact prefill needs ForwardBatch.yoco_floor in the model's batch type.
-            supports_yoco_floor="yoco_floor" in {f.name for f in dataclasses.fields(ForwardBatch)},
-            name=str(loaded.path),
-            decode_graphs=lambda max_batch: DecodeGraphs(loaded.model, max_batch),
-        )
 
 
 @dataclass
@@ -115,7 +59,7 @@ class SampledStep:
 class ModelRunner:
     def __init__(
         self,
-        bundle: ModelBundle,
+        model: EngineModel,
         num_blocks: int,
         num_slots: int,
         block_size: int,
@@ -126,15 +70,15 @@ class ModelRunner:
         graph_max_batch: int = 0,
     ) -> None:
         """graph_max_batch: decode steps of up to this many sequences replay CUDA graphs (on
-        CUDA, when the bundle offers them; 0 = always eager)."""
+        CUDA, when the model offers them; 0 = always eager)."""
         from deepinfer_sampling.sampler import Sampler
 
-        self.bundle = bundle
+        self.model = model
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
-        self.spec = bundle.cache_spec(block_size, dtype)
-        self.cache = bundle.make_cache(self.spec, num_blocks, num_slots, device, dtype)
+        self.spec = model.cache_spec(block_size, dtype)
+        self.cache = model.make_cache(self.spec, num_blocks, num_slots, device, dtype)
         self.sampler = Sampler()
         # Fresh randomness for unseeded rows; seeded from the engine seed so whole runs repeat.
         gen_device = device if device.type == "cuda" else torch.device("cpu")
@@ -142,78 +86,21 @@ class ModelRunner:
         self.generator.manual_seed(seed)
         self.keep_tokens = keep_tokens  # YOCO compact prefill: decoder runs on the last K only
         self.graphs = None
-        if device.type == "cuda" and graph_max_batch > 0 and bundle.decode_graphs is not None:
-            self.graphs = bundle.decode_graphs(graph_max_batch)
+        if device.type == "cuda" and graph_max_batch > 0:
+            self.graphs = model.decode_graphs(graph_max_batch)
 
     # ---- forward -----------------------------------------------------------------------------
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput, prev: SampledStep | None) -> LaunchedStep:
         """Build the flat batch of `out` and enqueue the model's forward."""
-        from deepinfer_model.forward_batch import ForwardBatch, HostBatchInfo
-
         for slot in out.new_slots:
             self.cache.reset_slot(slot)
-        ids: list[int] = []
-        pos: list[int] = []
-        cu = [0]
-        ph_dst: list[int] = []
-        ph_src: list[int] = []
-        logits_rows: list[int] = []
-        sample_chunks: list[ScheduledChunk] = []
-        for c in out.chunks:
-            base = len(ids)
-            for j, t in enumerate(c.token_ids):
-                if t < 0:
-                    if prev is None or c.seq.seq_id not in prev.row_of_seq:
-                        raise RuntimeError(
-                            f"placeholder for sequence {c.seq.seq_id} without a previous sample"
-                        )
-                    ph_dst.append(base + j)
-                    ph_src.append(prev.row_of_seq[c.seq.seq_id])
-                    t = 0
-                ids.append(t)
-            pos.extend(range(c.start, c.start + c.num_tokens))
-            cu.append(len(ids))
-            if c.sample:
-                logits_rows.append(len(ids) - 1)
-                sample_chunks.append(c)
-        tables = [c.seq.block_table for c in out.chunks]
-        width = max(1, max(len(t) for t in tables))
-        # one tensor from padded lists (a torch.tensor per row cost ~5 us each at 64+ rows)
-        bt = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32)
-        ctx_lens = [c.start for c in out.chunks]
-        slots = [c.seq.slot for c in out.chunks]
-        floor = [self._yoco_floor(c) for c in out.chunks] if self.keep_tokens is not None else None
-        # One pinned host buffer, one non-blocking copy: the forward gets device tensors plus
-        # their CPU mirror (`host`), so neither building nor running the batch waits for the
-        # device.
-        b = len(out.chunks)
-        parts = [ids, pos, cu, ctx_lens, slots, logits_rows, floor or [], ph_dst, ph_src]
-        flat = torch.cat(
-            [torch.tensor(p, dtype=torch.int64) for p in parts] + [bt.flatten().long()]
+        batch = build_batch(
+            [self._sequence_input(c, prev) for c in out.chunks],
+            self.device,
+            prev_token_ids=prev.token_ids if prev is not None else None,
         )
-        dev = self.device
-        flat = flat.pin_memory() if dev.type == "cuda" else flat
-        flat = flat.to(dev, non_blocking=True)
-        views, o = [], 0
-        for n in [len(p) for p in parts] + [bt.numel()]:
-            views.append(flat[o : o + n])
-            o += n
-        input_ids, positions, cu_t, ctx_t, slots_t, rows_t, floor_t, dst_t, src_t, bt_t = views
-        if ph_dst:
-            assert prev is not None
-            input_ids[dst_t] = prev.token_ids[src_t]
-        batch = ForwardBatch(
-            input_ids=input_ids,
-            positions=positions,
-            cu_seqlens=cu_t.to(torch.int32),
-            context_lens=ctx_t,
-            slots=slots_t,
-            block_tables=bt_t.view(b, width).to(torch.int32),
-            logits_indices=rows_t,
-            yoco_floor=floor_t if floor is not None else None,
-            host=HostBatchInfo(cu, ctx_lens, slots, bt, logits_rows, floor),
-        )
+        sample_chunks = [c for c in out.chunks if c.sample]
         # Prefill chunks that sample nothing still run: they write their KV into the cache.
         res = None
         if self.graphs is not None and self.graphs.unsupported(batch) is None:
@@ -223,8 +110,23 @@ class ModelRunner:
                 logger.warning("CUDA graphs switched off, decode runs eagerly: %s", e)
                 self.graphs = None
         if res is None:
-            res = self.bundle.model.forward(batch, self.cache)
-        return LaunchedStep(out, res.logits if logits_rows else None, sample_chunks)
+            res = self.model.forward(batch, self.cache)
+        return LaunchedStep(out, res.logits if sample_chunks else None, sample_chunks)
+
+    def _sequence_input(self, c: ScheduledChunk, prev: SampledStep | None) -> SequenceInput:
+        """Chunk `c` as the batch builder takes it; its token in flight (if any) is the one
+        `prev` sampled for its sequence."""
+        prev_row = None
+        if any(t < 0 for t in c.token_ids):
+            if prev is None or c.seq.seq_id not in prev.row_of_seq:
+                raise RuntimeError(
+                    f"placeholder for sequence {c.seq.seq_id} without a previous sample"
+                )
+            prev_row = prev.row_of_seq[c.seq.seq_id]
+        floor = self._yoco_floor(c) if self.keep_tokens is not None else None
+        return SequenceInput(
+            c.token_ids, c.start, c.seq.slot, c.seq.block_table, c.sample, floor, prev_row
+        )
 
     def _yoco_floor(self, c: ScheduledChunk) -> int:
         """YOCO compact prefill: the first position that runs the decoder layers.

@@ -2,8 +2,9 @@
 
 `ModelConfig` (config), `Model` (model; one `forward(ForwardBatch, KVCache)` for prefill,
 chunked prefill, decode and verify), `KVCache`/`CacheSpec` (cache), `ForwardBatch`/
-`ForwardOutput` (forward_batch), the DSpark stages (`dspark.dspark_step`), and weight loading /
-tokenizer / chat encoding / the built-in tiny checkpoint (loader, tokenizer, chat,
+`ForwardOutput` and their builder `build_batch` (batch), the DSpark stages
+(`dspark.dspark_step`), a loaded model as an engine runs it (`runtime.ModelRuntime`), and weight
+loading / tokenizer / chat encoding / the built-in tiny checkpoint (loader, tokenizer, chat,
 tiny_checkpoint). Heavy submodules are imported on attribute access.
 """
 
@@ -18,8 +19,11 @@ _EXPORTS = {
     "init_random_": "model",
     "KVCache": "cache",
     "CacheSpec": "cache",
-    "ForwardBatch": "forward_batch",
-    "ForwardOutput": "forward_batch",
+    "ForwardBatch": "batch",
+    "ForwardOutput": "batch",
+    "SequenceInput": "batch",
+    "build_batch": "batch",
+    "ModelRuntime": "runtime",
     "DraftOutput": "dspark",
     "dspark_step": "dspark",
 }

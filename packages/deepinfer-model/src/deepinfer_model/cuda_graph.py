@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 import torch
 from deepinfer_kernels import REGISTRY
 
+from .batch import ForwardBatch, ForwardOutput
 from .cache import KVCache
-from .forward_batch import ForwardBatch, ForwardOutput
 from .layers.block import AttentionInputs
 
 
@@ -194,13 +194,12 @@ class DecodeGraphs:
         if why is not None:
             raise ValueError(f"DecodeGraphs.forward: {why}")
         m = self.model
-        ctx, _ = m.step_context(batch)
-        n = ctx.num_tokens
+        n = len(batch.host.cu_seqlens) - 1  # one token per sequence (`unsupported`)
         size = next(s for s in self.sizes if s >= n)
         bk = self.buckets.get(size)
         if bk is None:
             bk = self.buckets[size] = self._new_bucket(size)
-        m.prepare(ctx, cache)
+        ctx, _ = m.prepare(batch, cache)
         bk.ids[:n].copy_(batch.input_ids)
         bk.positions[:n].copy_(batch.positions)
         if bk.hashes is not None:

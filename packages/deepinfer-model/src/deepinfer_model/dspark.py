@@ -25,13 +25,14 @@ import torch
 from deepinfer_kernels import REGISTRY, ops
 from torch import nn
 
+from .batch import ForwardBatch
 from .cache import KVCache
 from .config import ModelConfig
-from .forward_batch import ForwardBatch, StepContext
 from .layers.attention import Attention, Projections, write_ring
 from .layers.block import Block
 from .layers.linear import Embedding, FP8Linear, Linear, RMSNorm, dense
 from .layers.mhc import identity_pre
+from .step_context import StepContext
 
 
 @dataclass

@@ -3,7 +3,8 @@
 A hub repo is fetched with `huggingface_hub.snapshot_download(allow_patterns=...)`, so only the
 files the text model needs are downloaded (configs, tokenizer, safetensors shards); the usual
 `HF_HOME` / `HF_HUB_CACHE` / `HF_HUB_OFFLINE` / `HF_TOKEN` variables are honoured by
-huggingface_hub itself. Nothing here reads other environment variables.
+huggingface_hub itself. The only variable read here is `XDG_CACHE_HOME` (`user_cache_dir`):
+deepinfer's own settings come in as arguments (the engine resolves `DEEPINFER_HF_MODEL_DIR`).
 """
 
 from __future__ import annotations
@@ -69,15 +70,6 @@ def resolve_checkpoint(
             f"repo id failed: {type(e).__name__}: {e}"
         ) from e
     return Path(local)
-
-
-# ---- the environment this package reads (one place) ------------------------------------------
-MODEL_DIR_ENV = "DEEPINFER_HF_MODEL_DIR"
-
-
-def default_model_source() -> str | None:
-    """`$DEEPINFER_HF_MODEL_DIR` when set and non-empty, else None (the tiny checkpoint)."""
-    return os.environ.get(MODEL_DIR_ENV) or None
 
 
 def user_cache_dir() -> Path:

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tqdm.auto import tqdm
 
-from deepinfer_model.hub import default_model_source, resolve_checkpoint
+from deepinfer_model.hub import resolve_checkpoint
 from deepinfer_model.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -446,14 +446,11 @@ def load_model(
 ) -> LoadedModel:
     """Load a V4.1 checkpoint into a model on `device` with compute dtype `dtype`.
 
-    `source`: a checkpoint directory, a hub repo id (`owner/name`), or None, meaning
-    `$DEEPINFER_HF_MODEL_DIR` when set and else the built-in tiny checkpoint (written once to
-    the user cache dir, then loaded through this same path).
+    `source`: a checkpoint directory, a hub repo id (`owner/name`), or None: the built-in tiny
+    checkpoint (written once to the user cache dir, then loaded through this same path).
     """
     from deepinfer_model.config import ModelConfig
 
-    if source is None:
-        source = default_model_source()
     if source is None:
         from deepinfer_model.tiny_checkpoint import ensure_tiny_checkpoint
 

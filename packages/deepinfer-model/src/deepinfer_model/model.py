@@ -13,14 +13,16 @@ import torch
 from deepinfer_kernels import REGISTRY, ops
 from torch import nn
 
+from .batch import ForwardBatch, ForwardOutput, HostBatchInfo
 from .cache import KVCache
 from .config import ModelConfig
 from .dspark import DSparkStage
-from .forward_batch import ForwardBatch, ForwardOutput, HostBatchInfo, HostStaging, StepContext
 from .layers.block import Block
 from .layers.engram import EngramHasher
 from .layers.linear import Embedding, RMSNorm, dense
 from .layers.mhc import identity_pre
+from .staging import HostStaging
+from .step_context import StepContext
 
 
 class Head(nn.Module):
@@ -75,14 +77,34 @@ class Model(nn.Module):
         self.staging: HostStaging | None = None
         """Batches each step's index uploads (`prepare`); made on the first CUDA step."""
 
-    def prepare(self, ctx: StepContext, cache: KVCache) -> None:
-        """Build every layer's host-side index tensors of the step `ctx` before the first layer
-        runs; on CUDA they reach the device in one non-blocking copy (`HostStaging`)."""
+    def prepare(self, batch: ForwardBatch, cache: KVCache) -> tuple[StepContext, HostBatchInfo]:
+        """Validate `batch` (ValueError naming the field) and derive its attention metadata:
+        the `StepContext` with every layer's host-side index tensors built before the first
+        layer runs (on CUDA they reach the device in one non-blocking copy, `HostStaging`).
+        Returns it with the batch's CPU mirror."""
+        host = batch.host_info()
+        ctx = StepContext.from_batch(batch, host)
+        cfg = self.config
+        ids = batch.input_ids
+        if ids.device.type == "cpu" and (int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size):
+            # on an accelerator this would be a sync per step: the engine checks at admission
+            raise ValueError(f"ForwardBatch.input_ids: ids must be in [0, {cfg.vocab_size})")
+        if max(c + n for c, n in zip(ctx.ctx, ctx.lens, strict=True)) > cfg.max_position_embeddings:
+            raise ValueError(
+                f"ForwardBatch.positions: must be < max_position_embeddings "
+                f"{cfg.max_position_embeddings}"
+            )
+        t = ids.shape[0]
+        if len(host.logits_indices) != batch.logits_indices.shape[0] or any(
+            r < 0 or r >= t for r in host.logits_indices
+        ):
+            raise ValueError(f"ForwardBatch.logits_indices: rows must be in [0, {t})")
         if ctx.device.type == "cuda" and self.staging is None:
             self.staging = HostStaging(ctx.device)
         with ctx.staged(self.staging):
             for layer in self.layers:
                 layer.attn.prepare(ctx, cache)
+        return ctx, host
 
     def forward(self, batch: ForwardBatch, cache: KVCache) -> ForwardOutput:
         """Run the new tokens of every sequence in `batch`, writing their state into `cache`.
@@ -139,30 +161,8 @@ class Model(nn.Module):
             logits=stacked, hidden=torch.cat(hidden) if batch.return_hidden else None
         )
 
-    def step_context(self, batch: ForwardBatch) -> tuple[StepContext, HostBatchInfo]:
-        """Validate `batch` (ValueError naming the field) and build its `StepContext`."""
-        host = batch.host_info()
-        ctx = StepContext.from_batch(batch, host)
-        cfg = self.config
-        ids = batch.input_ids
-        if ids.device.type == "cpu" and (int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size):
-            # on an accelerator this would be a sync per step: the engine checks at admission
-            raise ValueError(f"ForwardBatch.input_ids: ids must be in [0, {cfg.vocab_size})")
-        if max(c + n for c, n in zip(ctx.ctx, ctx.lens, strict=True)) > cfg.max_position_embeddings:
-            raise ValueError(
-                f"ForwardBatch.positions: must be < max_position_embeddings "
-                f"{cfg.max_position_embeddings}"
-            )
-        t = ids.shape[0]
-        if len(host.logits_indices) != batch.logits_indices.shape[0] or any(
-            r < 0 or r >= t for r in host.logits_indices
-        ):
-            raise ValueError(f"ForwardBatch.logits_indices: rows must be in [0, {t})")
-        return ctx, host
-
     def _forward(self, batch: ForwardBatch, cache: KVCache) -> ForwardOutput:
-        ctx, host = self.step_context(batch)
-        self.prepare(ctx, cache)
+        ctx, host = self.prepare(batch, cache)
         cfg = self.config
         ids = batch.input_ids
         host_rows = host.logits_indices

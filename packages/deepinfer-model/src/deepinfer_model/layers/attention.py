@@ -23,7 +23,7 @@ from torch import nn
 
 from ..cache import KVCache
 from ..config import ModelConfig
-from ..forward_batch import CandidateMasks, Compressed, StepContext
+from ..step_context import CandidateMasks, Compressed, StepContext
 from .compressor import Compressor
 from .indexer import Indexer
 from .linear import FP8Linear, RMSNorm, dense

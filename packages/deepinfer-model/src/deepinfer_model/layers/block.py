@@ -10,7 +10,7 @@ from torch import nn
 
 from ..cache import KVCache
 from ..config import ModelConfig
-from ..forward_batch import StepContext
+from ..step_context import StepContext
 from .attention import Attention, Projections
 from .engram import Engram
 from .linear import RMSNorm

@@ -13,7 +13,7 @@ from torch import nn
 
 from ..cache import KVCache
 from ..config import ModelConfig
-from ..forward_batch import StepContext
+from ..step_context import StepContext
 from .linear import Linear, RMSNorm
 
 

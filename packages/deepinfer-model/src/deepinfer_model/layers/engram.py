@@ -25,7 +25,7 @@ from torch import nn
 
 from ..cache import KVCache
 from ..config import ModelConfig
-from ..forward_batch import StepContext
+from ..step_context import StepContext
 from .linear import SCALE_DTYPE, FP8Linear
 
 FROZEN_MULTIPLIERS: dict[tuple[int, int, int], tuple[int, ...]] = {

@@ -1,11 +1,12 @@
-"""The flat batch one forward call runs (`ForwardBatch`), its result (`ForwardOutput`), and the
-per-step facts every layer derives from it (`StepContext`).
+"""The attention metadata of one forward (`StepContext`): the per-step facts every layer derives
+from the `ForwardBatch`, the index tensors built from them once per step (windows, ring writes,
+compressed entries and their pages), and what source layers hand to later layers (`Compressed`,
+top-k ids, `CandidateMasks`).
 
-No device->host reads: everything the forward decides on the host (sequence ranges, which rows
-close a compressed group, which pages hold which entries, which ring rows to write) comes from
-the batch's CPU mirror (`HostBatchInfo`); the index tensors built from it go to the device in
-pinned, non-blocking copies. So on CUDA a forward only enqueues work and the host can run ahead
-(async scheduling overlaps the next step's host work with this step's kernels).
+No device->host reads: everything decided on the host (sequence ranges, which rows close a
+compressed group, which pages hold which entries, which ring rows to write) comes from the
+batch's CPU mirror (`HostBatchInfo`); the index tensors built from it go to the device in
+pinned, non-blocking copies (`staging`).
 """
 
 from __future__ import annotations
@@ -16,181 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-
-@dataclass
-class HostBatchInfo:
-    """CPU copies of a `ForwardBatch`'s metadata (the runner builds the batch from these).
-
-    cu_seqlens [B+1], context_lens [B], slots [B], logits_indices [R], yoco_floor [B] | None:
-    python ints equal to the device tensors of the same name; block_tables: CPU int32
-    [B, max_blocks] equal to the device table. Positions are not mirrored: by the contract they
-    are ``context_lens[b] ..`` for each sequence.
-    """
-
-    cu_seqlens: list[int]
-    context_lens: list[int]
-    slots: list[int]
-    block_tables: torch.Tensor
-    logits_indices: list[int]
-    yoco_floor: list[int] | None = None
-
-    @classmethod
-    def of(cls, batch: ForwardBatch) -> HostBatchInfo:
-        """Read the mirror from the batch's tensors (a device->host sync on CUDA tensors)."""
-        return cls(
-            cu_seqlens=[int(v) for v in batch.cu_seqlens.tolist()],
-            context_lens=[int(v) for v in batch.context_lens.tolist()],
-            slots=[int(v) for v in batch.slots.tolist()],
-            block_tables=batch.block_tables.detach().to("cpu", torch.int32),
-            logits_indices=[int(v) for v in batch.logits_indices.tolist()],
-            yoco_floor=None
-            if batch.yoco_floor is None
-            else [int(v) for v in batch.yoco_floor.tolist()],
-        )
-
-
-@dataclass
-class ForwardBatch:
-    """New tokens of B sequences, flat. Sequence b's tokens sit at positions
-    ``context_lens[b] .. context_lens[b] + n_b - 1`` (n_b from `cu_seqlens`).
-
-    input_ids: [T] int64; positions: [T] int64; cu_seqlens: [B+1] int32; context_lens: [B] int64
-    (tokens already in the cache); slots: [B] int64 (per-slot state index); block_tables:
-    [B, max_blocks] int32 page ids (-1 padded); logits_indices: [R] int64 flat rows whose logits
-    are wanted; return_hidden: also return the DSpark target-layer hidden states of all T rows.
-    yoco_floor: optional [B] int64 (YOCO compact prefill, "decoder SWA bounded replay"): the
-    first position of each sequence that runs the layers after the CED split layer (layers
-    > `config.decoder_start_layer`); tokens before it stop after that layer, and those layers'
-    windows never reach below it. 0 (or None) = exact path. Pass the same value for a sequence's
-    whole life (prompt chunks and decode steps) once set.
-    host: optional CPU mirror of the metadata (`HostBatchInfo`). Give it whenever the tensors are
-    on an accelerator: without it the forward reads the metadata back (one sync per forward). On
-    CUDA the forward then trusts the device tensors to match it and does not re-check
-    `input_ids`/`positions` on the device (the engine validates token ids at admission); with CPU
-    tensors everything is checked, the mirror included.
-    """
-
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    cu_seqlens: torch.Tensor
-    context_lens: torch.Tensor
-    slots: torch.Tensor
-    block_tables: torch.Tensor
-    logits_indices: torch.Tensor
-    return_hidden: bool = False
-    yoco_floor: torch.Tensor | None = None
-    host: HostBatchInfo | None = None
-
-    @classmethod
-    def build(
-        cls,
-        seqs: list[list[int]],
-        context_lens: list[int],
-        slots: list[int],
-        block_tables: list[list[int]],
-        logits_rows: str | list[int] = "last",
-        return_hidden: bool = False,
-        device: torch.device | str = "cpu",
-    ) -> ForwardBatch:
-        """Convenience constructor from per-sequence token lists (tests, tools).
-
-        `logits_rows`: "last" (last token of each sequence), "all", or explicit flat rows.
-        On a non-CPU device the batch carries its `host` mirror (so set `yoco_floor` through
-        `with_yoco_floor`, which keeps the mirror in step); on CPU it has none (tests edit fields).
-        """
-        if not (len(seqs) == len(context_lens) == len(slots) == len(block_tables)):
-            raise ValueError(
-                "ForwardBatch.build: seqs, context_lens, slots, block_tables differ in length"
-            )
-        ids, pos, cu = [], [], [0]
-        for toks, c in zip(seqs, context_lens, strict=True):
-            if not toks:
-                raise ValueError("ForwardBatch.build: every sequence needs at least one new token")
-            ids += toks
-            pos += range(c, c + len(toks))
-            cu.append(cu[-1] + len(toks))
-        width = max(1, max(len(b) for b in block_tables))
-        bt = torch.full((len(seqs), width), -1, dtype=torch.int32)
-        for i, b in enumerate(block_tables):
-            bt[i, : len(b)] = torch.tensor(b, dtype=torch.int32)
-        if logits_rows == "last":
-            rows = [c - 1 for c in cu[1:]]
-        elif logits_rows == "all":
-            rows = list(range(cu[-1]))
-        else:
-            rows = list(logits_rows)
-        dev = torch.device(device)
-        host = None
-        if dev.type != "cpu":
-            host = HostBatchInfo(
-                list(cu), list(context_lens), list(slots), bt.clone(), list(rows), None
-            )
-        return cls(
-            input_ids=torch.tensor(ids, dtype=torch.int64).to(dev),
-            positions=torch.tensor(pos, dtype=torch.int64).to(dev),
-            cu_seqlens=torch.tensor(cu, dtype=torch.int32).to(dev),
-            context_lens=torch.tensor(context_lens, dtype=torch.int64).to(dev),
-            slots=torch.tensor(slots, dtype=torch.int64).to(dev),
-            block_tables=bt.to(dev),
-            logits_indices=torch.tensor(rows, dtype=torch.int64).to(dev),
-            return_hidden=return_hidden,
-            host=host,
-        )
-
-    def with_yoco_floor(self, floor: list[int]) -> ForwardBatch:
-        """Set `yoco_floor` [B] (tensor and host mirror alike); returns self."""
-        self.yoco_floor = torch.tensor(floor, dtype=torch.int64).to(self.input_ids.device)
-        if self.host is not None:
-            self.host.yoco_floor = list(floor)
-        return self
-
-    def token_alone(self, host: HostBatchInfo, b: int, row: int, logits: bool) -> ForwardBatch:
-        """Flat row `row` (of sequence `b`) as a one-token batch of its own, for the
-        batch-invariant per-token mode: the token at its position with its sequence's slot,
-        pages and YOCO floor; its logits row requested iff `logits`. `host`: this batch's
-        `host_info()`."""
-        dev = self.input_ids.device
-        return ForwardBatch(
-            input_ids=self.input_ids[row : row + 1],
-            positions=self.positions[row : row + 1],
-            cu_seqlens=torch.tensor([0, 1], dtype=torch.int32).to(dev),
-            context_lens=self.positions[row : row + 1].to(self.context_lens.dtype),
-            slots=self.slots[b : b + 1],
-            block_tables=self.block_tables[b : b + 1],
-            logits_indices=torch.zeros(1 if logits else 0, dtype=torch.int64).to(dev),
-            return_hidden=self.return_hidden,
-            yoco_floor=None if self.yoco_floor is None else self.yoco_floor[b : b + 1],
-            host=HostBatchInfo(
-                [0, 1],
-                [host.context_lens[b] + row - host.cu_seqlens[b]],
-                [host.slots[b]],
-                host.block_tables[b : b + 1],
-                [0] if logits else [],
-                None if host.yoco_floor is None else [host.yoco_floor[b]],
-            ),
-        )
-
-    def host_info(self) -> HostBatchInfo:
-        """The CPU mirror: `host` if given (checked against CPU tensors), else read back."""
-        if self.host is None:
-            return HostBatchInfo.of(self)
-        if self.cu_seqlens.device.type == "cpu":
-            real = HostBatchInfo.of(self)
-            for name in ("cu_seqlens", "context_lens", "slots", "logits_indices", "yoco_floor"):
-                if getattr(real, name) != getattr(self.host, name):
-                    raise ValueError(f"ForwardBatch.host.{name}: differs from ForwardBatch.{name}")
-            if not torch.equal(real.block_tables, self.host.block_tables.to(torch.int32)):
-                raise ValueError("ForwardBatch.host.block_tables: differs from block_tables")
-        return self.host
-
-
-@dataclass
-class ForwardOutput:
-    """logits: [R, vocab] fp32 for `logits_indices`; hidden: [T, D * n_targets] (the mean over
-    streams of the inputs of the DSpark target layers, concatenated) when requested, else None."""
-
-    logits: torch.Tensor
-    hidden: torch.Tensor | None = None
+from .batch import ForwardBatch, HostBatchInfo
+from .staging import HostStaging, upload
 
 
 @dataclass
@@ -211,48 +39,6 @@ class Compressed:
         return Compressed(
             self.kv, self.index_k, [self.offsets[b] for b in seqs], [self.counts[b] for b in seqs]
         )
-
-
-class HostStaging:
-    """Pinned host and device int64 buffers that carry a step's host-built index tensors to the
-    device in one non-blocking copy (`StepContext.staged`) instead of one pinned allocation and
-    copy each (~70 us of host time apiece on the H200 host).
-
-    `depth` buffer pairs are used in turn; a host buffer is refilled only once the copy that
-    last read it has run (an event; with async scheduling at most two steps are in flight, so
-    with depth 4 that wait never blocks), and the device buffer's next copy is ordered after
-    every kernel of the step that read it (one stream). Owned by the model (`Model.staging`).
-    """
-
-    def __init__(self, device: torch.device, capacity: int = 1 << 20, depth: int = 4) -> None:
-        self.cuda = torch.device(device).type == "cuda"
-        self.pairs = [
-            (
-                torch.empty(capacity, dtype=torch.int64, pin_memory=self.cuda),
-                torch.empty(capacity, dtype=torch.int64, device=device),
-            )
-            for _ in range(depth)
-        ]
-        self.events: list[torch.cuda.Event | None] = [None] * depth
-        self.next = 0
-
-    def acquire(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next (host, device) pair, its previous copy finished."""
-        ev = self.events[self.next]
-        if ev is not None and not ev.query():
-            ev.synchronize()
-        return self.pairs[self.next]
-
-    def release(self, used: int) -> None:
-        """Enqueue the copy of the first `used` elements of the acquired pair."""
-        host, dev = self.pairs[self.next]
-        if used:
-            dev[:used].copy_(host[:used], non_blocking=True)
-            if self.cuda:
-                ev = torch.cuda.Event()
-                ev.record()
-                self.events[self.next] = ev
-        self.next = (self.next + 1) % len(self.pairs)
 
 
 class CandidateMasks:
@@ -294,16 +80,6 @@ def segment_ids(offsets: list[int], total: int) -> torch.Tensor:
         starts = torch.tensor(offsets[1:], dtype=torch.int64)
         marks.index_add_(0, starts, torch.ones_like(starts))
     return marks[:total].cumsum(0)
-
-
-def upload(x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A CPU tensor on `device` without making the host wait: pinned + non-blocking on CUDA
-    (the caching host allocator keeps the pinned buffer alive until the copy has run)."""
-    if device.type == "cpu":
-        return x
-    if device.type == "cuda":
-        return x.pin_memory().to(device, non_blocking=True)
-    return x.to(device)
 
 
 @dataclass
