@@ -206,6 +206,7 @@ def test_report_and_override_argument():
         "runpy.run_module('deepinfer_kernels', run_name='__main__')"
     )
     assert "fp8_linear" in out and "-> ref" in out
+    assert "plans on an H200" in out and "wo_b [5120, 8192]" in out and "T=8192" in out
     bad = subprocess.run(
         [sys.executable, "-m", "deepinfer_kernels", "--kernels", "fp8_linaer=ref"],
         capture_output=True,
