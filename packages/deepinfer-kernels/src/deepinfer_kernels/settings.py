@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 TIERS: tuple[str, ...] = ("vendor", "cuda", "tilelang", "triton", "npu", "ref")
-"""Implementation tiers in default order of preference (first capable one wins). cuda before
-tilelang: its FP8 prefill GEMM is the faster where both take a call (NOTES.md, fifteenth
-session); the only ops with both tiers."""
+"""Implementation tiers in default order of preference (the first that can run a call wins):
+vendor adapters where importable, the hand-written CUDA kernels, TileLang (the attention side),
+Triton (the portable GPU tier), torch_npu, and the torch reference."""
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")

@@ -1,5 +1,5 @@
 // Swap-AB FP8 decode GEMM on wgmma (sm_90a) for V4.1's block-scaled format, decode sizes (any M
-// in token tiles of up to 64; the cuda tier sends it at most `decode_gemm.MAX_M`):
+// in token tiles of up to 64; `ops/linear.py` sends it at most `CUDA_DECODE_MAX_M` tokens):
 // out[M, N] = sum_k (x[m, k] * sx[m, k / 32]) * (w[n, k] * sw[n / 32, k / 32]), x [M, K] and
 // w [N, K] e4m3, sx fp32 powers of two, sw UE8M0 bytes (or fp32 with SB_F32), fp32 sums; out
 // bf16 (or fp32 with OUT_F32).

@@ -312,7 +312,7 @@ class Kernel:
 
 
 # torch's compiled code reads the current stream's handle through this, without building a
-# Stream object (~5 us less per launch); None where a torch build lacks it
+# Stream object (cheaper per launch); None where a torch build lacks it
 _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 

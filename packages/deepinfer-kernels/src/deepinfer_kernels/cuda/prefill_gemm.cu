@@ -306,7 +306,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     asm volatile("bar.sync 1, 256;" ::: "memory");
 #endif
     // the consumers fill the sb table while the producer's first loads are in flight (filled
-    // before the CTA's barrier, it delayed them: 0.5 us of a 10 us tile at K = 1280)
+    // before the CTA's barrier, it delays them)
     fill_sb_table(sb_table, sb_ptr, n0, n_cols, k_groups, threadIdx.x - 128, 256);
     asm volatile("bar.sync 1, 256;" ::: "memory");
     float acc[NB8][4], part[2][NB8][4], p[2][NCB];
@@ -383,7 +383,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 #endif
 
     // the tile out through shared memory and the TMA (direct 4-byte stores of the wgmma layout
-    // took 2 us of a 10 us tile at K = 1280): each warpgroup stages its 64 rows as
+    // are slower): each warpgroup stages its 64 rows as
     // 128-byte-swizzled boxes and one of its threads stores them, out-of-bounds rows and columns
     // left out by the TMA. One tile per CTA: both consumer warpgroups are past their last wgmma,
     // so the drained ring holds the staging. PERSISTENT: the ring holds the next tile's stages,

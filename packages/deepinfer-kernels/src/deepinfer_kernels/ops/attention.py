@@ -1,4 +1,7 @@
-"""Attention ops: `sparse_sink_attention` (gathered KV rows, per-head sink)."""
+"""Attention ops: `sparse_sink_attention` (gathered KV rows, per-head sink).
+
+Tiers: `triton` (the default on a GPU and the portable one: one launch per call on any CUDA GPU
+Triton supports), `ref` (torch: the numerics oracle and the CPU path)."""
 
 from __future__ import annotations
 

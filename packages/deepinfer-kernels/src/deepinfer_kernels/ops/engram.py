@@ -1,4 +1,6 @@
-"""Engram op: `engram_gate` (gated n-gram memory added to every residual stream)."""
+"""Engram op: `engram_gate` (gated n-gram memory added to every residual stream).
+
+Tiers: `ref` only (torch, on the GPU too) so far."""
 
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""Lightning-indexer ops: `indexer_scores`, `index_topk`, `candidate_blocks`."""
+"""Lightning-indexer ops: `indexer_scores`, `index_topk`, `candidate_blocks`.
+
+Tiers: `triton` (the default on a GPU and the portable one: one launch per call on any CUDA GPU
+Triton supports), `ref` (torch: the numerics oracle and the CPU path). `indexer_scores` has
+only the ref tier (torch on the GPU) so far."""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""Single-pass mHC ops: `hc_mixes`, `hc_split_sinkhorn`, `hc_pre`, `hc_post`."""
+"""Single-pass mHC ops: `hc_mixes`, `hc_split_sinkhorn`, `hc_pre`, `hc_post`.
+
+Tiers: `triton` (the default on a GPU and the portable one: one launch per call on any CUDA GPU
+Triton supports), `ref` (torch: the numerics oracle and the CPU path)."""
 
 from __future__ import annotations
 
@@ -36,8 +39,7 @@ for _op in ("hc_mixes", "hc_split_sinkhorn", "hc_pre", "hc_post"):
 
 _MIXES_TRITON_MAX_T = 128
 """Above this many tokens the triton `hc_mixes` (an fp32 FMA dot) is slower than the ref tier's
-cuBLAS GEMM on the H200 (tools/bench_small_ops.py, 2026-11-30: 1.1x faster at T=64, 0.45x at
-T=4096), so outside batch-invariant mode larger calls go to ref."""
+cuBLAS GEMM (PERF.md), so outside batch-invariant mode larger calls go to ref."""
 
 
 def mixes_triton_reason(

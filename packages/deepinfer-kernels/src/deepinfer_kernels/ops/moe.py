@@ -2,6 +2,11 @@
 routed FP4 experts (permute, W1/W3, clamped SwiGLU x routing weight, W2, weighted combine).
 
 The shared expert is not here: it is a dense FP8 MLP the model computes with `ops.fp8_linear`.
+
+Tiers: `moe_experts` runs the `cuda` tier on Hopper (sm_90a mma.sync and wgmma kernels, the
+fastest measured at every size) and the `triton` tier elsewhere (the portable GPU tier: any CUDA
+GPU Triton supports with FP8); `moe_gate` runs `triton`; `ref` (torch) defines the numerics and
+runs on CPU. Which cuda kernels and which tiles a call takes is decided here (`plan`).
 """
 
 from __future__ import annotations

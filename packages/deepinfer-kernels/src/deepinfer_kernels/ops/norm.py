@@ -1,4 +1,7 @@
-"""Normalisation ops: `rms_norm`."""
+"""Normalisation ops: `rms_norm`.
+
+Tiers: `triton` (the default on a GPU and the portable one: one launch per call on any CUDA GPU
+Triton supports), `ref` (torch: the numerics oracle and the CPU path)."""
 
 from __future__ import annotations
 

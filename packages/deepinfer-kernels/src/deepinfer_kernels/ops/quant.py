@@ -4,7 +4,10 @@
 KV fake-quantisation ops (quantise then dequantise, same dtype): `fake_quant_fp8_ue8m0` (window
 KV), `fake_quant_fp4_ue8m0` (index keys and queries), `fake_quant_fp4_e4m3_scale` (compressed
 KV); their `ref` tier is `deepinfer_kernels.quant`, which defines the numerics, and the triton
-tier reproduces it bit for bit in one launch."""
+tier reproduces it bit for bit in one launch.
+
+Tiers: `vendor` (TileKernels, where installed: the same bits), `triton` (the default on a GPU and
+the portable one), `ref` (`deepinfer_kernels.quant`)."""
 
 from __future__ import annotations
 

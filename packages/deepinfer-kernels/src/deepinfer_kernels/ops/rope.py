@@ -1,4 +1,7 @@
-"""Rotary position embedding: `rope` (interleaved adjacent pairs)."""
+"""Rotary position embedding: `rope` (interleaved adjacent pairs).
+
+Tiers: `triton` (the default on a GPU and the portable one: one launch per call on any CUDA GPU
+Triton supports), `ref` (torch: the numerics oracle and the CPU path)."""
 
 from __future__ import annotations
 

@@ -189,9 +189,7 @@ class MoeConfig:
     stages2: int = 0  # pipeline stages of the W2 kernel (0: stages)
     prefetch_scales: bool = False  # load the next K step's scale bytes one step ahead
     cols_fast2: bool | None = None  # grid order of the W2 kernel (None: cols_fast)
-    # the weights are in `quant.fp4_fragment_order` (FP4 mode 2, K steps of 64 or 128; same
-    # sums). H200, T=8192: PREFILL on them 15.35 ms against 13.11 on the checkpoint's order (a
-    # 64-wide step gathers half of each 64-byte step), block_k=128 with 2 stages 13.54 ms
+    # the weights are in `quant.fp4_fragment_order` (K steps of 64 or 128; the same sums)
     fragment_weights: bool = False
 
     def __post_init__(self) -> None:

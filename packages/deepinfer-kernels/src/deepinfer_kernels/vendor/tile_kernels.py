@@ -1,15 +1,13 @@
 """Activation quantisation from DeepSeek's TileKernels (PyPI `tile-kernels`, TileLang kernels):
 `act_quant_fp8` by `per_token_cast` at 32 channels per scale with the scales rounded up to powers
 of two (`round_sf`), as fp32 [rows, K / 32]: the reference's format and arithmetic, bit for bit
-(amax floored at 1e-4, the library's default clamp). H200: 8192 x 5120 bf16 in 36.5 us, about
-the triton tier's 37.6 (NOTES.md, eighteenth session). TileKernels is not a
-dependency: install it with `pip install --no-deps tile-kernels` (its metadata asks for a newer
-torch than it needs).
+(amax floored at 1e-4, the library's default clamp), about as fast as the triton tier (PERF.md).
+TileKernels is not a dependency: install it with `pip install --no-deps tile-kernels` (its
+metadata asks for a newer torch than it needs).
 
-Its other kernels are not used: `norm_forward_and_per_token_cast` matches the reference (within
-the rsqrt's last bit) but ran slower than the triton tier (96 vs 50 us at 8192 rows); its SwiGLU
-casts the fp32 product without the reference's rounding to bf16 first; its gate takes logits
-(the gate GEMM is ours)."""
+Its other kernels are not used: its fused RMSNorm + cast is no faster than ours, its SwiGLU casts
+the fp32 product without the reference's rounding to bf16 first, its gate takes logits (the gate
+GEMM is ours)."""
 
 from __future__ import annotations
 
