@@ -533,7 +533,8 @@ def test_rows_do_not_depend_on_the_batch():
     TMA, the 16-token-tile or the register kernels run it)."""
     x, tw, ids, *ws = _inputs(300, 512, 256, 64, 6, seed=7)
     full = cuda_moe_experts(x, tw, ids, *ws, 10.0)  # 16-token tiles
-    assert moe_ops.cuda_config(False, False, 300, ids.numel(), 64) == md.TMA_TILE16
+    # the decode kernels' choice at 300 tokens (decode-sized routing): 16-token tiles
+    assert moe_ops.cuda_config(False, False, 300, ids.numel(), 384) == md.TMA_TILE16
     for lo, hi in ((0, 1), (299, 300), (5, 21), (9, 13)):
         assert torch.equal(
             cuda_moe_experts(x[lo:hi], tw[lo:hi], ids[lo:hi], *ws, 10.0), full[lo:hi]

@@ -188,3 +188,21 @@ def test_moe_plans_pass_over_what_a_tier_cannot_run():
     assert plans[0].tier == "triton" and "checkpoint's order" in passed[0]
     plans, passed = M.plan(16, 6, 384, 4096, 2048, torch.bfloat16, F3, True, True, False, *h200)
     assert [p.tier for p in plans] == ["ref"] and len(passed) == 2
+
+
+def test_a_cuda_plan_checks_the_operands_layout():
+    """A call whose operands the cuda kernels cannot take (not contiguous, not 16-byte aligned)
+    falls to the next plan: the check runs per call, on CPU tensors too."""
+    from deepinfer_kernels import quant
+
+    w, ws = quant.quantize_fp8_blocks(torch.randn(64, 128))
+    xq, xs = quant.act_quant_fp8(torch.randn(4, 128))
+    cuda = L.GemmPlan("cuda", "decode", None)
+    assert L._operand_reason(cuda, "fp8_gemm", (xq, xs, w, ws, torch.bfloat16)) is None
+    strided = xq.t().contiguous().t()
+    why = L._operand_reason(cuda, "fp8_gemm", (strided, xs, w, ws, torch.bfloat16))
+    assert why == "x_fp8 is not contiguous"
+    x = torch.randn(4, 128)
+    assert L._operand_reason(cuda, "fp8_linear", (x, w, ws)) is None
+    assert "w must be contiguous" in L._operand_reason(cuda, "fp8_linear", (x, w.t(), ws))
+    assert L._operand_reason(L.GemmPlan("triton", "tiles"), "fp8_gemm", (strided,)) is None

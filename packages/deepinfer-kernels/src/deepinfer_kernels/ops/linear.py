@@ -223,10 +223,10 @@ def _operand_reason(p: GemmPlan, op: str, args: tuple) -> str | None:
     """Why `p`'s kernel cannot take these operands (layout, alignment), or None."""
     if p.tier != "cuda":
         return None
-    from ..cuda import prefill_gemm
+    from ..cuda import module
 
     if op == "fp8_gemm":
-        return prefill_gemm.operand_reason(*args)
+        return module.operand_reason(*args)
     _, w, w_scale = args
     for name, t in (("w", w), ("w_scale", w_scale)):
         if not t.is_contiguous() or t.data_ptr() % 16:
