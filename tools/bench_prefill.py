@@ -145,7 +145,7 @@ def route_rows(rows: list[dict], n: int, k: int, sms: int, quick: bool) -> None:
         table = linear.ROUTES[n, k].split()[i]
         same = measured == table or (table == "." and measured in fill)
         row = {"shape": f"{n}x{k}", "m": f"{bucket[0]}-{bucket[1]}", **times}
-        row.update(measured=measured, routes=table, differs="" if same else "differs")
+        row.update(measured=measured, routes=table, check="ok" if same else "differs")
         rows.append(row)
         print(row, flush=True)
 
@@ -166,7 +166,7 @@ def main() -> None:
         cols = [Col("shape", "shape"), Col("M", "m")]
         cols += [Col(f"decode {d} us", d, ".1f") for d in linear.DECODE_CONFIGS]
         cols += [Col("prefill us", "prefill", ".1f"), Col("prefill inv us", "prefill inv", ".1f")]
-        cols += [Col("measured", "measured"), Col("ROUTES", "routes"), Col("", "differs")]
+        cols += [Col("measured", "measured"), Col("ROUTES", "routes"), Col("check", "check")]
         name = "bench_prefill_routes"
     else:
         cols = [
