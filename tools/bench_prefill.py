@@ -17,8 +17,9 @@ in both, `D?` where only batch-invariant mode's prefill config beats the decode 
 Timing: one CUDA graph of calls over distinct weights (1 GiB of them, 4 to 16 sets: more than
 the L2 holds; `harness.chain_graph_ms`, the engine's harness), best of 3 graphs.
 
-`python tools/bench_prefill.py [--quick] [--routes]` on the GPU machine (--quick: M in 512 /
-1024 / 8192; with --routes only the buckets above 64 tokens). JSON of the rows in $OUT.
+`python tools/bench_prefill.py [--quick] [--routes] [--shapes NxK ...]` on the GPU machine
+(--quick: M in 512 / 1024 / 8192; with --routes only the buckets above 64 tokens; --shapes: only
+those weights, to split a long run). JSON of the rows in $OUT.
 """
 
 from __future__ import annotations
@@ -156,7 +157,18 @@ def main() -> None:
     )
     parser.add_argument("--quick", action="store_true", help=f"only M in {QUICK_M} (or buckets)")
     parser.add_argument("--routes", action="store_true", help="re-measure ops.linear.ROUTES")
+    parser.add_argument(
+        "--shapes", nargs="+", metavar="NxK", help="only these weights (a long run in parts)"
+    )
     args = parser.parse_args()
+    shapes = None
+    if args.shapes:
+        try:
+            shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
+        except ValueError:
+            parser.error(f"--shapes: NxK, got {args.shapes}")
+        if any(len(s) != 2 for s in shapes):
+            parser.error(f"--shapes: NxK, got {args.shapes}")
     if not torch.cuda.is_available():
         raise SystemExit("bench_prefill: needs a CUDA GPU")
     from deepinfer_kernels.ops import linear
@@ -191,10 +203,12 @@ def main() -> None:
         if args.routes and sms != linear.H200_SMS:
             table.title += f"; ROUTES holds for {linear.H200_SMS} SMs, not this GPU's"
         if args.routes:
-            for n, k in linear.ROUTES:
+            for n, k in shapes or linear.ROUTES:
+                if (n, k) not in linear.ROUTES:
+                    raise SystemExit(f"--shapes: {n}x{k} is not a ROUTES weight")
                 route_rows(rows, n, k, sms, args.quick)
         else:
-            for n, k in SHAPES:
+            for n, k in shapes or SHAPES:
                 shape_rows(rows, n, k, QUICK_M if args.quick else M_LIST)
 
     harness.run(table, measure)
