@@ -39,17 +39,18 @@ import io
 import json
 import os
 import pstats
-import signal
 import statistics
 import tempfile
 import time
 import warnings
 from contextlib import contextmanager
 
+import harness
 import torch
 from deepinfer_engine.llm import LLM
 from deepinfer_model.runtime import ModelRuntime
 from deepinfer_sampling.params import SamplingParams
+from harness import Col
 
 
 class IdTokenizer:
@@ -298,22 +299,27 @@ def main() -> None:
     args = ap.parse_args()
     if args.slice_experts is None:
         args.slice_experts = 384 if args.device == "cuda" else 16
-    rows = []
-    # `timeout N python tools/bench_engine.py ...` sends SIGTERM: print the rows measured so far
-    signal.signal(signal.SIGTERM, _stop)
-    try:
-        _measure(args, rows)
-    except _Stopped:
-        print("# stopped by SIGTERM: the table has the runs finished so far", flush=True)
-    _print_table(args, rows)
-
-
-class _Stopped(Exception):
-    pass
-
-
-def _stop(signum, frame):
-    raise _Stopped
+    table = harness.Table(
+        "bench_engine",
+        [
+            Col("model", "model"),
+            Col("batch", "batch", "d"),
+            Col("async", "async"),
+            Col("mode", "mode"),
+            Col("tok/s", "tok/s", ".1f"),
+            Col("host ms/step", "host ms/step", ".2f"),
+            Col("step ms", "step ms", ".2f"),
+            Col("GPU busy ms", "GPU busy ms", ".2f"),
+            Col("GPU idle %", "GPU idle %", ".1f"),
+            Col("syncs", "syncs", "d"),
+        ],
+        title=(
+            f"bench_engine on {harness.device_name(args.device)}: prompt {args.prompt_len} "
+            f"tokens, decode steps: {args.warm} warm, {args.steps} timed, {args.prof_steps} "
+            f"profiled; temperature 0.8 top-p 0.95 top-k {args.top_k or 'off'} seeded"
+        ),
+    )
+    harness.run(table, lambda rows: _measure(args, rows))
 
 
 def _measure(args, rows: list) -> None:
@@ -352,32 +358,13 @@ def _measure(args, rows: list) -> None:
                 first = (async_on, g) == modes[0]
                 run_args = args if first else argparse.Namespace(**{**vars(args), "cprofile": 0})
                 r = run_one(llm, probe, b, run_args, async_on, g)
-                label = ("on" if async_on else "off", "graph" if g else "eager")
-                rows.append((name, b, *label, r))
-                print(f"#   {name} B={b} async={label[0]} {label[1]}: {r}", flush=True)
+                a, mode = "on" if async_on else "off", "graph" if g else "eager"
+                rows.append({"model": name, "batch": b, "async": a, "mode": mode, **r})
+                print(f"#   {name} B={b} async={a} {mode}: {r}", flush=True)
         del llm, probe  # give the KV cache and weights back before the next model
         gc.collect()
         if args.device == "cuda":
             torch.cuda.empty_cache()
-
-
-def _print_table(args, rows: list) -> None:
-    dev = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    print(
-        f"\nengine benchmark on {dev}: prompt {args.prompt_len} tokens, decode steps: "
-        f"{args.warm} warm, {args.steps} timed, {args.prof_steps} profiled; "
-        f"temperature 0.8 top-p 0.95 top-k {args.top_k or 'off'} seeded"
-    )
-    print(
-        f"{'model':6} {'batch':>5} {'async':>5} {'mode':>5} {'tok/s':>9} {'host ms/step':>13} "
-        f"{'step ms':>9} {'GPU busy ms':>12} {'GPU idle %':>10} {'syncs':>6}"
-    )
-    for name, b, a, mode, r in rows:
-        print(
-            f"{name:6} {b:5d} {a:>5} {mode:>5} {r['tok/s']:9.1f} {r['host ms/step']:13.2f} "
-            f"{r['step ms']:9.2f} {r['GPU busy ms']:12.2f} {r['GPU idle %']:10.1f} "
-            f"{r['syncs']:6d}"
-        )
 
 
 if __name__ == "__main__":

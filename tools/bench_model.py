@@ -16,17 +16,8 @@ Rows:
 Peak memory is `torch.cuda.max_memory_allocated()` during the row, and the part of it above
 the weights + KV cache allocated before the row (activations and temporaries).
 
-Baseline recorded 2026-11-30, one H200, bf16, `--iters 2` (ms per call, median):
-
-| row | tokens | layer 20 ms | layer 21 ms | peak GiB | act+tmp GiB |
-|---|---:|---:|---:|---:|---:|
-| decode B=1 ctx=8192 | 1 | 30.0 | 25.0 | 22.1 | 0.5 |
-| decode B=32 ctx=8192 | 32 | 271.8 | 243.5 | 22.7 | 1.2 |
-| decode B=256 ctx=8192 | 256 | 975.4 | 618.3 | 30.7 | 9.2 |
-| prefill 1x8192 | 8192 | 838.0 | 778.9 | 38.8 | 17.3 |
-
-(weights 13.8 GiB for the two layers; the rest of the static peak is the KV cache for
-256 x 8K tokens of every kv source and 43 window rings.)
+Timing: host wall clock around each layer's call, the device synchronised before and after it;
+one warm-up step, then the median of `--iters` steps. Rows print as they finish, the table last.
 
 Usage: python tools/bench_model.py [--device cuda] [--context 8192] [--batches 1,32,256]
        [--prefill 8192] [--iters 3] [--tiny] [--experts N]
@@ -40,7 +31,9 @@ import dataclasses
 import math
 import time
 
+import harness
 import torch
+from harness import Col
 
 
 def ref_tier():
@@ -216,27 +209,39 @@ def main() -> None:
     args = ap.parse_args()
     args.batches = [int(b) for b in args.batches.split(",") if b]
     if not args.batches or min(args.batches) < 1:
-        raise ValueError(f"--batches: positive ints, got {args.batches}")
+        ap.error(f"--batches: positive ints, got {args.batches}")
+    table = harness.Table("bench_model", [])
 
-    with ref_tier():
-        run(args)
+    def measure(rows: list[dict]) -> None:
+        with ref_tier():
+            run(args, table, rows)
+
+    harness.run(table, measure)
 
 
-def run(args) -> None:
+def run(args, table: harness.Table, rows: list[dict]) -> None:
+    """Build the two layers, then measure each row (printed as it finishes) into `rows`."""
     t0 = time.perf_counter()
     bench = Bench(args)
     setup_s = time.perf_counter() - t0
-    dev = torch.cuda.get_device_name() if bench.dev.type == "cuda" else "cpu"
     c = bench.config
-    print(
-        f"\n# V4.1 decoder layers {bench.layer_ids} ({'tiny' if args.tiny else 'full'} dims: "
-        f"D={c.hidden_size}, {c.n_routed_experts} experts top-{c.num_experts_per_tok}), "
-        f"ref torch path, {bench.dtype}, {dev}; weights {bench.weight_bytes / 2**30:.2f} GiB "
-        f"for 2 layers; setup {setup_s:.1f} s"
+    src, reuse = bench.layer_ids
+    table.cols = [
+        Col("row", "row"),
+        Col("tokens", "tokens", "d"),
+        Col(f"layer {src} ms", lambda r: r["ms"][0], ".2f"),
+        Col(f"layer {reuse} ms", lambda r: r["ms"][1], ".2f"),
+        Col("ms/token (src layer)", lambda r: r["ms"][0] / r["tokens"], ".4f"),
+        Col("peak GiB", "peak_gib", ".2f"),
+        Col("act+tmp GiB", "act_gib", ".2f"),
+    ]
+    table.title = (
+        f"bench_model: V4.1 decoder layers {bench.layer_ids} ({'tiny' if args.tiny else 'full'} "
+        f"dims: D={c.hidden_size}, {c.n_routed_experts} experts top-{c.num_experts_per_tok}), "
+        f"ref torch path, {bench.dtype}, {harness.device_name(bench.dev)}; weights "
+        f"{bench.weight_bytes / 2**30:.2f} GiB for 2 layers; setup {setup_s:.1f} s"
     )
-    head = f"| row | tokens | layer {bench.layer_ids[0]} ms | layer {bench.layer_ids[1]} ms "
-    print(head + "| ms/token (src layer) | peak GiB | act+tmp GiB |")
-    print("|---|---:|---:|---:|---:|---:|---:|", flush=True)
+    print(f"# setup {setup_s:.1f} s", flush=True)
     jobs = [
         (
             f"decode B={b} ctx={args.context}",
@@ -249,13 +254,9 @@ def run(args) -> None:
     if args.prefill:  # before the largest batch, the slowest row on the reference path
         job = (f"prefill 1x{args.prefill}", bench.prefill_batch, max(1, args.iters - 1), None)
         jobs.insert(len(jobs) - 1, job)
-    for label, make, iters, prepare in jobs:  # rows print as they finish
-        r = bench.measure(label, make, iters, prepare=prepare)
-        print(
-            f"| {r['row']} | {r['tokens']} | {r['ms'][0]:.2f} | {r['ms'][1]:.2f} | "
-            f"{r['ms'][0] / r['tokens']:.4f} | {r['peak_gib']:.2f} | {r['act_gib']:.2f} |",
-            flush=True,
-        )
+    for label, make, iters, prepare in jobs:
+        rows.append(bench.measure(label, make, iters, prepare=prepare))
+        print(f"# {rows[-1]}", flush=True)
 
 
 if __name__ == "__main__":

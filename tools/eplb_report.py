@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import argparse
 
+import harness
 import torch
 from deepinfer_parallel.eplb import identity_gpu_load, rebalance_experts, select_replicas
+from harness import Col
 
 NUM_EXPERTS = 384
 GPU_COUNTS = (8, 16, 64)
@@ -70,44 +72,47 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=65_536, help="routed token draws per layer")
     args = parser.parse_args()
 
+    table = harness.Table(
+        "eplb_report",
+        [
+            Col("gpus", "gpus", "d"),
+            Col("redundant", "redundant", "d"),
+            Col("slots", "slots", "d"),
+            Col("identity", "identity", ".2f"),
+            Col("global", "global", ".2f"),
+            Col("hier", "hierarchical", ".2f"),
+            Col("routed", "routed", ".2f"),
+            Col("n/a because", "why"),
+        ],
+        title=(
+            f"EPLB balance, {NUM_EXPERTS} experts, Zipf s={args.zipf_s}, {args.layers} layers, "
+            f"max/mean GPU load (1.00 = perfect); hierarchical: {NUM_GROUPS} groups, "
+            f"{GPUS_PER_NODE} GPUs/node"
+        ),
+    )
+    harness.run(table, lambda rows: measure(rows, args))
+
+
+def measure(rows: list[dict], args) -> None:
+    """One row per (GPU count, redundant slots)."""
     load = zipf_load(args.layers, NUM_EXPERTS, args.zipf_s, args.seed)
-    print(
-        f"EPLB balance, {NUM_EXPERTS} experts, Zipf s={args.zipf_s}, {args.layers} layers, "
-        f"max/mean GPU load (1.00 = perfect); hierarchical: {NUM_GROUPS} groups, "
-        f"{GPUS_PER_NODE} GPUs/node"
-    )
-    header = (
-        f"{'gpus':>5} {'redundant':>9} {'slots':>6} {'identity':>9} {'global':>8} {'hier':>8} "
-        f"{'routed':>8}"
-    )
-    print(header)
-    print("-" * len(header))
     for gpus in GPU_COUNTS:
         before = imbalance(identity_gpu_load(load, gpus))
         nodes = max(1, gpus // GPUS_PER_NODE)
         for redundant in REDUNDANT:
             slots = NUM_EXPERTS + redundant
-            cells, placements = [], []
+            row = dict(gpus=gpus, redundant=redundant, slots=slots, identity=before)
+            placements = []
             for policy in ("global", "hierarchical"):
                 try:
                     p = rebalance_experts(load, slots, NUM_GROUPS, nodes, gpus, policy)
-                    cells.append(f"{imbalance(p.gpu_load(load)):8.2f}")
+                    row[policy] = imbalance(p.gpu_load(load))
                     placements.append(p)
-                except ValueError as err:
-                    cells.append(f"{'n/a':>8}")
-                    reason = str(err)
+                except ValueError as err:  # this policy cannot place these slots: say why
+                    row["why"] = str(err).split(" so that")[0]
             if placements:
-                routed = routed_imbalance(load, placements[0], args.tokens, args.seed)
-                cells.append(f"{routed:8.2f}")
-            else:
-                cells.append(f"{'n/a':>8}")
-            line = (
-                f"{gpus:>5} {redundant:>9} {slots:>6} {before:>9.2f} {cells[0]} {cells[1]} "
-                f"{cells[2]}"
-            )
-            if "n/a" in line:
-                line += f"   ({reason.split(' so that')[0]})"
-            print(line)
+                row["routed"] = routed_imbalance(load, placements[0], args.tokens, args.seed)
+            rows.append(row)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,9 @@ else
          packages/deepinfer-model/tests/test_cuda_graph.py
          packages/deepinfer-model/tests/test_moe_weight_order.py
          packages/deepinfer-sampling/tests/test_topk_triton.py
-         packages/deepinfer-sampling/tests/test_sampler.py)
+         packages/deepinfer-sampling/tests/test_sampler.py
+         packages/deepinfer-sampling/tests/test_rng.py
+         tests/test_engine_e2e.py)
 fi
 
 for f in "${files[@]}"; do
