@@ -12,6 +12,7 @@ from deepinfer_sampling import (
     SamplingBatch,
     SamplingParams,
     SamplingRow,
+    allocate_token_bitmask,
     apply_token_bitmask,
     tokenizer_info_from_tokenizer,
     tokenizer_info_from_vocab,
@@ -329,6 +330,52 @@ def test_strings_of_length_one_are_json_strings(char, ok):
     one = {"type": "string", "minLength": 1, "maxLength": 1}
     matcher = CACHE.matcher({"schema_type": "json_schema", "schema": one})
     assert (matcher.accept_string(f'"{char}"') and matcher.is_completed()) == ok
+
+
+# A pull towards the UTF-8 lead byte ED and the bytes A0..BF that after it would encode a
+# surrogate (U+D800..U+DFFF: not UTF-8, which xgrammar itself lets through).
+SURROGATE_PULL = torch.zeros(VOCAB_SIZE)
+SURROGATE_PULL[[0xED, *range(0xA0, 0xC0)]] = 4.0
+SURROGATE_PULL[ord('"')] = 2.0
+# No '<' where the text could end: xgrammar also matches the EOS token's text "</s>" there.
+ANY_CHARS = [
+    ("json_schema", {"type": "string", "maxLength": 4}),
+    ("json_schema", {"type": "string", "pattern": "^[^<]{1,3}$"}),
+    ("json_schema", {"type": "array", "items": {"type": "string"}, "maxItems": 1}),
+    ("regex", "[^<]{1,4}"),
+    ("ebnf", "root ::= [^<a]{1,4}"),
+]
+
+
+@settings(max_examples=25, deadline=None)
+@given(case=st.sampled_from(ANY_CHARS), seed=st.integers(0, 2**31))
+def test_outputs_are_utf8_without_surrogates(case, seed):
+    kind, schema = case
+    bias = SURROGATE_PULL + torch.randn(VOCAB_SIZE, generator=torch.Generator().manual_seed(seed))
+    text = generate({"schema_type": kind, "schema": schema}, seed, bias=bias, max_steps=100)
+    assume(text is not None)  # generate decodes strictly: a surrogate raises there
+    if kind == "json_schema":
+        jsonschema.validate(json.loads(text), schema)
+    else:  # four characters at most, as the grammar counted them
+        assert re.fullmatch("[^<]{1,4}" if kind == "regex" else "[^<a]{1,4}", text), text
+
+
+def test_utf8_guard_masks_only_surrogate_continuations():
+    matcher = CACHE.matcher({"schema_type": "regex", "schema": ".{1,4}"})
+    bitmask = allocate_token_bitmask(1, VOCAB_SIZE)
+
+    def allowed():
+        matcher.fill_bitmask(bitmask, 0)
+        return {t for t in range(VOCAB_SIZE) if bitmask[0, t // 32] >> (t % 32) & 1}
+
+    assert matcher.accept_token(0xED)
+    assert allowed() == set(range(0x80, 0xA0))  # ED 80..9F is U+D000..U+D7FF; A0..BF is not
+    twin = matcher.fork()
+    matcher.rollback(1)
+    assert {0xE2, ord("x")} <= allowed()  # back at the start: the guard is off
+    assert allowed() & set(range(0xA0, 0xC0)) == set()  # a lone continuation: xgrammar's own
+    assert not twin.accept_token(0xA0)  # the fork kept ED: a masked token is rejected too
+    assert twin.accept_token(0x9F) and twin.accept_token(0xBF)  # U+D7FF
 
 
 STRING = {"type": "string"}
