@@ -58,9 +58,8 @@ def json_schema_grammar(schema: str) -> xgrammar.Grammar:
     return xgr.Grammar.from_ebnf(text.replace(_XGRAMMAR_BOUNDED_CHAR, _JSON_STRING_CHAR))
 
 
-_TYPES = ("string", "integer", "number", "boolean", "null", "array", "object")
-# Keywords that constrain a value (annotations such as title, description, default, examples,
-# format's absence of assertion, and unknown keywords constrain nothing for a validator).
+# Keywords that constrain a value. Annotations (title, description, default, examples, format:
+# validators do not assert it by default) and unknown keywords constrain nothing.
 _VALIDATION = frozenset(
     (
         "type",
@@ -192,15 +191,15 @@ def _check_exclusive(node: Mapping, keys: set[str], path: str) -> None:
     for key in _EXCLUSIVE:
         if key not in node:
             continue
-        # enum/const check their values' type themselves (below); the rest stands alone.
-        allowed = {key, "type"} if key in ("enum", "const") else {key}
-        dropped = sorted((keys & _VALIDATION) - allowed)
+        # enum/const values' type is checked below; the rest stands alone.
+        values = key in ("enum", "const")
+        dropped = sorted((keys & _VALIDATION) - ({key, "type"} if values else {key}))
         if dropped:
+            hint = "keep only values that satisfy them" if values else "move them into it"
             raise _refuse(
                 path,
                 f"{', '.join(map(repr, dropped))} next to {key!r} would not be enforced "
-                f"(xgrammar compiles only {key!r} there); move them into {key!r}'s schemas or "
-                f"drop them",
+                f"(xgrammar compiles only {key!r} there); drop them or {hint}",
             )
 
 
@@ -282,7 +281,8 @@ def _name_satisfies(name: str, schema: Any) -> bool | None:
         "const",
     }:
         return None
-    if schema.get("type", "string") != "string":
+    kinds = schema.get("type", "string")
+    if "string" not in ([kinds] if isinstance(kinds, str) else kinds):
         return False
     if not schema.get("minLength", 0) <= len(name) <= schema.get("maxLength", len(name)):
         return False
@@ -481,7 +481,7 @@ def _escaped(pattern: str, i: int, *, in_class: bool) -> tuple[str | None, int]:
             text, after = pattern[i + 1 : i + 1 + digits], i + 1 + digits
         try:
             return chr(int(text, 16)), after
-        except ValueError:
+        except (ValueError, OverflowError):
             return e, i + 1  # not a code point: ECMA's identity escape
     if e.isdigit() or e in "pPk":
         return None, i + 1  # back-reference or property: xgrammar refuses these itself
