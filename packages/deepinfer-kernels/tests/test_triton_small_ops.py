@@ -245,7 +245,14 @@ def test_hc_mixes_matches_f64_and_ref(t, d, seed):
 
 
 def test_per_token_ops_are_batch_invariant():
-    """A token's outputs are bitwise the same whether it comes alone or among 37 others."""
+    """A token's outputs do not depend on the other tokens of the call (alone, or among 37).
+
+    hc_mixes is the one op with a `tl.dot`. Compiled, the dot's order is the kernel's: bitwise
+    here, and in test_gpu_small_ops.py. Under the interpreter it is numpy's matmul, whose
+    summation order depends on the BLAS build (OPENBLAS_CORETYPE, ...) and on where a row sits in
+    the 16-token tile, so there each call's mixes are held per element to the float64 math, at a
+    bound (16 fp32 roundoffs of sum |x| |w|) far below what a row or K-chunk mix-up would cost.
+    The ops without a dot get the same mixes and must be bitwise equal everywhere."""
     t, hc, d = 37, 4, 1100  # several K splits in hc_mixes, several D blocks in hc_pre/post
     h = _rand(t, hc, d, seed=31, dtype=torch.bfloat16)
     fn = _rand((2 + hc) * hc, hc * d, seed=32, scale=0.1)
@@ -255,13 +262,19 @@ def test_per_token_ops_are_batch_invariant():
     pos = torch.arange(t, device=DEV) * 977
     inv_freq = torch.rand(32, device=DEV)
     xr = _rand(t, 5, 64, seed=36, dtype=torch.bfloat16)
+    want = f64_hc_mixes(h, fn, 1e-20)
+    bound = 2.0**-20 * f64_hc_mixes(h.abs(), fn.abs(), 1e-20)  # 2**-20: 16 fp32 roundoffs
 
-    def run(rows):
-        mixes = tm.hc_mixes(h[rows], fn, 1e-20)
-        pre, post, comb = tm.hc_split_sinkhorn(mixes, scale, base, hc, 20, 1e-6)
+    def mixes(rows):
+        got = tm.hc_mixes(h[rows], fn, 1e-20)
+        assert ((got.double() - want[rows]).abs() <= bound[rows]).all()
+        return got
+
+    def rest(rows, mix):
+        pre, post, comb = tm.hc_split_sinkhorn(mix, scale, base, hc, 20, 1e-6)
         return (
-            mixes,
             pre,
+            post,
             comb,
             tm.hc_pre(h[rows], pre),
             tm.hc_post(y[rows], h[rows], post, comb),
@@ -269,9 +282,13 @@ def test_per_token_ops_are_batch_invariant():
             tr.rope(xr[rows], pos[rows], inv_freq),
         )
 
-    full = run(slice(0, t))
+    full_mixes = mixes(slice(0, t))
+    full = rest(slice(0, t), full_mixes)
     for rows in (slice(20, 21), slice(3, 20)):
-        for a, b in zip(run(rows), full, strict=True):
+        part = mixes(rows)
+        if DEV == "cuda":
+            assert torch.equal(part, full_mixes[rows])
+        for a, b in zip(rest(rows, full_mixes[rows]), full, strict=True):
             assert torch.equal(a, b[rows])
 
 

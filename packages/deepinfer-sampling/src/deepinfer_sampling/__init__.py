@@ -13,6 +13,7 @@ from .grammar import (
     tokenizer_info_from_tokenizer,
     tokenizer_info_from_vocab,
 )
+from .json_schema import UnsupportedJsonSchema
 from .params import SCHEMA_TYPES, SamplingParams, StructuredOutput, parse_grammar
 from .rng import (
     STREAM_DRAFT,
@@ -44,6 +45,7 @@ __all__ = [
     "SamplingParams",
     "SamplingRow",
     "StructuredOutput",
+    "UnsupportedJsonSchema",
     "allocate_token_bitmask",
     "apply_token_bitmask",
     "bitmask_width",

@@ -12,6 +12,7 @@ Speculative decoding accepts drafted tokens and `rollback(n)`s the rejected ones
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -26,6 +27,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = [
     "GrammarCache",
     "GrammarMatcher",
+    "Utf8Guard",
     "allocate_token_bitmask",
     "apply_token_bitmask",
     "bitmask_width",
@@ -155,15 +157,81 @@ def apply_token_bitmask(
         logits[rows] = logits[rows].masked_fill(allowed == 0, float("-inf"))
 
 
+_SURROGATE = re.compile(rb"\xed[\xa0-\xbf]")
+
+
+class Utf8Guard:
+    """Masks the tokens that would complete a UTF-8-encoded surrogate (ED A0..BF ..).
+
+    xgrammar 0.2.x accepts those three bytes as a character in every grammar (JSON strings, '.',
+    negated classes), but they are not UTF-8: a detokenizer turns each byte into U+FFFD, so the
+    text is not what the grammar checked (three characters where a maxLength counted one). It
+    lets no other malformed UTF-8 through. `build` returns None for a vocabulary that cannot
+    spell a surrogate, so such grammars pay nothing.
+    """
+
+    def __init__(self, starts: list[bool], holds: list[bool], ends: list[int], size: int):
+        self.starts = starts  # per token: its bytes start with A0..BF
+        self.holds = holds  # per token: its bytes hold ED A0..BF
+        self.ends = ends  # per token: 1 ends in the lead byte ED, 0 not, -1 empty (no change)
+        self.after_lead = _pack_allowed([not s for s in starts], size)  # int32 [W]
+        self.always = _pack_allowed([not h for h in holds], size) if any(holds) else None
+
+    @staticmethod
+    def build(tokenizer_info: xgrammar.TokenizerInfo) -> Utf8Guard | None:
+        vocab: list[bytes] = tokenizer_info.decoded_vocab
+        starts = [bool(b) and 0xA0 <= b[0] <= 0xBF for b in vocab]
+        holds = [_SURROGATE.search(b) is not None for b in vocab]
+        ends = [(1 if b.endswith(b"\xed") else 0) if b else -1 for b in vocab]
+        if not any(holds) and not (any(starts) and 1 in ends):
+            return None
+        return Utf8Guard(starts, holds, ends, tokenizer_info.vocab_size)
+
+    def allows(self, pending: bool, token_id: int) -> bool:
+        if not 0 <= token_id < len(self.ends):
+            return True
+        return not self.holds[token_id] and not (pending and self.starts[token_id])
+
+    def next_state(self, pending: bool, token_id: int) -> bool:
+        end = self.ends[token_id] if 0 <= token_id < len(self.ends) else -1
+        return pending if end < 0 else bool(end)
+
+    def restrict(self, bitmask: torch.Tensor, row: int, pending: bool) -> bool:
+        """AND the guard into `bitmask[row]`; True if it changed what may be masked."""
+        masks = [m for m in (self.always, self.after_lead if pending else None) if m is not None]
+        for mask in masks:
+            width = min(mask.shape[0], bitmask.shape[1])
+            bitmask[row, :width] &= mask[:width]
+        return bool(masks)
+
+
+def _pack_allowed(allowed: list[bool], vocab_size: int) -> torch.Tensor:
+    """An int32 bitmask row (xgrammar's layout) with 0 bits where `allowed` is False; ids past
+    `allowed` stay allowed."""
+    width = bitmask_width(vocab_size)
+    bits = torch.ones(width * 32, dtype=torch.int64)
+    bits[: len(allowed)] = torch.tensor(allowed, dtype=torch.int64)
+    words = (bits.view(width, 32) << torch.arange(32, dtype=torch.int64)).sum(1)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
 class GrammarMatcher:
     """The grammar state of one request (a thin wrapper over `xgrammar.GrammarMatcher`)."""
 
-    def __init__(self, compiled: xgrammar.CompiledGrammar, vocab_size: int) -> None:
+    def __init__(
+        self,
+        compiled: xgrammar.CompiledGrammar,
+        vocab_size: int,
+        utf8_guard: Utf8Guard | None = None,
+    ) -> None:
         import xgrammar as xgr
 
         self._matcher = xgr.GrammarMatcher(compiled)
         self.vocab_size = vocab_size
         self.num_accepted = 0
+        self._guard = utf8_guard
+        # per accepted token (and the start): does the text end in a lone lead byte ED?
+        self._pending = [False]
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int = 0) -> bool:
         """Write the allowed next tokens into `bitmask[row]` (CPU int32 [*, ceil(V/32)]).
@@ -171,19 +239,31 @@ class GrammarMatcher:
         Returns False when every token is allowed (the row needs no masking). A terminated
         matcher allows nothing but its stop tokens.
         """
-        return bool(self._matcher.fill_next_token_bitmask(bitmask, row))
+        restricted = bool(self._matcher.fill_next_token_bitmask(bitmask, row))
+        if self._guard is not None:
+            restricted |= self._guard.restrict(bitmask, row, self._pending[-1])
+        return restricted
 
     def accept_token(self, token_id: int) -> bool:
         """Advance by one sampled token. False (state unchanged) if the grammar rejects it."""
-        ok = bool(self._matcher.accept_token(int(token_id)))
-        self.num_accepted += ok
-        return ok
+        token_id, pending, guard = int(token_id), self._pending[-1], self._guard
+        if guard is not None and not guard.allows(pending, token_id):
+            return False
+        if not self._matcher.accept_token(token_id):
+            return False
+        self.num_accepted += 1
+        self._pending.append(pending if guard is None else guard.next_state(pending, token_id))
+        return True
 
     def accept_string(self, text: str | bytes) -> bool:
         """Advance by raw text (e.g. a forced prefix). Returns False if the grammar rejects it.
 
         Text is not a token: `rollback` counts accepted tokens only and never undoes it."""
-        return bool(self._matcher.accept_string(text))
+        ok = bool(self._matcher.accept_string(text))
+        raw = text.encode() if isinstance(text, str) else text
+        if ok and raw:
+            self._pending[-1] = raw.endswith(b"\xed")
+        return ok
 
     def rollback(self, num_tokens: int) -> None:
         """Undo the last `num_tokens` accepted tokens (for rejected speculative drafts)."""
@@ -192,6 +272,7 @@ class GrammarMatcher:
         if num_tokens:
             self._matcher.rollback(num_tokens)
             self.num_accepted -= num_tokens
+            del self._pending[-num_tokens:]
 
     def is_terminated(self) -> bool:
         """True once a stop token was accepted at the end of a complete match."""
@@ -207,6 +288,8 @@ class GrammarMatcher:
         twin._matcher = self._matcher.fork()
         twin.vocab_size = self.vocab_size
         twin.num_accepted = self.num_accepted
+        twin._guard = self._guard
+        twin._pending = list(self._pending)
         return twin
 
 
@@ -219,6 +302,7 @@ class GrammarCache:
         self.tokenizer_info = tokenizer_info
         self.vocab_size: int = tokenizer_info.vocab_size
         self._compiler = xgr.GrammarCompiler(tokenizer_info, max_threads=max_threads)
+        self._utf8_guard = Utf8Guard.build(tokenizer_info)
         self._compiled: dict[tuple[str, str], Any] = {}
 
     def compile(self, so_args: StructuredOutput | dict) -> xgrammar.CompiledGrammar:
@@ -237,7 +321,7 @@ class GrammarCache:
 
     def matcher(self, so_args: StructuredOutput | dict) -> GrammarMatcher:
         """A fresh matcher (start state) for one request."""
-        return GrammarMatcher(self.compile(so_args), self.vocab_size)
+        return GrammarMatcher(self.compile(so_args), self.vocab_size, self._utf8_guard)
 
     def __len__(self) -> int:
         return len(self._compiled)

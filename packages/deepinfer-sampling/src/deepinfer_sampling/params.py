@@ -10,6 +10,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from .json_schema import UnsupportedJsonSchema, json_schema_grammar
+
 __all__ = ["SCHEMA_TYPES", "SamplingParams", "StructuredOutput", "parse_grammar"]
 
 SchemaType = Literal["json_schema", "regex", "ebnf"]
@@ -92,7 +94,7 @@ def _parse_grammar_cached(schema_type: str, schema: str) -> Any:
     import xgrammar as xgr  # lazy: xgrammar imports transformers when it loads
 
     if schema_type == "json_schema":
-        return xgr.Grammar.from_json_schema(schema)
+        return json_schema_grammar(schema)
     if schema_type == "regex":
         return xgr.Grammar.from_regex(schema)
     return xgr.Grammar.from_ebnf(schema)
@@ -101,10 +103,14 @@ def _parse_grammar_cached(schema_type: str, schema: str) -> Any:
 def parse_grammar(so: StructuredOutput) -> Any:
     """Parse `so` into an `xgrammar.Grammar` (cached by (schema_type, schema)).
 
-    Raises ValueError naming `so_args.schema` when xgrammar rejects it.
+    Raises ValueError naming `so_args.schema` when xgrammar rejects it, or (a
+    `json_schema.UnsupportedJsonSchema`) when a JSON schema asks for what the grammar would not
+    enforce.
     """
     try:
         return _parse_grammar_cached(so.schema_type, so.schema)
+    except UnsupportedJsonSchema:
+        raise
     except (RuntimeError, ValueError, TypeError) as e:
         raise ValueError(f"so_args.schema is not a valid {so.schema_type}: {e}") from e
 
