@@ -48,7 +48,7 @@ CONFIGS = {
     ),
     "swap prefetch": M(16, 32, 32, 4, 4, 2, swap_ab=True, block_k=64, prefetch_scales=True),
     "PREFILL": tmoe.PREFILL,
-    # the decode tile with narrower column blocks (bench_decode's few-token candidates)
+    # the decode tile with narrower column blocks
     "decode n32": M(16, 32, 32, 4, 4, 4, block_k=128),
     "decode prefetch": M(16, 64, 32, 4, 4, 4, block_k=128, prefetch_scales=True),
 }

@@ -85,11 +85,12 @@ ROUTES: dict[tuple[int, int], str] = {
     (4096, 5120): "4 3 3 3 3 p p p p",
 }
 """The cuda tier's measured routes for [N, K] weights on an H200 (`tools/bench_prefill.py
---routes`, `tools/bench_decode.py`; PERF.md), one entry per `ROUTE_M` bucket: a digit runs the
-decode kernel with that config in both modes (2: 128-row tiles at 2 CTAs per SM; 3 / 4: 64-row
-tiles at 3 / 4), `Dp` the prefill kernel in auto mode and the decode kernel with config D in
-batch-invariant mode (where the prefill kernel's K split makes it the slower), `p` the prefill
-kernel in both modes, `.` the decode kernel with its fill rule (`decode_gemm.fill_config`)."""
+--routes`, `tools/bench_kernels.py --only decode`; PERF.md), one entry per `ROUTE_M` bucket: a
+digit runs the decode kernel with that config in both modes (2: 128-row tiles at 2 CTAs per SM;
+3 / 4: 64-row tiles at 3 / 4), `Dp` the prefill kernel in auto mode and the decode kernel with
+config D in batch-invariant mode (where the prefill kernel's K split makes it the slower), `p`
+the prefill kernel in both modes, `.` the decode kernel with its fill rule
+(`decode_gemm.fill_config`)."""
 
 DECODE_CONFIGS = {"2": (2, 2), "3": (1, 3), "4": (1, 4)}
 """`ROUTES` digit -> `DecodeGemmCudaConfig(consumers, min_blocks)`."""
