@@ -77,15 +77,20 @@ def byte_level_alphabet() -> dict[int, str]:
     return out
 
 
-def build_tiny_tokenizer():
-    """A byte-level `tokenizers.Tokenizer`: the special tokens at ids 0.., then 256 bytes."""
+def v41_tokenizer(tokens: list[str], merges: list[tuple[str, str]]):
+    """A byte-level BPE `tokenizers.Tokenizer` with the V4.1 special tokens at ids 0.. (in
+    `TINY_SPECIAL_TOKENS` order) followed by `tokens` (byte-level strings, in id order) and the
+    BPE `merges` among them. BOS/EOS/PAD/image are special (dropped on decode); the role, think,
+    DSML and task markers are added tokens that stay visible in decoded text."""
     from tokenizers import AddedToken, decoders, models, pre_tokenizers
     from tokenizers import Tokenizer as Backend
 
     vocab = {tok: i for i, tok in enumerate(TINY_SPECIAL_TOKENS)}
-    for b, ch in byte_level_alphabet().items():
-        vocab[ch] = len(TINY_SPECIAL_TOKENS) + b
-    backend = Backend(models.BPE(vocab=vocab, merges=[]))
+    for tok in tokens:
+        if tok in vocab:
+            raise ValueError(f"v41_tokenizer: token {tok!r} is listed twice")
+        vocab[tok] = len(vocab)
+    backend = Backend(models.BPE(vocab=vocab, merges=list(merges)))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     backend.decoder = decoders.ByteLevel()
     # Both kinds are matched whole in input text; only `special` ones are dropped on decode.
@@ -104,6 +109,11 @@ def build_tiny_tokenizer():
         ]
     )
     return backend
+
+
+def build_tiny_tokenizer():
+    """A byte-level `tokenizers.Tokenizer`: the special tokens at ids 0.., then 256 bytes."""
+    return v41_tokenizer([byte_level_alphabet()[b] for b in range(256)], [])
 
 
 def tiny_tokenizer_config() -> dict:
@@ -263,60 +273,119 @@ def init_float_tensor(spec: TensorSpec, hc: int, g: torch.Generator) -> torch.Te
     )
 
 
-def tiny_weights(
+def quantized_format(spec: TensorSpec, scale: TensorSpec | None) -> str:
+    """How a quantised checkpoint weight is stored, from its dtype and its scale's shape:
+    "fp8_blocks" (e4m3 [N, K] + e8m0 [N/32, K/32]), "fp8_rows" (e4m3 [N, K] + e8m0 [N, K/32],
+    the Engram table) or "fp4" (int8 [N, K/2] e2m1 pairs + e8m0 [N, K/32], the experts).
+    Raises NotImplementedError naming the tensor for anything else."""
+    name = spec.name
+    if not name.endswith(".weight") or scale is None or scale.dtype != torch.float8_e8m0fnu:
+        raise NotImplementedError(
+            f"checkpoint: no rule for {name} {list(spec.shape)} {spec.dtype} "
+            "(quantised weights need a sibling '.scale' of dtype float8_e8m0fnu)"
+        )
+    n, k = spec.shape
+    if spec.dtype == torch.float8_e4m3fn and scale.shape == (-(-n // 32), -(-k // 32)):
+        return "fp8_blocks"
+    if spec.dtype == torch.float8_e4m3fn and scale.shape == (n, k // 32):
+        return "fp8_rows"
+    if spec.dtype == torch.int8 and scale.shape == (n, 2 * k // 32):
+        return "fp4"
+    raise NotImplementedError(
+        f"checkpoint: no rule for {name} {list(spec.shape)} {spec.dtype} with "
+        f"scale {list(scale.shape)}"
+    )
+
+
+def _scale_of(spec: TensorSpec, by_name: dict[str, TensorSpec]) -> TensorSpec | None:
+    return by_name.get(spec.name.removesuffix(".weight") + ".scale")
+
+
+def _is_scale(spec: TensorSpec, by_name: dict[str, TensorSpec]) -> bool:
+    """A `.scale` that belongs to a quantised `.weight` (it comes out of that weight's
+    quantisation)."""
+    name = spec.name
+    return name.endswith(".scale") and name.removesuffix(".scale") + ".weight" in by_name
+
+
+def initial_values(
     specs: list[TensorSpec], hc: int, seed: int = TINY_SEED
 ) -> dict[str, torch.Tensor]:
-    """Every tensor of `specs`, generated deterministically in its checkpoint format.
+    """fp32 starting values of every checkpoint tensor of `specs` except the quantisation
+    scales: plain floats by `init_float_tensor`; a quantised weight as its unquantised [N, K]
+    matrix (K unpacked for FP4), N(0, 1/K) (N(0, 1) for the FP8-row Engram tables). Each tensor
+    from its own generator seeded by (seed, name)."""
+    by_name = {s.name: s for s in specs}
+    out: dict[str, torch.Tensor] = {}
+    for spec in specs:
+        if _is_scale(spec, by_name):
+            continue
+        g = _generator(seed, spec.name)
+        if spec.dtype in _PLAIN_FLOATS:
+            out[spec.name] = init_float_tensor(spec, hc, g)
+            continue
+        n, k = spec.shape
+        fmt = quantized_format(spec, _scale_of(spec, by_name))
+        if fmt == "fp8_blocks":
+            out[spec.name] = _normal((n, k), 1.0 / k**0.5, g)
+        elif fmt == "fp8_rows":
+            out[spec.name] = _normal((n, k), 1.0, g)
+        else:
+            out[spec.name] = _normal((n, 2 * k), 1.0 / (2 * k) ** 0.5, g)
+    return out
 
-    `X.weight` float8_e4m3fn + `X.scale` e8m0 [N/32, K/32]: FP8 32x32 blocks; with scale
-    [N, K/32]: FP8 rows with a scale per 32 (the Engram table); `X.weight` int8 [N, K/2] +
-    `X.scale` [N, K/32]: FP4 e2m1 experts. Quantised from N(0, 1/K) (N(0, 1) for tables).
+
+def checkpoint_tensors(
+    specs: list[TensorSpec], values: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Every tensor of `specs` in its checkpoint format, from float `values` (keyed like
+    `initial_values`: plain tensors, and quantised weights as unquantised [N, K] matrices).
+
+    Plain floats are cast to their stored dtype; `X.weight` FP8 with 32x32 block scales goes
+    through `quant.quantize_fp8_blocks`, FP8 rows with a scale per 32 (the Engram table)
+    through `quant.act_quant_fp8`, FP4 e2m1 experts through `quant.quantize_fp4_experts`; the
+    sibling `X.scale` comes out of the same call. Checks every shape and dtype.
     """
     from deepinfer_kernels import quant
 
     by_name = {s.name: s for s in specs}
     out: dict[str, torch.Tensor] = {}
     for spec in specs:
-        name = spec.name
-        if name in out or (
-            name.endswith(".scale") and name.removesuffix(".scale") + ".weight" in by_name
-        ):
-            continue  # a scale is generated with its weight
-        g = _generator(seed, name)
-        if spec.dtype in _PLAIN_FLOATS:
-            out[name] = init_float_tensor(spec, hc, g).to(spec.dtype)
+        if _is_scale(spec, by_name):
             continue
-        prefix = name.removesuffix(".weight")
-        scale = by_name.get(prefix + ".scale")
-        if not name.endswith(".weight") or scale is None or scale.dtype != torch.float8_e8m0fnu:
-            raise NotImplementedError(
-                f"tiny checkpoint: no rule for {name} {list(spec.shape)} {spec.dtype} "
-                "(quantised weights need a sibling '.scale' of dtype float8_e8m0fnu)"
-            )
-        n, k = spec.shape
-        if spec.dtype == torch.float8_e4m3fn and scale.shape == (-(-n // 32), -(-k // 32)):
-            w = _normal((n, k), 1.0 / k**0.5, g)
+        name = spec.name
+        if name not in values:
+            raise KeyError(f"checkpoint: no value for {name}")
+        w = values[name].detach().to("cpu", torch.float32)
+        if spec.dtype in _PLAIN_FLOATS:
+            out[name] = w.to(spec.dtype).contiguous()
+            continue
+        scale = _scale_of(spec, by_name)
+        fmt = quantized_format(spec, scale)
+        if fmt == "fp8_blocks":
             q, s = quant.quantize_fp8_blocks(w)
-        elif spec.dtype == torch.float8_e4m3fn and scale.shape == (n, k // 32):
-            w = _normal((n, k), 1.0, g)
+        elif fmt == "fp8_rows":
             q, s32 = quant.act_quant_fp8(w)
             s = s32.to(torch.float8_e8m0fnu)  # powers of two: exact
-        elif spec.dtype == torch.int8 and scale.shape == (n, 2 * k // 32):
-            w = _normal((n, 2 * k), 1.0 / (2 * k) ** 0.5, g)
-            q, s = quant.quantize_fp4_experts(w)
         else:
-            raise NotImplementedError(
-                f"tiny checkpoint: no rule for {name} {list(spec.shape)} {spec.dtype} with "
-                f"scale {list(scale.shape)}"
-            )
+            q, s = quant.quantize_fp4_experts(w)
         out[name], out[scale.name] = q.contiguous(), s.contiguous()
     for spec in specs:
         t = out[spec.name]
         if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
             raise AssertionError(
-                f"tiny checkpoint: generated {spec.name} as {t.dtype} {list(t.shape)}"
+                f"checkpoint: {spec.name} came out {t.dtype} {list(t.shape)}, "
+                f"wants {spec.dtype} {list(spec.shape)}"
             )
     return out
+
+
+def tiny_weights(
+    specs: list[TensorSpec], hc: int, seed: int = TINY_SEED
+) -> dict[str, torch.Tensor]:
+    """Every tensor of `specs`, generated deterministically in its checkpoint format:
+    `checkpoint_tensors` of `initial_values`."""
+    return checkpoint_tensors(specs, initial_values(specs, hc, seed))
 
 
 def tiny_vision_weights(text_hidden: int, seed: int = TINY_SEED) -> dict[str, torch.Tensor]:
@@ -352,46 +421,75 @@ def _fingerprint(hf_config: dict, specs: list[TensorSpec], tokenizer_json: str, 
     return h.hexdigest()[:12]
 
 
-def write_tiny_checkpoint(directory: str | os.PathLike, seed: int = TINY_SEED) -> Path:
-    """Write the tiny checkpoint files into `directory` (created; must be empty or absent)."""
+def write_checkpoint(
+    directory: str | os.PathLike,
+    hf_config: dict,
+    tensors: dict[str, torch.Tensor],
+    tokenizer_backend,
+    tokenizer_config: dict,
+    *,
+    extra_tensors: dict[str, torch.Tensor] | None = None,
+    generation_config: dict | None = None,
+    num_shards: int = NUM_SHARDS,
+) -> Path:
+    """Write a checkpoint in the Hugging Face layout into `directory` (created; must be empty or
+    absent): `config.json`, `model.safetensors.index.json` + `num_shards` shards,
+    `tokenizer.json`, `tokenizer_config.json` and, if given, `generation_config.json`.
+
+    `tensors` (checkpoint formats, e.g. `checkpoint_tensors`) go in their order, cut into
+    shards of about equal bytes; `extra_tensors` (the vision tensors) go last, as in the
+    released checkpoint. The same inputs give the same bytes."""
     from safetensors.torch import save
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     if any(directory.iterdir()):
         raise ValueError(f"directory {directory} is not empty")
-    backend = build_tiny_tokenizer()
-    config = tiny_config(backend)
-    specs = model_tensor_specs(config)
-    tensors = tiny_weights(specs, config.hc_mult, seed)
-    vision = tiny_vision_weights(config.hidden_size, seed)
-
-    # Shards: the text tensors in state_dict order, cut where half of the bytes are written;
-    # the vision tensors go last, as in the released checkpoint.
-    names = [s.name for s in specs]
+    extra = dict(extra_tensors or {})
+    names = list(tensors)
     total_text = sum(t.numel() * t.element_size() for t in tensors.values())
-    first, acc = [], 0
+    shards: list[list[str]] = [[] for _ in range(num_shards)]
+    shard, acc = 0, 0
     for name in names:
-        if acc >= total_text / 2:
-            break
-        first.append(name)
+        if shard < num_shards - 1 and acc >= total_text * (shard + 1) / num_shards:
+            shard += 1
+        shards[shard].append(name)
         acc += tensors[name].numel() * tensors[name].element_size()
-    shards = [first, names[len(first) :] + list(vision)]
-    assert len(shards) == NUM_SHARDS and all(shards)
-    everything = tensors | vision
+    shards[-1] += list(extra)
+    if not all(shards):
+        raise ValueError(f"write_checkpoint: too few tensors for {num_shards} shards")
+    everything = tensors | extra
     weight_map: dict[str, str] = {}
     for i, shard_names in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{NUM_SHARDS:05d}.safetensors"
+        fname = f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors"
         data = save({n: everything[n] for n in shard_names}, metadata={"format": "pt"})
         (directory / fname).write_bytes(data)
         weight_map.update(dict.fromkeys(shard_names, fname))
     total = sum(t.numel() * t.element_size() for t in everything.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     _write_json(directory / "model.safetensors.index.json", index)
-    _write_json(directory / "config.json", tiny_hf_config(config))
-    _write_json(directory / "tokenizer_config.json", tiny_tokenizer_config())
-    (directory / "tokenizer.json").write_text(backend.to_str(), encoding="utf-8")
+    _write_json(directory / "config.json", hf_config)
+    _write_json(directory / "tokenizer_config.json", tokenizer_config)
+    if generation_config is not None:
+        _write_json(directory / "generation_config.json", generation_config)
+    (directory / "tokenizer.json").write_text(tokenizer_backend.to_str(), encoding="utf-8")
     return directory
+
+
+def write_tiny_checkpoint(directory: str | os.PathLike, seed: int = TINY_SEED) -> Path:
+    """Write the tiny checkpoint files into `directory` (created; must be empty or absent)."""
+    backend = build_tiny_tokenizer()
+    config = tiny_config(backend)
+    specs = model_tensor_specs(config)
+    tensors = tiny_weights(specs, config.hc_mult, seed)
+    return write_checkpoint(
+        directory,
+        tiny_hf_config(config),
+        {s.name: tensors[s.name] for s in specs},  # state_dict order
+        backend,
+        tiny_tokenizer_config(),
+        extra_tensors=tiny_vision_weights(config.hidden_size, seed),
+    )
 
 
 def _write_json(path: Path, obj: dict) -> None:
