@@ -155,6 +155,9 @@ class ModelConfig:
     dspark_markov_rank: int = 256
     dspark_n_routed_experts: int = 128
     dspark_num_experts_per_tok: int = 3
+    # per draft position: the confidence head's probability is sigmoid(logit / T_i), fitted by
+    # sequential temperature scaling; empty means 1.0 everywhere
+    dspark_confidence_temperatures: tuple[float, ...] = ()
     engram_layer_ids: tuple[int, ...] = (1, 14)
     engram_num_embeddings: tuple[int, ...] = (384006168, 384016682)
     engram_max_ngram_size: int = 4
@@ -273,6 +276,15 @@ class ModelConfig:
                 if not isinstance(value, list | tuple):
                     raise ValueError(f"{name}: expected a list of ints, got {value!r}")
                 kwargs[name] = tuple(int(v) for v in value)
+        temps = kwargs.get("dspark_confidence_temperatures")
+        if temps is not None:
+            if not isinstance(temps, list | tuple) or not all(
+                isinstance(v, int | float) and not isinstance(v, bool) for v in temps
+            ):
+                raise ValueError(
+                    f"dspark_confidence_temperatures: expected a list of numbers, got {temps!r}"
+                )
+            kwargs["dspark_confidence_temperatures"] = tuple(float(v) for v in temps)
 
         def given(name: str) -> Any:
             return kwargs.get(name, cls.__dataclass_fields__[name].default)
@@ -716,6 +728,14 @@ class ModelConfig:
                 "must be a token id",
             )
             need(self.dspark_markov_rank > 0, "dspark_markov_rank", "must be > 0")
+            temps = self.dspark_confidence_temperatures
+            need(
+                len(temps) in (0, self.dspark_block_size)
+                and all(math.isfinite(t) and t > 0 for t in temps),
+                "dspark_confidence_temperatures",
+                "must be empty or one finite temperature > 0 per draft position "
+                f"(dspark_block_size {self.dspark_block_size})",
+            )
             need(
                 0 < self.dspark_num_experts_per_tok <= self.dspark_n_routed_experts,
                 "dspark_num_experts_per_tok",

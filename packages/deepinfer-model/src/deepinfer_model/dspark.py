@@ -147,6 +147,16 @@ class DraftOutput:
     confidence: torch.Tensor
 
 
+def confidence_probabilities(config: ModelConfig, confidence: torch.Tensor) -> torch.Tensor:
+    """`DraftOutput.confidence` [..., block] raw logits -> [..., block] fp32 probabilities that
+    each draft is accepted given the ones before it, ``sigmoid(logit / T_i)`` with the config's
+    calibrated per-position temperatures (`dspark_confidence_temperatures`; 1.0 when empty).
+    Their cumulative product along the block predicts that the first k drafts all survive."""
+    temps = config.dspark_confidence_temperatures or (1.0,) * confidence.shape[-1]
+    t = torch.tensor(temps, dtype=torch.float32, device=confidence.device)
+    return torch.sigmoid(confidence.float() / t)
+
+
 def dspark_step(
     model: nn.Module,
     batch: ForwardBatch,
