@@ -15,6 +15,7 @@ kv sources run their `Compressor` and write compressed KV (RoPE at j*r, FP4 with
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,7 @@ from torch import nn
 from ..cache import KVCache
 from ..config import ModelConfig
 from ..step_context import CandidateMasks, Compressed, StepContext
+from ..training import straight_through
 from .compressor import Compressor
 from .indexer import Indexer
 from .linear import FP8Linear, RMSNorm, dense
@@ -116,6 +118,10 @@ class Attention(nn.Module):
         if self.is_index_source:
             self.indexer = Indexer(c, layer_id, dtype, device)
         self.register_buffer("inv_freq", layer_inv_freq(c, self.ratio).to(device), persistent=False)
+        self.observer: Callable[[Attention, Projections, StepContext], None] | None = None
+        """Training hook: called from `attend` with (this layer, its projections, the step
+        context) once the layer's compressed entries and top-k are in the context (a training
+        script fits the indexer from them: its top-k has no gradient)."""
 
     # -- pieces shared with the DSpark attention ------------------------------------------------
     def project_q(
@@ -129,7 +135,7 @@ class Attention(nn.Module):
     def project_kv(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [T, D] -> window kv [T, head_dim] (normed, roped, FP8 fake-quantised)."""
         kv = rope_tail(self.kv_norm(self.wkv(x)), positions, self.inv_freq, self.rope_dim)
-        return ops.fake_quant_fp8_ue8m0(kv, 32) if self.fake_quant_kv else kv
+        return straight_through(ops.fake_quant_fp8_ue8m0, kv, 32) if self.fake_quant_kv else kv
 
     def output(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """o [T, H, head_dim] -> [T, D]: inverse RoPE, grouped wo_a, wo_b."""
@@ -161,7 +167,7 @@ class Attention(nn.Module):
         keys = self.indexer.index_keys(latent, entry, self.inv_freq, self.fake_quant_kv)
         kv = rope_tail(latent, entry * self.ratio, self.inv_freq, self.rope_dim)
         if self.fake_quant_kv:
-            kv = ops.fake_quant_fp4_e4m3_scale(kv, 16)
+            kv = straight_through(ops.fake_quant_fp4_e4m3_scale, kv, 16)
         return kv, keys
 
     # -- compressed branch ----------------------------------------------------------------------
@@ -338,6 +344,8 @@ class Attention(nn.Module):
                 self._publish(x, p, ctx, cache)
             if self.is_index_source:
                 self._select(p, ctx)
+            if self.observer is not None:
+                self.observer(self, p, ctx)
             top = ctx.topk[self.index_source]  # [T, K] entry ids of the own sequence, -1 = none
             comp = ctx.compressed[self.kv_source]
             base = ring.shape[1] * ctx.num_seqs + x.shape[0]

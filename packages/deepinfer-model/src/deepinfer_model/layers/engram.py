@@ -173,9 +173,15 @@ class EngramTable(nn.Module):
         self.scale = nn.Parameter(
             torch.zeros(rows, dim // block, dtype=SCALE_DTYPE, device=device), requires_grad=False
         )
+        # training mode only (`deepinfer_model.training`): an fp32 [rows, dim] master table
+        self.register_parameter("master", None)
 
     def forward(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """ids [...] -> [..., dim] `dtype`."""
+        if self.master is not None:
+            from ..training import engram_rows
+
+            return engram_rows(self.master, ids, self.block).to(dtype)
         v = self.weight[ids].float().unflatten(-1, (-1, self.block)) * self.scale[
             ids
         ].float().unsqueeze(-1)

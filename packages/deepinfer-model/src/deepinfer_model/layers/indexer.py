@@ -28,6 +28,7 @@ from deepinfer_kernels import ops
 from torch import nn
 
 from ..config import ModelConfig
+from ..training import straight_through
 from .linear import FP8Linear, Linear, RMSNorm
 from .rope import rope_tail
 
@@ -59,7 +60,7 @@ class Indexer(nn.Module):
         """latent [M, head_dim] (pre-RoPE), entry ids [M] -> index keys [M, Id]."""
         k = self.k_norm(self.wk(latent))
         k = rope_tail(k, entry * self.ratio, inv_freq, self.rope_dim)
-        return ops.fake_quant_fp4_ue8m0(k, 32) if fake_quant else k
+        return straight_through(ops.fake_quant_fp4_ue8m0, k, 32) if fake_quant else k
 
     def queries(
         self,
@@ -73,7 +74,7 @@ class Indexer(nn.Module):
         q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)
         q = rope_tail(q, positions, inv_freq, self.rope_dim)
         if fake_quant:
-            q = ops.fake_quant_fp4_ue8m0(q, 32)
+            q = straight_through(ops.fake_quant_fp4_ue8m0, q, 32)
         w = self.weights_proj(x, torch.float32) * (self.head_dim**-0.5 * self.n_heads**-0.5)
         return q, w
 

@@ -52,13 +52,23 @@ class FP8Linear(nn.Module):
         self.scale = _frozen(
             (-(-out_features // block), -(-in_features // block)), SCALE_DTYPE, device
         )
+        # training mode only (`deepinfer_model.training`): an fp32 [out, in] master weight
+        self.register_parameter("master", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.master is not None:
+            from ..training import fp8_linear
+
+            return fp8_linear(x, self.master)
         y = ops.fp8_linear(x.reshape(-1, self.in_features), self.weight, self.scale)
         return y.view(*x.shape[:-1], self.out_features)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight as [out, in] `dtype` (exact)."""
+        if self.master is not None:
+            from ..training import fp8_weight
+
+            return fp8_weight(self.master, dtype)
         return quant.dequantize_fp8_blocks(self.weight, self.scale, dtype)
 
 
@@ -95,6 +105,8 @@ class FP4Weight(nn.Module):
         self.weight = _frozen((out_features, in_features // 2), torch.int8, device)
         self.scale = _frozen((out_features, in_features // 32), SCALE_DTYPE, device)
         self.fragment_order = False
+        # training mode only (`deepinfer_model.training`): an fp32 [out, in] master weight
+        self.register_parameter("master", None)
 
     @torch.no_grad()
     def set_fragment_order_(self, fragment_order: bool) -> None:
