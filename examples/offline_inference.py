@@ -3,8 +3,9 @@
     uv run examples/offline_inference.py          # the built-in tiny checkpoint (CPU is fine)
     uv run examples/offline_inference.py --model /path/to/DeepSeek-V4.1-Flash --max-tokens 128
 
-With no --model, DEEPINFER_HF_MODEL_DIR is used when set, else the built-in tiny checkpoint (random
-weights: its text is gibberish, but every part of the engine runs).
+With no --model, DEEPINFER_HF_MODEL_DIR is used when set, else the built-in tiny checkpoint: a 25M
+parameter model of V4.1's architecture trained briefly on Shakespeare, Milton and Python's
+standard library, so expect English-looking verse and code-like text, not answers.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""End to end over the built-in tiny V4.1 checkpoint: LLM -> engine -> deepinfer_model -> sampler.
+"""End to end over the built-in trained tiny V4.1 checkpoint (the random-weight tiny checkpoint
+where a test needs its window of 8): LLM -> engine -> deepinfer_model -> sampler.
 
 Kept small (a few tokens, fp32 on CPU): the reference path of the model is slow on CPU.
 """
@@ -13,6 +14,7 @@ import torch
 from deepinfer import LLM, SamplingParams
 from deepinfer_model.batch import ForwardBatch
 from deepinfer_model.cache import CacheSpec, KVCache
+from deepinfer_model.tiny_checkpoint import ensure_tiny_checkpoint
 
 PROMPTS = ["Hello, my name is", "The capital of France is a city that", "1 2 3"]
 
@@ -104,6 +106,7 @@ def test_chat_and_bad_input(llm):
 def test_yoco_compact_matches_the_models_truncated_prefill_under_chunking():
     k = 10  # tiny window 8 + (use_nextn_decode 1 + 1)
     llm = LLM(
+        str(ensure_tiny_checkpoint()),
         accelerator="cpu",
         kv_cache_bytes=64 << 20,
         max_num_seqs=4,

@@ -1,4 +1,5 @@
-"""The built-in tiny checkpoint: HF layout, real formats, same bytes every time, loads and runs."""
+"""The random-weight tiny checkpoint: HF layout, real formats, same bytes every time, loads and
+runs (the built-in trained one is tested in test_builtin.py)."""
 
 from __future__ import annotations
 
@@ -154,12 +155,12 @@ def _greedy(loaded, prompt_ids: list[int], steps: int) -> tuple[list[int], list[
     return out, logits
 
 
-def test_load_model_none_uses_the_tiny_checkpoint_and_generates(
+def test_the_cached_tiny_checkpoint_loads_and_generates(
     tmp_path: Path, monkeypatch, caplog
 ) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     with caplog.at_level(logging.INFO, logger="deepinfer_model.loader"):
-        loaded = load_model(None, "cpu", torch.float32, progress=False)
+        loaded = load_model(ensure_tiny_checkpoint(), "cpu", torch.float32, progress=False)
     assert loaded.path.parent == tmp_path / "deepinfer"
     assert sum("skipping 7 vision tensors" in r.getMessage() for r in caplog.records) == 1
     assert loaded.config == tiny_config()
@@ -183,15 +184,11 @@ def test_load_model_none_uses_the_tiny_checkpoint_and_generates(
         assert 0.1 < row.std().item() < 10.0
 
 
-def test_load_model_none_is_the_tiny_checkpoint_whatever_the_env(
+def test_the_cached_and_a_written_tiny_checkpoint_are_the_same_model(
     tiny_dir: Path, tmp_path: Path, monkeypatch
 ) -> None:
-    """The package reads no deepinfer setting from the environment: DEEPINFER_HF_MODEL_DIR is
-    the engine config's (tests/test_engine_e2e.py), and `load_model(None)` is the tiny
-    checkpoint, the same model as an explicit path to it."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setenv("DEEPINFER_HF_MODEL_DIR", str(tmp_path / "not-a-checkpoint"))
-    a = load_model(None, "cpu", torch.float32, progress=False)
+    a = load_model(ensure_tiny_checkpoint(), "cpu", torch.float32, progress=False)
     b = load_model(tiny_dir, "cpu", torch.float32, progress=False)
     assert a.path.parent == tmp_path / "deepinfer" and b.path == tiny_dir
     prompt = a.tokenizer.encode("abc")
@@ -200,14 +197,14 @@ def test_load_model_none_is_the_tiny_checkpoint_whatever_the_env(
 
 def test_fresh_process_writes_the_same_bytes_and_loads(tiny_dir: Path, tmp_path: Path) -> None:
     """A fresh interpreter (another hash seed, an empty XDG cache) writes byte-identical files
-    and `load_model(None)` loads them: same bytes every time, and the real first-run path."""
+    and loads them from the cache: same bytes every time, and the real first-run path."""
     script = textwrap.dedent(
         f"""
         import torch
         from deepinfer_model.loader import load_model
-        from deepinfer_model.tiny_checkpoint import write_tiny_checkpoint
+        from deepinfer_model.tiny_checkpoint import ensure_tiny_checkpoint, write_tiny_checkpoint
         write_tiny_checkpoint({str(tmp_path / "b")!r})
-        m = load_model(None, "cpu", torch.float32, progress=False)
+        m = load_model(ensure_tiny_checkpoint(), "cpu", torch.float32, progress=False)
         print(m.path)
         """
     )

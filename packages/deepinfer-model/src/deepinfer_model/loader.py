@@ -446,15 +446,17 @@ def load_model(
 ) -> LoadedModel:
     """Load a V4.1 checkpoint into a model on `device` with compute dtype `dtype`.
 
-    `source`: a checkpoint directory, a hub repo id (`owner/name`), or None: the built-in tiny
-    checkpoint (written once to the user cache dir, then loaded through this same path).
+    `source`: a checkpoint directory, a hub repo id (`owner/name`), or None: the built-in
+    trained tiny checkpoint (package data, `builtin.builtin_checkpoint()`), loaded through this
+    same path. The random-weight tiny checkpoint is
+    `load_model(tiny_checkpoint.ensure_tiny_checkpoint())`.
     """
     from deepinfer_model.config import ModelConfig
 
     if source is None:
-        from deepinfer_model.tiny_checkpoint import ensure_tiny_checkpoint
+        from deepinfer_model.builtin import builtin_checkpoint
 
-        path = ensure_tiny_checkpoint()
+        path = builtin_checkpoint()
     else:
         path = resolve_checkpoint(source)
     config = ModelConfig.from_hf(read_hf_config(path))
