@@ -296,7 +296,7 @@ def rebalance_experts(
     resolved = _check_inputs(load, num_physical_experts, num_groups, num_nodes, num_gpus, policy)
     if resolved == "global":
         num_groups, num_nodes = 1, 1
-    num_layers, num_logical = load.shape
+    num_logical = load.shape[1]
     weights = load.detach().to("cpu", torch.float64).tolist()
     identity_possible = num_logical % num_gpus == 0
 
@@ -309,6 +309,12 @@ def rebalance_experts(
                 phy2log = ident
         rows.append(phy2log)
 
+    return _placement(rows, num_logical, num_gpus)
+
+
+def _placement(rows: list[list[int]], num_logical: int, num_gpus: int) -> ExpertPlacement:
+    """The placement whose layer ``l`` puts logical expert ``rows[l][p]`` in slot ``p``."""
+    num_layers = len(rows)
     phy2log_t = torch.tensor(rows, dtype=torch.int64)  # [layers, P]
     logcnt = torch.zeros(num_layers, num_logical, dtype=torch.int64)
     logcnt.scatter_add_(1, phy2log_t, torch.ones_like(phy2log_t))
@@ -321,6 +327,20 @@ def rebalance_experts(
         log2phy_rows.append([s + [-1] * (max_replicas - len(s)) for s in slots])
     log2phy = torch.tensor(log2phy_rows, dtype=torch.int64)  # [layers, N, max_replicas]
     return ExpertPlacement(phy2log=phy2log_t, log2phy=log2phy, logcnt=logcnt, num_gpus=num_gpus)
+
+
+def initial_placement(
+    num_layers: int, num_logical: int, num_physical: int, num_gpus: int
+) -> ExpertPlacement:
+    """The placement before any load is known: expert ``e`` on GPU ``e // (logical / gpus)``
+    with each GPU's spare slots replicating its own experts (the identity placement) when the
+    experts divide evenly over the GPUs, else a balanced packing of equal loads."""
+    flat = torch.ones(num_layers, num_logical)
+    _check_inputs(flat, num_physical, 1, 1, num_gpus, "global")
+    if num_logical % num_gpus:
+        return rebalance_experts(flat, num_physical, num_gpus=num_gpus, policy="global")
+    row = _identity_layer([0.0] * num_logical, num_physical, num_gpus)
+    return _placement([list(row) for _ in range(num_layers)], num_logical, num_gpus)
 
 
 def identity_gpu_load(load: torch.Tensor, num_gpus: int) -> torch.Tensor:
