@@ -169,6 +169,9 @@ class ForwardBatch:
     CUDA the forward then trusts the device tensors to match it and does not re-check
     `input_ids`/`positions` on the device (the engine validates token ids at admission); with CPU
     tensors everything is checked, the mirror included.
+    collective_rows: for a model sharded over several ranks (`Model(shard=...)`), the token rows
+    every rank of its groups pads the step's collectives to (the step's agreed maximum, >= T);
+    None: T. A model held whole has no collectives and needs none.
     """
 
     input_ids: torch.Tensor
@@ -181,6 +184,7 @@ class ForwardBatch:
     return_hidden: bool = False
     yoco_floor: torch.Tensor | None = None
     host: HostBatchInfo | None = None
+    collective_rows: int | None = None
 
     @classmethod
     def build(

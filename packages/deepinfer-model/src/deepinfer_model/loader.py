@@ -18,6 +18,10 @@ How a load goes, and why:
    resident memory while loading stays near the model's own size (peak RSS <= 1.2x the
    checkpoint), not model + shard (a V4.1 shard or its 94 GiB Engram table).
    Nothing is unpickled: safetensors is plain bytes.
+   A model sharded over ranks (`Model(shard=...)`) loads only its own part (`ShardSources`):
+   its expert slots from the checkpoint's experts they hold, its Engram rows as a row range
+   of the full table (only those bytes are mapped and copied); the experts other ranks hold
+   are never read.
 4. `load_model` builds the model from `config.json` (`ModelConfig.from_hf`) on the target
    device, fills it this way, and returns it with its tokenizer.
 """
@@ -41,6 +45,7 @@ from deepinfer_model.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from deepinfer_model.config import ModelConfig
+    from deepinfer_model.rank_shard import RankShard
 
 logger = logging.getLogger(__name__)
 
@@ -229,29 +234,29 @@ class CheckpointReader:
         """Bytes of tensor data in the checkpoint (what the loaded weights occupy)."""
         return sum(e.nbytes for e in self.entries.values())
 
-    def copy_shard(self, shard: Path, targets: dict[str, torch.Tensor]) -> tuple[int, int]:
-        """Copy every tensor of `shard` named in `targets` into it; return (tensors, bytes).
+    def copy_shard(
+        self, shard: Path, jobs: dict[str, tuple[TensorEntry, torch.Tensor]]
+    ) -> tuple[int, int]:
+        """Copy the `jobs` (target name -> (source bytes, target tensor)) whose bytes are in
+        `shard`; return (tensors, bytes).
 
         The shard is memory-mapped; tensors are visited in file order and copied in chunks of
         at most `COPY_CHUNK_BYTES`, each chunk's pages dropped (MADV_DONTNEED) right after its
         copy, so at most one chunk of the file is resident besides the destination tensors.
         """
-        entries = sorted(
-            (e for e in self.entries.values() if e.file == shard and e.name in targets),
-            key=lambda e: e.offset,
-        )
-        if not entries:
+        work = sorted((j for j in jobs.values() if j[0].file == shard), key=lambda j: j[0].offset)
+        if not work:
             return 0, 0
         with open(shard, "rb") as f:
             # ACCESS_COPY: a private mapping that torch can wrap without a read-only warning;
             # nothing writes to it, so no page is ever copied.
             mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         try:
-            for entry in entries:
-                _copy_entry(mm, entry, targets[entry.name])
+            for entry, target in work:
+                _copy_entry(mm, entry, target)
         finally:
             mm.close()
-        return len(entries), sum(e.nbytes for e in entries)
+        return len(work), sum(e.nbytes for e, _ in work)
 
 
 COPY_CHUNK_BYTES = 8 * 1024 * 1024
@@ -292,13 +297,63 @@ def _listing(names: list[str], limit: int = 5) -> str:
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
+@dataclass(frozen=True)
+class TensorSource:
+    """Where a model tensor's bytes are in the checkpoint: tensor `name`, whole, or its rows
+    ``[lo, hi)`` along dim 0 (`rows`)."""
+
+    name: str
+    rows: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class ShardSources:
+    """What a sharded model loads: `sources` for the tensors whose checkpoint tensor differs
+    from their own name or is a row range (the others load by name); `elsewhere`: checkpoint
+    tensors that other ranks hold, which this load leaves unread."""
+
+    sources: dict[str, TensorSource] = field(default_factory=dict)
+    elsewhere: frozenset[str] = frozenset()
+
+
 @dataclass
 class LoadReport:
-    """What a load did: tensors and bytes copied, vision tensors skipped."""
+    """What a load did: tensors and bytes copied, vision tensors skipped, tensors left to other
+    ranks, and the process's peak resident memory after it (bytes, from getrusage)."""
 
     num_tensors: int = 0
     num_bytes: int = 0
     skipped_vision: list[str] = field(default_factory=list)
+    held_elsewhere: int = 0
+    peak_rss_bytes: int = 0
+
+
+def peak_rss_bytes() -> int:
+    """The process's peak resident set size so far, in bytes."""
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def _rows_entry(entry: TensorEntry, rows: tuple[int, int]) -> TensorEntry:
+    """The entry of rows [lo, hi) of `entry` (contiguous bytes in a row-major tensor)."""
+    lo, hi = rows
+    if not entry.shape or not 0 <= lo <= hi <= entry.shape[0]:
+        raise CheckpointError(
+            f"tensor {entry.name!r} in {entry.file.name!r}: rows [{lo}, {hi}) are not within "
+            f"its shape {list(entry.shape)}"
+        )
+    row_bytes = entry.nbytes // entry.shape[0] if entry.shape[0] else 0
+    return TensorEntry(
+        entry.name,
+        entry.file,
+        entry.dtype,
+        (hi - lo, *entry.shape[1:]),
+        entry.offset + lo * row_bytes,
+        (hi - lo) * row_bytes,
+    )
 
 
 def load_checkpoint_into(
@@ -306,63 +361,82 @@ def load_checkpoint_into(
     reader: CheckpointReader,
     *,
     progress: bool = True,
+    shard: ShardSources | None = None,
 ) -> LoadReport:
     """Fill every tensor of `model.state_dict()` from `reader`, in place, on its current device.
 
     Each checkpoint tensor is copied once, from the mapped file into the existing parameter or
     persistent buffer (plain float tensors are cast to the model's dtype; quantised and integer
     tensors must match exactly). Raises CheckpointError naming tensor and file for a missing or
-    unexpected tensor, a wrong shape or a wrong dtype.
+    unexpected tensor, a wrong shape or a wrong dtype. `shard`: a sharded model's sources
+    (`Model.shard_sources()`); only those bytes are read.
     """
     targets: dict[str, torch.Tensor] = model.state_dict(keep_vars=True)
+    shard = shard or ShardSources()
     entries = reader.entries
-    vision = sorted(n for n in entries if is_vision_tensor(n) and n not in targets)
+    source = {n: shard.sources.get(n, TensorSource(n)) for n in targets}
+    used = {src.name for src in source.values()}
+    vision = sorted(n for n in entries if is_vision_tensor(n) and n not in used)
     if vision:
         logger.info(
             "skipping %d vision tensors (vision.*, aligner.*, image_*): text-only model",
             len(vision),
         )
-    missing = sorted(n for n in targets if n not in entries)
+    missing = sorted(n for n, src in source.items() if src.name not in entries)
     if missing:
         raise CheckpointError(
-            f"missing tensor(s) {_listing(missing)} in {reader.index_file}: the model needs "
-            "them and the checkpoint does not have them"
+            f"missing tensor(s) {_listing([source[n].name for n in missing])} in "
+            f"{reader.index_file}: the model needs them and the checkpoint does not have them"
         )
-    unexpected = sorted(n for n in entries if n not in targets and not is_vision_tensor(n))
+    unexpected = sorted(
+        n for n in entries if n not in used and not is_vision_tensor(n) and n not in shard.elsewhere
+    )
     if unexpected:
         first = entries[unexpected[0]]
         raise CheckpointError(
             f"unexpected tensor(s) {_listing(unexpected)} (first in {first.file.name!r}): "
             "the model has no such parameter"
         )
+    jobs: dict[str, tuple[TensorEntry, torch.Tensor]] = {}
     for name, target in targets.items():
-        entry = entries[name]
+        src = source[name]
+        entry = entries[src.name]
+        if src.rows is not None:
+            entry = _rows_entry(entry, src.rows)
+        jobs[name] = (entry, target)
         if tuple(target.shape) != entry.shape:
             raise CheckpointError(
-                f"tensor {name!r} in {entry.file.name!r}: shape {list(entry.shape)}, "
+                f"tensor {entry.name!r} in {entry.file.name!r}: shape {list(entry.shape)}, "
                 f"the model expects {list(target.shape)}"
             )
         if not _compatible(entry.dtype, target.dtype):
             raise CheckpointError(
-                f"tensor {name!r} in {entry.file.name!r}: dtype {entry.dtype}, "
+                f"tensor {entry.name!r} in {entry.file.name!r}: dtype {entry.dtype}, "
                 f"the model expects {target.dtype}"
             )
 
     from deepinfer_model.layers.linear import use_checkpoint_order_
 
     use_checkpoint_order_(model)  # the copies below write the checkpoint's bytes in place
-    report = LoadReport(skipped_vision=vision)
+    report = LoadReport(
+        skipped_vision=vision, held_elsewhere=sum(1 for n in entries if n in shard.elsewhere)
+    )
     bar = tqdm(reader.shards, desc="loading shards", unit="shard", disable=not progress)
     with torch.no_grad():
-        for shard in bar:
-            n, nbytes = reader.copy_shard(shard, targets)
+        for file in bar:
+            n, nbytes = reader.copy_shard(file, jobs)
             report.num_tensors += n
             report.num_bytes += nbytes
-    check_expert_scales(model, reader)
+    check_expert_scales(model, reader, source)
+    report.peak_rss_bytes = peak_rss_bytes()
     return report
 
 
-def check_expert_scales(model: torch.nn.Module, reader: CheckpointReader) -> None:
+def check_expert_scales(
+    model: torch.nn.Module,
+    reader: CheckpointReader,
+    source: dict[str, TensorSource] | None = None,
+) -> None:
     """Raise CheckpointError naming the first FP4 expert scale tensor with a UE8M0 byte above
     `quant.FP4_MAX_SCALE_BYTE` (a scale above 2, which the GPU kernels would expand to infinity).
     One device-to-host copy for the whole model."""
@@ -378,6 +452,8 @@ def check_expert_scales(model: torch.nn.Module, reader: CheckpointReader) -> Non
     bad = (largest > FP4_MAX_SCALE_BYTE).nonzero()
     if bad.numel():
         name = named[int(bad[0])][0]
+        if source is not None and name in source:
+            name = source[name].name
         byte = int(largest[int(bad[0])])
         file = reader.entries[name].file.name if name in reader.entries else "?"
         raise CheckpointError(
@@ -389,12 +465,14 @@ def check_expert_scales(model: torch.nn.Module, reader: CheckpointReader) -> Non
 
 @dataclass
 class LoadedModel:
-    """A model ready to run: the module, its config, its tokenizer, and the checkpoint dir."""
+    """A model ready to run: the module, its config, its tokenizer, the checkpoint dir, and what
+    the load did."""
 
     model: torch.nn.Module
     config: ModelConfig
     tokenizer: Tokenizer
     path: Path
+    report: LoadReport | None = None
 
 
 def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
@@ -409,12 +487,16 @@ def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def build_model(
-    config: ModelConfig, device: torch.device | str, dtype: torch.dtype
+    config: ModelConfig,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    shard: RankShard | None = None,
 ) -> torch.nn.Module:
-    """An un-loaded model for `config`, its parameters allocated once, directly on `device`."""
+    """An un-loaded model for `config` (this rank's part of it with `shard`), its parameters
+    allocated once, directly on `device`."""
     from deepinfer_model.model import Model
 
-    return Model(config, dtype=dtype, device=device)
+    return Model(config, dtype=dtype, device=device, shard=shard)
 
 
 def install_engram_token_map(model: torch.nn.Module, tokenizer: Tokenizer) -> None:
@@ -443,13 +525,15 @@ def load_model(
     dtype: torch.dtype = torch.bfloat16,
     *,
     progress: bool = True,
+    shard: RankShard | None = None,
 ) -> LoadedModel:
     """Load a V4.1 checkpoint into a model on `device` with compute dtype `dtype`.
 
     `source`: a checkpoint directory, a hub repo id (`owner/name`), or None: the built-in
     trained tiny checkpoint (package data, `builtin.builtin_checkpoint()`), loaded through this
     same path. The random-weight tiny checkpoint is
-    `load_model(tiny_checkpoint.ensure_tiny_checkpoint())`.
+    `load_model(tiny_checkpoint.ensure_tiny_checkpoint())`. `shard`: load only this rank's
+    part (`rank_shard.RankShard`, built for the checkpoint's config).
     """
     from deepinfer_model.config import ModelConfig
 
@@ -462,8 +546,9 @@ def load_model(
     config = ModelConfig.from_hf(read_hf_config(path))
     tokenizer = Tokenizer.from_dir(path)
     reader = CheckpointReader(path)
-    model = build_model(config, device, dtype)
-    load_checkpoint_into(model, reader, progress=progress)
+    model = build_model(config, device, dtype, shard)
+    sources = model.shard_sources() if shard is not None else None
+    report = load_checkpoint_into(model, reader, progress=progress, shard=sources)
     install_engram_token_map(model, tokenizer)
     model.eval()
-    return LoadedModel(model=model, config=config, tokenizer=tokenizer, path=path)
+    return LoadedModel(model=model, config=config, tokenizer=tokenizer, path=path, report=report)

@@ -8,6 +8,7 @@ the checkpoint's (`embed.weight`, `layers.N.attn.wq_a.weight` + `.scale`, ..., `
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from deepinfer_kernels import REGISTRY, ops
@@ -23,6 +24,9 @@ from .layers.linear import Embedding, RMSNorm, dense
 from .layers.mhc import identity_pre
 from .staging import HostStaging
 from .step_context import StepContext
+
+if TYPE_CHECKING:
+    from .rank_shard import RankShard
 
 
 class Head(nn.Module):
@@ -48,6 +52,10 @@ class Model(nn.Module):
     `model.engram_hasher.set_token_map(...)` after building (the loader does).
     Build it on its device (`device=`); `.to(device)` is fine, but never `.to(dtype)`/`.half()`:
     torch counts float8 as floating point and would convert the FP8 weights.
+    shard: this rank's part of a parallel model (`rank_shard.RankShard`: its expert slots and
+    Engram rows); None builds every parameter. A sharded model's forwards are collective: every
+    rank of its groups runs the same number of them with the same `collective_rows`, and a rank
+    with nothing to run calls `idle_forward` instead.
     """
 
     def __init__(
@@ -56,14 +64,17 @@ class Model(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         fake_quant_kv: bool = True,
+        shard: RankShard | None = None,
     ) -> None:
         super().__init__()
         config.validate()
         self.config, self.dtype = config, dtype
+        self.shard = shard
         dev = torch.device(device) if device is not None else None
         self.embed = Embedding(config.vocab_size, config.hidden_size, dtype, dev)
         self.layers = nn.ModuleList(
-            Block(config, i, dtype, dev, fake_quant_kv) for i in range(config.num_hidden_layers)
+            Block(config, i, dtype, dev, fake_quant_kv, shard=shard)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, dev)
         # fp32 like the reference (bf16 on disk; the loader casts): logits come out in fp32
@@ -76,6 +87,61 @@ class Model(nn.Module):
         self.engram_hasher = EngramHasher(config, dev) if config.engram_layer_ids else None
         self.staging: HostStaging | None = None
         """Batches each step's index uploads (`prepare`); made on the first CUDA step."""
+
+    @torch.inference_mode()
+    def end_step(self) -> bool:
+        """Close one engine step for online EPLB (`RankShard.experts.eplb`); when it rebalances,
+        move every MoE layer's expert bytes to the new placement over the EP group (all ranks
+        call this after the same step) and return True."""
+        ep = self.shard.experts if self.shard is not None else None
+        if ep is None:
+            return False
+        new = ep.end_step()
+        if new is None:
+            return False
+        from deepinfer_parallel.eplb import exchange_experts
+
+        for i, layer in enumerate(self.layers):
+            stacks = layer.ffn.stacked()
+            names = list(stacks)
+            moved = exchange_experts(
+                [stacks[n] for n in names], ep.moves(i, new), ep.shard.ep_rank, ep.dispatch.group
+            )
+            layer.ffn.replace_experts_(dict(zip(names, moved, strict=True)))
+        ep.adopt(new)
+        return True
+
+    def shard_sources(self):
+        """What this rank's part loads from the full checkpoint (`loader.ShardSources`): each
+        local expert slot from its logical expert, each Engram table's rows as a row range; the
+        other experts are left to their ranks."""
+        from .loader import ShardSources, TensorSource
+
+        sources: dict[str, TensorSource] = {}
+        elsewhere: set[str] = set()
+        parts = ("w1", "w2", "w3")
+        leaves = ("weight", "scale")
+        ep = self.shard.experts if self.shard is not None else None
+        for i, layer in enumerate(self.layers):
+            pre = f"layers.{i}"
+            if ep is not None:
+                held = ep.local_logical(i)
+                for slot, e in enumerate(held):
+                    for m in parts:
+                        for leaf in leaves:
+                            src = f"{pre}.ffn.experts.{e}.{m}.{leaf}"
+                            sources[f"{pre}.ffn.experts.{slot}.{m}.{leaf}"] = TensorSource(src)
+                for e in set(range(self.config.n_routed_experts)) - set(held):
+                    elsewhere.update(
+                        f"{pre}.ffn.experts.{e}.{m}.{leaf}" for m in parts for leaf in leaves
+                    )
+            table = layer.engram.embed if layer.engram is not None else None
+            if table is not None and table.sharded is not None:
+                rows = (table.sharded.shard.lo, table.sharded.shard.hi)
+                for leaf in leaves:
+                    name = f"{pre}.engram.embed.{leaf}"
+                    sources[name] = TensorSource(name, rows)
+        return ShardSources(sources, frozenset(elsewhere))
 
     def prepare(self, batch: ForwardBatch, cache: KVCache) -> tuple[StepContext, HostBatchInfo]:
         """Validate `batch` (ValueError naming the field) and derive its attention metadata:
@@ -128,12 +194,50 @@ class Model(nn.Module):
 
         With `batch.host` given, the forward never waits for the device (no device->host read):
         every index it needs is built on the host and copied over without blocking.
+
+        A sharded model pads its collectives to `batch.collective_rows` (default: T); in
+        batch-invariant mode that many single-token forwards run, idle ones after this rank's
+        own tokens.
         """
-        if REGISTRY.batch_invariant and batch.input_ids.shape[0] > 1:
+        t = batch.input_ids.shape[0]
+        rows = self._collective_rows(batch)
+        if REGISTRY.batch_invariant and (t > 1 or rows > t):
             host = batch.host_info()
             StepContext.from_batch(batch, host)  # validate once, with the batch's own field names
-            return self._forward_per_token(batch, cache, host)
-        return self._forward(batch, cache)
+            out = self._forward_per_token(batch, cache, host)
+            for _ in range(rows - t):
+                self.idle_forward(1)
+            return out
+        return self._forward(batch, cache, rows)
+
+    def _collective_rows(self, batch: ForwardBatch) -> int:
+        t = batch.input_ids.shape[0]
+        if self.shard is None or batch.collective_rows is None:
+            return t
+        if batch.collective_rows < t:
+            raise ValueError(
+                f"ForwardBatch.collective_rows={batch.collective_rows} < the batch's {t} tokens"
+            )
+        return batch.collective_rows
+
+    @torch.inference_mode()
+    def idle_forward(self, rows: int) -> None:
+        """Take part in one step's collectives without tokens of this rank's own: in layer order
+        the sharded Engram lookups and the expert dispatches, padded to `rows` (the step's
+        agreed count; in batch-invariant mode `rows` single-token forwards)."""
+        if self.shard is None:
+            return
+        forwards, each = (rows, 1) if REGISTRY.batch_invariant else (1, rows)
+        for _ in range(forwards):
+            with self.shard.forward(each):
+                for layer in self.layers:
+                    self._idle_layer(layer)
+
+    @staticmethod
+    def _idle_layer(layer: Block) -> None:
+        if layer.engram is not None:
+            layer.engram.idle()
+        layer.ffn.idle()
 
     def _forward_per_token(
         self, batch: ForwardBatch, cache: KVCache, host: HostBatchInfo
@@ -147,7 +251,7 @@ class Model(nn.Module):
         for b in range(len(cu) - 1):
             for row in range(cu[b], cu[b + 1]):
                 one = batch.token_alone(host, b, row, logits=row in wanted)
-                out = self._forward(one, cache)
+                out = self._forward(one, cache, 1)
                 if row in wanted:
                     logits[wanted[row]] = out.logits[0]
                 if batch.return_hidden:
@@ -161,8 +265,22 @@ class Model(nn.Module):
             logits=stacked, hidden=torch.cat(hidden) if batch.return_hidden else None
         )
 
-    def _forward(self, batch: ForwardBatch, cache: KVCache) -> ForwardOutput:
+    def _forward(self, batch: ForwardBatch, cache: KVCache, rows: int) -> ForwardOutput:
+        if self.shard is None:
+            return self._forward_layers(batch, cache)
+        with self.shard.forward(rows):
+            return self._forward_layers(batch, cache)
+
+    def _replica_keys(self, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Batch-invariant expert replica choice: each token keyed by (its slot, position)."""
+        if self.shard is None or not REGISTRY.batch_invariant:
+            return None
+        return ctx.token["slot"], ctx.positions
+
+    def _forward_layers(self, batch: ForwardBatch, cache: KVCache) -> ForwardOutput:
         ctx, host = self.prepare(batch, cache)
+        if self.shard is not None:
+            self.shard.scope.keys = self._replica_keys(ctx)
         cfg = self.config
         ids = batch.input_ids
         host_rows = host.logits_indices
@@ -178,6 +296,8 @@ class Model(nn.Module):
                 # every token of the step lies below its YOCO floor: nothing left to run
                 if batch.return_hidden and i in cfg.dspark_target_layer_ids:
                     hidden[i] = h.new_zeros(t, cfg.hidden_size)
+                if self.shard is not None:
+                    self._idle_layer(layer)  # the other ranks still run this layer
                 continue
             if layer.engram is not None:
                 h = layer.engram(h, hashes[:, layer.engram.layer_index])
@@ -189,6 +309,8 @@ class Model(nn.Module):
                 if late is not None:
                     ctx, rows_of, rows_of_cpu = late
                     h, pre = h[rows_of], pre[rows_of]
+                    if self.shard is not None:
+                        self.shard.scope.keys = self._replica_keys(ctx)
         if rows_of_cpu is not None:
             pos_of = torch.full((t,), -1, dtype=torch.int64)
             pos_of[rows_of_cpu] = torch.arange(rows_of_cpu.shape[0])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from deepinfer_kernels import ops
@@ -16,6 +17,9 @@ from .engram import Engram
 from .linear import RMSNorm
 from .mhc import HCSite, hc_params
 from .moe import MoE
+
+if TYPE_CHECKING:
+    from ..rank_shard import RankShard
 
 
 @dataclass
@@ -39,6 +43,7 @@ class Block(nn.Module):
     Parameters (HF names): `attn.*`, `ffn.*`, `attn_norm`, `ffn_norm`,
     `hc_{attn,ffn}_{fn [mix, hc*D], base [mix], scale [3]}` (fp32), `engram.*` on Engram layers.
     forward: h [T, hc, D], pre [T, hc] (from the previous FFN site) -> (h', this FFN's pre).
+    shard: this rank's part under expert / Engram parallelism (backbone layers only).
     """
 
     def __init__(
@@ -49,16 +54,19 @@ class Block(nn.Module):
         device=None,
         fake_quant_kv: bool = True,
         attention_cls: type[nn.Module] = Attention,
+        shard: RankShard | None = None,
     ) -> None:
         super().__init__()
         self.layer_id = layer_id
         backbone = layer_id < config.num_hidden_layers
+        if shard is not None and not backbone:
+            raise ValueError(f"Block {layer_id}: only backbone layers are sharded")
         self.attn = attention_cls(config, layer_id, dtype, device, fake_quant_kv)
         n_exp = config.n_routed_experts if backbone else config.dspark_n_routed_experts
         topk = config.num_experts_per_tok if backbone else config.dspark_num_experts_per_tok
-        self.ffn = MoE(config, n_exp, topk, dtype, device)
+        self.ffn = MoE(config, n_exp, topk, dtype, device, shard=shard, layer=layer_id)
         if backbone and layer_id in config.engram_layer_ids:
-            self.engram = Engram(config, layer_id, dtype, device)
+            self.engram = Engram(config, layer_id, dtype, device, shard)
         else:
             self.engram = None
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)

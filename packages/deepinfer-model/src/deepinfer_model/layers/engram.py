@@ -17,6 +17,7 @@ Gating (`Engram`): rows (FP8 + per-32 scale) -> ``wkv`` -> key [hc, D] and value
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -27,6 +28,9 @@ from ..cache import KVCache
 from ..config import ModelConfig
 from ..step_context import StepContext
 from .linear import SCALE_DTYPE, FP8Linear
+
+if TYPE_CHECKING:
+    from ..rank_shard import RankShard
 
 FROZEN_MULTIPLIERS: dict[tuple[int, int, int], tuple[int, ...]] = {
     # (layer, max_ngram_size, compressed vocab) -> multipliers (released V4.1-Flash)
@@ -162,16 +166,36 @@ class EngramHasher(nn.Module):
 
 class EngramTable(nn.Module):
     """The FP8 hash table: weight [rows, hd] e4m3 + scale [rows, hd/32] e8m0; rows dequantised
-    on lookup."""
+    on lookup.
 
-    def __init__(self, rows: int, dim: int, block: int, device=None) -> None:
+    Row-sharded (`shard.engram[index]` given, Engram parallelism): the parameters hold only this
+    rank's rows ``[lo, hi)`` (`sharded.shard`) and a lookup gathers the raw row bytes of any id
+    from their owners over the Engram group, padded to the forward scope's rows."""
+
+    def __init__(
+        self,
+        rows: int,
+        dim: int,
+        block: int,
+        device=None,
+        shard: RankShard | None = None,
+        index: int = 0,
+    ) -> None:
         super().__init__()
         self.block = block
+        self.shard = shard if shard is not None and shard.engram is not None else None
+        self.sharded = self.shard.engram[index] if self.shard is not None else None
+        if self.sharded is not None and self.sharded.shard.num_rows != rows:
+            raise ValueError(
+                f"EngramTable: the row shard is of a {self.sharded.shard.num_rows}-row table, "
+                f"this table has {rows} rows"
+            )
+        local = self.sharded.shard.num_local if self.sharded is not None else rows
         self.weight = nn.Parameter(
-            torch.zeros(rows, dim, dtype=torch.float8_e4m3fn, device=device), requires_grad=False
+            torch.zeros(local, dim, dtype=torch.float8_e4m3fn, device=device), requires_grad=False
         )
         self.scale = nn.Parameter(
-            torch.zeros(rows, dim // block, dtype=SCALE_DTYPE, device=device), requires_grad=False
+            torch.zeros(local, dim // block, dtype=SCALE_DTYPE, device=device), requires_grad=False
         )
         # training mode only (`deepinfer_model.training`): an fp32 [rows, dim] master table
         self.register_parameter("master", None)
@@ -179,25 +203,58 @@ class EngramTable(nn.Module):
     def forward(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """ids [...] -> [..., dim] `dtype`."""
         if self.master is not None:
+            if self.sharded is not None:
+                raise NotImplementedError("training mode with row-sharded Engram tables")
             from ..training import engram_rows
 
             return engram_rows(self.master, ids, self.block).to(dtype)
+        if self.sharded is not None:
+            return self._gathered(ids, dtype)
         v = self.weight[ids].float().unflatten(-1, (-1, self.block)) * self.scale[
             ids
         ].float().unsqueeze(-1)
         return v.flatten(-2).to(dtype)
 
+    def _row_bytes(self, local: torch.Tensor) -> torch.Tensor:
+        """This rank's rows `local` [M] as raw bytes [M, hd + hd/block]: values then scales."""
+        return torch.cat(
+            [self.weight[local].view(torch.uint8), self.scale[local].view(torch.uint8)], dim=1
+        )
+
+    def _gathered(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        dim = self.weight.shape[1]
+        per_token = ids.shape[-1] if ids.dim() else 1
+        flat = ids.reshape(-1)
+        padded = self.shard.scope.rows * per_token
+        raw = self.sharded.lookup(flat, self._row_bytes, dim + dim // self.block, padded)
+        w = raw[:, :dim].contiguous().view(torch.float8_e4m3fn)
+        sc = raw[:, dim:].contiguous().view(self.scale.dtype)
+        v = w.float().unflatten(-1, (-1, self.block)) * sc.float().unsqueeze(-1)
+        return v.flatten(-2).to(dtype).reshape(*ids.shape, dim)
+
 
 class Engram(nn.Module):
     """h [T, hc, D], hash ids [T, cols] -> h [T, hc, D] with the gated value added."""
 
-    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, device=None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_id: int,
+        dtype: torch.dtype,
+        device=None,
+        shard: RankShard | None = None,
+    ) -> None:
         super().__init__()
         self.layer_index = config.engram_layer_ids.index(layer_id)
         self.hc, self.dim, self.eps = config.hc_mult, config.hidden_size, config.rms_norm_eps
         cols, hd = config.engram_n_hash_cols, config.engram_head_dim
         self.embed = EngramTable(
-            config.engram_num_embeddings[self.layer_index], hd, config.fp8_block_size, device
+            config.engram_num_embeddings[self.layer_index],
+            hd,
+            config.fp8_block_size,
+            device,
+            shard,
+            self.layer_index,
         )
         self.wkv = FP8Linear(
             cols * hd, config.hidden_size * (config.hc_mult + 1), config.fp8_block_size, device
@@ -216,3 +273,10 @@ class Engram(nn.Module):
         value = kv[:, self.hc * self.dim :]
         weight = self.q_weight.float() * self.k_weight.float()
         return ops.engram_gate(h, key, value, weight, self.eps)
+
+    def idle(self) -> None:
+        """The sharded table lookup's collectives with no tokens (see `EngramTable`)."""
+        if self.embed.sharded is not None:
+            cols = self.wkv.in_features // self.embed.weight.shape[1]
+            ids = torch.zeros(0, cols, dtype=torch.int64, device=self.embed.weight.device)
+            self.embed(ids, self.q_weight.dtype)

@@ -14,13 +14,18 @@ image-token bias; loaded, unused for text), `experts.E.{w1,w3}.{weight [I, D/2] 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
-from deepinfer_kernels import ops
+from deepinfer_kernels import REGISTRY, ops
 from torch import nn
 
 from ..config import ModelConfig
 from .linear import FP4Weight, FP8Linear, dense
+
+if TYPE_CHECKING:
+    from ..rank_shard import RankShard
 
 
 class Gate(nn.Module):
@@ -95,7 +100,11 @@ class MoE(nn.Module):
 
     fragment_order: None keeps the expert bytes in whichever order `ops.moe_experts` runs
     faster on for each call's device and kernel mode (`ops.moe_fragment_order_pays`; switching
-    reorders them in place, expert by expert); True / False fixes the order."""
+    reorders them in place, expert by expert); True / False fixes the order.
+
+    shard: under expert parallelism (`shard.experts`), MoE layer `layer` holds only this rank's
+    physical slots (`experts[i]` is local slot i, holding logical expert
+    `shard.experts.local_logical(layer)[i]`) and runs its routed experts over the EP group."""
 
     def __init__(
         self,
@@ -105,9 +114,13 @@ class MoE(nn.Module):
         dtype: torch.dtype,
         device=None,
         fragment_order: bool | None = None,
+        shard: RankShard | None = None,
+        layer: int = 0,
     ) -> None:
         super().__init__()
         d, inter = config.hidden_size, config.moe_intermediate_size
+        self.shard = shard if shard is not None and shard.experts is not None else None
+        self.layer = layer
         self.limit = config.swiglu_limit
         if fragment_order and (d % 128 or inter % 128):
             raise ValueError(
@@ -116,7 +129,8 @@ class MoE(nn.Module):
             )
         self.fragment_order = fragment_order
         self.gate = Gate(config, n_experts, topk, dtype, device)
-        self.experts = nn.ModuleList(Expert(d, inter, device) for _ in range(n_experts))
+        n_local = self.shard.experts.slots_per_rank if self.shard is not None else n_experts
+        self.experts = nn.ModuleList(Expert(d, inter, device) for _ in range(n_local))
         self.shared_experts = SharedExpert(
             d, inter, config.swiglu_limit, config.fp8_block_size, device
         )
@@ -162,16 +176,31 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         if self.experts[0].w1.master is not None:  # training mode (deepinfer_model.training)
+            if self.shard is not None:
+                raise NotImplementedError(
+                    "training mode under expert parallelism: routed_experts needs every expert"
+                )
             from ..training import routed_experts
 
             routed = routed_experts(x, weights, ids, self.experts, self.limit)
             return (routed.float() + self.shared_experts(x).float()).to(x.dtype)
+        routed = (
+            self._routed(x, weights, ids)
+            if self.shard is None
+            else self._routed_ep(x, weights, ids)
+        )
+        return (routed.float() + self.shared_experts(x).float()).to(x.dtype)
+
+    def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The local experts on x [M, D] with weights, ids [M, k] (local slot ids, -1 skips)."""
+        if x.shape[0] == 0:
+            return x.new_zeros(x.shape)
         fragment_order = self._use_order(x.device)
         st = self.stacked()
-        routed = ops.moe_experts(
+        return ops.moe_experts(
             x,
-            weights,
-            ids,
+            weights.contiguous(),
+            ids.contiguous(),
             st["w1.weight"],
             st["w1.scale"],
             st["w3.weight"],
@@ -181,4 +210,31 @@ class MoE(nn.Module):
             self.limit,
             fragment_order=fragment_order,
         )
-        return (routed.float() + self.shared_experts(x).float()).to(x.dtype)
+
+    def _routed_ep(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The routed experts over the EP group: ids [T, k] logical -> physical slots -> the
+        dispatch backend, padded to the forward scope's rows (exact order when batch-invariant)."""
+        ep, scope = self.shard.experts, self.shard.scope
+        ep.record(self.layer, ids)
+        slots = ep.route(self.layer, ids, scope.keys)
+        return ep.dispatch.routed(
+            x, weights, slots, ids, self._routed, scope.rows, exact=REGISTRY.batch_invariant
+        )
+
+    def idle(self) -> None:
+        """This layer's collectives with no tokens (a rank with nothing of its own to run)."""
+        if self.shard is None:
+            return
+        d, k = self.gate.weight.shape[1], self.gate.topk
+        dev = self.gate.weight.device
+        x = torch.zeros(0, d, dtype=self.gate.weight.dtype, device=dev)
+        empty = torch.zeros(0, k, dtype=torch.int64, device=dev)
+        self._routed_ep(x, empty.float(), empty)
+
+    @torch.inference_mode()  # the stacks are inference tensors when a forward built them
+    def replace_experts_(self, stacks: dict[str, torch.Tensor]) -> None:
+        """Overwrite the local expert stacks (same names and shapes as `stacked()`) in place,
+        e.g. with the slots an EPLB rebalance moved here."""
+        st = self.stacked()
+        for name, new in stacks.items():
+            st[name].copy_(new)
