@@ -138,3 +138,45 @@ def test_bad_model_argument_names_it(model):
 def test_sampling_params_of_the_wrong_type_are_named():
     with pytest.raises(ValueError, match="sampling_params must be a SamplingParams or a list"):
         validate_requests(["a"], {"temperature": 0}, encode, 100, 32)
+
+
+def test_parallel_and_eplb_settings_from_env_and_arguments():
+    env = {
+        "DEEPINFER_EXPERT_COUNT_WINDOW_SIZE": "50",
+        "DEEPINFER_EXPERT_REARRANGEMENT_STEP_INTERVAL": "300",
+        "DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS": "8",
+        "DEEPINFER_GLOO_TIMEOUT": "90",
+    }
+    cfg = EngineConfig.from_env(env, data_parallel_size=8, expert_parallel_size=8)
+    assert (cfg.expert_count_window_size, cfg.expert_rearrangement_step_interval) == (50, 300)
+    assert (cfg.num_extra_experts, cfg.collective_timeout_s) == (8, 90.0)
+    assert cfg.layout.world_size == 8 and cfg.launched is None
+    launcher = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "3"}
+    launcher |= {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+    cfg = EngineConfig.from_env(launcher, expert_parallel_size=8)
+    assert (cfg.launched.rank, cfg.launched.world_size, cfg.launched.local_rank) == (3, 8, 3)
+    with pytest.raises(ValueError, match=r"started 8 ranks \(WORLD_SIZE\).*need 2"):
+        EngineConfig.from_env(launcher, expert_parallel_size=2)
+
+
+@pytest.mark.parametrize(
+    ("env", "match"),
+    [
+        ({"DEEPINFER_EXPERT_COUNT_WINDOW_SIZE": "0"}, "DEEPINFER_EXPERT_COUNT_WINDOW_SIZE='0'"),
+        ({"DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS": "x"}, "DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS"),
+        ({"DEEPINFER_GLOO_TIMEOUT": "-1"}, "DEEPINFER_GLOO_TIMEOUT='-1'"),
+        (
+            {
+                "RANK": "4",
+                "WORLD_SIZE": "4",
+                "LOCAL_RANK": "0",
+                "MASTER_ADDR": "a",
+                "MASTER_PORT": "1",
+            },
+            "RANK=4 must be < WORLD_SIZE=4",
+        ),
+    ],
+)
+def test_bad_parallel_env_values_name_the_variable(env, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig.from_env(env, expert_parallel_size=4)

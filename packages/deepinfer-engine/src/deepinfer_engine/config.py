@@ -15,9 +15,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from deepinfer_kernels.settings import KernelSettings, parse_bool, parse_overrides
+from deepinfer_parallel.expert_dispatch import DISPATCH_BACKENDS
+from deepinfer_parallel.layout import ParallelLayout
 
 ACCELERATORS = ("nvidia", "ascend", "cpu")
 TRUNCATION_MODES = ("off", "compact")
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+"""Set by torchrun (and other launchers) in every rank process: when all are present, this
+process is one rank of a launched engine and joins the others at MASTER_ADDR:MASTER_PORT."""
 
 # Environment variable -> EngineConfig field.
 ENV_FIELDS: dict[str, str] = {
@@ -30,7 +35,21 @@ ENV_FIELDS: dict[str, str] = {
     "DEEPINFER_ENABLE_MTP_VARLEN": "enable_mtp_varlen",
     "DEEPINFER_BATCH_INVARIANT": "batch_invariant",
     "DEEPINFER_KERNELS": "kernels",
+    "DEEPINFER_EXPERT_COUNT_WINDOW_SIZE": "expert_count_window_size",
+    "DEEPINFER_EXPERT_REARRANGEMENT_STEP_INTERVAL": "expert_rearrangement_step_interval",
+    "DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS": "num_extra_experts",
+    "DEEPINFER_GLOO_TIMEOUT": "collective_timeout_s",
 }
+
+
+@dataclass(frozen=True)
+class LaunchedRank:
+    """This process's place in an engine started by a launcher (torchrun): `rank` of
+    `world_size`, `local_rank` on its node (its device index)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
 
 
 def _parse_int(name: str, value: Any, minimum: int) -> int:
@@ -60,6 +79,19 @@ def _parse_fraction(name: str, value: Any) -> float:
     return out
 
 
+def _parse_seconds(name: str, value: Any) -> float:
+    """A positive, finite number of seconds; numeric strings are accepted, bools are not."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        out = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}={value!r} is not a number of seconds > 0") from None
+    if not 0.0 < out < float("inf"):  # also rejects NaN
+        raise ValueError(f"{name}={value!r} must be a number of seconds > 0")
+    return out
+
+
 def _parse_choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
     v = str(value).strip().lower()
     if v not in allowed:
@@ -77,6 +109,17 @@ class EngineConfig:
     CUDA graphs: on CUDA, pure decode steps of up to `max_num_seqs` sequences replay piecewise
     CUDA graphs (each padded batch size is captured the first time it runs);
     `enforce_eager=True` runs every step eagerly.
+    Several ranks (`ParallelLayout`): `data_parallel_size` D (attention DP: each DP rank its own
+    requests, scheduler and KV cache), `expert_parallel_size` E (each rank holds 1/E of the
+    routed experts, plus `num_extra_experts` / E redundant slots), `engram_parallel_size` G
+    (Engram tables split by rows); max(D, E, G) ranks in all, each size dividing it. A single
+    `LLM(...)` starts one process per rank on this node; under torchrun (`launched`) every
+    process is one rank. `expert_dispatch`: "allgather" (all-gather + reduce-scatter),
+    "alltoall" (all_to_all_single with per-rank counts) or "deep_ep"; None = "deep_ep" when it
+    imports on CUDA, else "allgather". EPLB online (E > 1): routing statistics over the last
+    `expert_count_window_size` steps, a rebalance every `expert_rearrangement_step_interval`
+    steps (0 = never). `collective_timeout_s`: how long a rank waits at the rendezvous or in one
+    collective before it fails (a hung peer then fails the run instead of blocking it).
     """
 
     model: str | None = None
@@ -97,6 +140,15 @@ class EngineConfig:
     batch_invariant: bool = False
     kernels: str = ""  # per-op kernel tier overrides, "op=tier,..." (DEEPINFER_KERNELS)
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps (as in vLLM)
+    data_parallel_size: int = 1
+    expert_parallel_size: int = 1
+    engram_parallel_size: int = 1
+    expert_dispatch: str | None = None
+    expert_count_window_size: int = 100
+    expert_rearrangement_step_interval: int = 0
+    num_extra_experts: int = 0
+    collective_timeout_s: float = 1800.0
+    launched: LaunchedRank | None = None  # from RANK, WORLD_SIZE, LOCAL_RANK (torchrun)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -143,6 +195,49 @@ class EngineConfig:
         if not isinstance(self.kernels, str):
             raise ValueError(f"kernels={self.kernels!r} must be a string 'op=tier,...'")
         parse_overrides(self.kernels, "kernels")
+        for name in ("data_parallel_size", "expert_parallel_size", "engram_parallel_size"):
+            setattr(self, name, _parse_int(name, getattr(self, name), 1))
+        if self.expert_dispatch is not None:
+            self.expert_dispatch = _parse_choice(
+                "expert_dispatch", self.expert_dispatch, DISPATCH_BACKENDS
+            )
+        self.expert_count_window_size = _parse_int(
+            "expert_count_window_size", self.expert_count_window_size, 1
+        )
+        self.expert_rearrangement_step_interval = _parse_int(
+            "expert_rearrangement_step_interval", self.expert_rearrangement_step_interval, 0
+        )
+        self.num_extra_experts = _parse_int("num_extra_experts", self.num_extra_experts, 0)
+        self.collective_timeout_s = _parse_seconds(
+            "collective_timeout_s", self.collective_timeout_s
+        )
+        layout = self.layout  # raises LayoutError (a ValueError) naming the sizes
+        if self.expert_parallel_size == 1 and (
+            self.num_extra_experts or self.expert_rearrangement_step_interval
+        ):
+            raise ValueError(
+                f"num_extra_experts={self.num_extra_experts} (DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS)"
+                f" and expert_rearrangement_step_interval="
+                f"{self.expert_rearrangement_step_interval} "
+                "(DEEPINFER_EXPERT_REARRANGEMENT_STEP_INTERVAL) place experts over ranks: they "
+                "need expert_parallel_size > 1"
+            )
+        if self.launched is not None:
+            if isinstance(self.launched, Mapping):
+                self.launched = LaunchedRank(**self.launched)
+            if self.launched.world_size != layout.world_size:
+                raise ValueError(
+                    f"the launcher started {self.launched.world_size} ranks (WORLD_SIZE) but "
+                    f"data={self.data_parallel_size}, expert={self.expert_parallel_size}, "
+                    f"engram={self.engram_parallel_size} need {layout.world_size}"
+                )
+
+    @property
+    def layout(self) -> ParallelLayout:
+        """The parallel layout of the sizes (one rank when all are 1)."""
+        return ParallelLayout(
+            self.data_parallel_size, self.expert_parallel_size, self.engram_parallel_size
+        )
 
     def kernel_settings(self) -> KernelSettings:
         """What the kernel registry runs this engine's ops under (`REGISTRY.configured`)."""
@@ -185,10 +280,25 @@ class EngineConfig:
             if raw is None or raw == "":
                 continue
             values[field] = _parse_env(var, field, raw)
+        launched = _launched_rank(env)
+        if launched is not None:
+            values["launched"] = launched
         for k, v in overrides.items():
             if v is not None:
                 values[k] = v
         return cls(**values)
+
+
+def _launched_rank(env: Mapping[str, str]) -> LaunchedRank | None:
+    """This process's rank when a launcher set all of `LAUNCHER_VARS`, else None."""
+    if not all(env.get(v) for v in LAUNCHER_VARS):
+        return None
+    rank = _parse_int("RANK", env["RANK"], 0)
+    world = _parse_int("WORLD_SIZE", env["WORLD_SIZE"], 1)
+    local = _parse_int("LOCAL_RANK", env["LOCAL_RANK"], 0)
+    if rank >= world:
+        raise ValueError(f"RANK={rank} must be < WORLD_SIZE={world}")
+    return LaunchedRank(rank, world, local)
 
 
 def _parse_env(var: str, field: str, raw: str) -> Any:
@@ -201,8 +311,12 @@ def _parse_env(var: str, field: str, raw: str) -> Any:
         return _parse_choice(var, raw, TRUNCATION_MODES)
     if field == "yoco_prefill_keep_tokens":
         return _parse_int(var, raw, 1)
-    if field == "use_nextn_decode":
+    if field in ("use_nextn_decode", "expert_rearrangement_step_interval", "num_extra_experts"):
         return _parse_int(var, raw, 0)
+    if field == "expert_count_window_size":
+        return _parse_int(var, raw, 1)
+    if field == "collective_timeout_s":
+        return _parse_seconds(var, raw)
     if field == "kernels":
         parse_overrides(raw, var)
     return raw  # the model directory, the kernel overrides

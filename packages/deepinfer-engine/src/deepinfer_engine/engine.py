@@ -31,6 +31,7 @@ from deepinfer_engine.output_processor import OutputProcessor
 from deepinfer_engine.outputs import CompletionOutput, RequestOutput
 from deepinfer_engine.scheduler import Scheduler, SchedulerOutput
 from deepinfer_engine.sequence import Sequence
+from deepinfer_engine.step_peers import StepPeers
 from deepinfer_engine.validation import ValidatedRequest
 
 logger = logging.getLogger("deepinfer.engine")
@@ -85,12 +86,40 @@ class InflightStep:
     sampled: SampledStep | None
 
 
+def grammar_cache(tokenizer, eos_ids: tuple[int, ...], vocab_size: int):
+    """The structured-output grammar cache of a tokenizer (`deepinfer_sampling.grammar`)."""
+    from deepinfer_sampling.grammar import GrammarCache, tokenizer_info_from_tokenizer
+
+    info = tokenizer_info_from_tokenizer(
+        tokenizer.backend, stop_token_ids=list(eos_ids), vocab_size=vocab_size
+    )
+    return GrammarCache(info)
+
+
+def check_grammars(reqs: list[ValidatedRequest], grammars) -> None:
+    """Compile every structured-output grammar of `reqs` with `grammars()` (a cache), so a bad
+    one raises ValueError("prompt {i}: ...") before any work."""
+    for i, r in enumerate(reqs):
+        if r.params.so_args is not None:
+            try:
+                grammars().compile(r.params.so_args)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+
+
 class Engine:
     """One model's offline engine: requests in (`add_request`), one `step()` at a time, finished
     sequences out. Parts: `scheduler` (what runs), `runner` (the forward and the sampler),
-    `output` (tokens -> outputs and stops)."""
+    `output` (tokens -> outputs and stops).
 
-    def __init__(self, config: EngineConfig, model: EngineModel) -> None:
+    peers: this engine is one rank of several (`StepPeers`): every step it agrees with the
+    others on the padded row count (its model pads its collectives to it, or runs an idle
+    forward when it scheduled nothing) and follows its DP leader's samples."""
+
+    def __init__(
+        self, config: EngineConfig, model: EngineModel, peers: StepPeers | None = None
+    ) -> None:
+        self.peers = peers
         self.config = config
         self.model = model
         # This engine's kernel settings (argument, else DEEPINFER_BATCH_INVARIANT /
@@ -160,6 +189,7 @@ class Engine:
                 config.seed,
                 keep_tokens=keep,
                 graph_max_batch=0 if config.enforce_eager else config.max_num_seqs,
+                peers=peers,
             )
         self.eos_ids: tuple[int, ...] = (
             (model.eos_token_id,) if model.eos_token_id is not None else ()
@@ -208,25 +238,13 @@ class Engine:
 
     def _grammars(self):
         if self._grammar_cache is None:
-            from deepinfer_sampling.grammar import GrammarCache, tokenizer_info_from_tokenizer
-
-            info = tokenizer_info_from_tokenizer(
-                self.tokenizer.backend,
-                stop_token_ids=list(self.eos_ids),
-                vocab_size=self.model.vocab_size,
-            )
-            self._grammar_cache = GrammarCache(info)
+            self._grammar_cache = grammar_cache(self.tokenizer, self.eos_ids, self.model.vocab_size)
         return self._grammar_cache
 
     # ---- requests ----------------------------------------------------------------------------
     def check_requests(self, reqs: list[ValidatedRequest]) -> None:
         """Compile every structured-output grammar up front, so a bad one fails before work."""
-        for i, r in enumerate(reqs):
-            if r.params.so_args is not None:
-                try:
-                    self._grammars().compile(r.params.so_args)
-                except ValueError as e:
-                    raise ValueError(f"prompt {i}: {e}") from None
+        check_grammars(reqs, self._grammars)
 
     def add_request(self, req: ValidatedRequest) -> Request:
         """Queue one validated request as `n` sequences (seeded ones get seed + index)."""
@@ -281,8 +299,12 @@ class Engine:
         in the next iteration (async)."""
         with REGISTRY.configured(self.kernel_settings):
             out = self.scheduler.schedule()
+            rows = None
+            if self.peers is not None:
+                prefill = any(c.start < c.seq.num_prompt_tokens for c in out.chunks)
+                rows = self.peers.agree(out.num_tokens, prefill, self.has_unfinished()).rows
             prev = self._inflight
-            launched = self._launch(out, prev)
+            launched = self._launch(out, prev, rows)
             self._inflight = None
             finished = self._update(prev) if prev is not None else []
             if launched is not None:
@@ -295,10 +317,15 @@ class Engine:
         self.stats.preemptions = self.scheduler.num_preemptions
         return finished
 
-    def _launch(self, out: SchedulerOutput, prev: InflightStep | None) -> LaunchedStep | None:
-        """Enqueue the forward of `out` (None: nothing was scheduled)."""
+    def _launch(
+        self, out: SchedulerOutput, prev: InflightStep | None, rows: int | None = None
+    ) -> LaunchedStep | None:
+        """Enqueue the forward of `out` (None: nothing was scheduled). `rows`: the step's
+        agreed row count when the engine has peers (an idle forward if `out` is empty)."""
         if not out.is_empty:
-            return self.runner.launch(out, prev.sampled if prev is not None else None)
+            return self.runner.launch(out, prev.sampled if prev is not None else None, rows)
+        if rows:
+            self.runner.idle(rows)
         if prev is None and self.scheduler.has_unfinished():
             raise RuntimeError(
                 "scheduler made no progress with nothing in flight (waiting: "

@@ -108,3 +108,14 @@ class EngineModel(Protocol):
     def decode_graphs(self, max_batch: int) -> DecodeGraphRunner | None:
         """CUDA-graph decode for up to `max_batch` sequences (None: this model has none)."""
         ...
+
+
+class ShardedEngineModel(EngineModel, Protocol):
+    """One rank's part of a model sharded over several ranks: its forwards are collective
+    (they pad to `ForwardBatch.collective_rows`), so a rank that scheduled nothing still takes
+    part (`idle_forward`), and every rank closes each step together (`end_step`: online EPLB,
+    True when the experts moved)."""
+
+    def idle_forward(self, rows: int) -> None: ...
+
+    def end_step(self) -> bool: ...

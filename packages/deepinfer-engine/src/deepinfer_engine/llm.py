@@ -26,10 +26,24 @@ class LLM:
         max_num_batched_tokens, max_model_len, block_size, gpu_memory_utilization,
         kv_cache_bytes, async_scheduling, yoco_prefill_truncation_mode, ...); an argument wins
         over the corresponding environment variable.
+    Several ranks (data_parallel_size, expert_parallel_size, engram_parallel_size > 1): this
+        process starts and owns one process per rank (`executor.MultiprocExecutor`) and ends
+        them on `shutdown()`, at exit, or when a rank fails; under torchrun every process is
+        one rank (`torchrun_executor.TorchrunExecutor`) and every rank returns all outputs.
     """
 
     def __init__(self, model: str | None = None, **config: Any) -> None:
         cfg = EngineConfig.from_env(model=model, **config)
+        if cfg.launched is not None:
+            from deepinfer_engine.torchrun_executor import TorchrunExecutor
+
+            self.engine = TorchrunExecutor(cfg)
+            return
+        if cfg.layout.world_size > 1:
+            from deepinfer_engine.executor import MultiprocExecutor
+
+            self.engine = MultiprocExecutor(cfg)
+            return
         from deepinfer_model.loader import load_model
         from deepinfer_model.runtime import ModelRuntime
 
@@ -45,12 +59,24 @@ class LLM:
     @classmethod
     def from_model(cls, model: EngineModel, **config: Any) -> LLM:
         """An LLM over an already-built model (tests, tools, models not on disk)."""
+        cfg = EngineConfig.from_env(**config)
+        if cfg.layout.world_size > 1 or cfg.launched is not None:
+            raise NotImplementedError(
+                "LLM.from_model with several ranks: each rank loads its own shard from a "
+                "checkpoint; pass the checkpoint path to LLM(...) instead"
+            )
         self = cls.__new__(cls)
-        self.engine = Engine(EngineConfig.from_env(**config), model)
+        self.engine = Engine(cfg, model)
         return self
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    def shutdown(self) -> None:
+        """End the engine's rank processes (several ranks; also done at exit). A one-rank
+        engine runs in this process and has none to end."""
+        if not isinstance(self.engine, Engine):
+            self.engine.shutdown()
 
     # ---- generate ----------------------------------------------------------------------------
     def generate(

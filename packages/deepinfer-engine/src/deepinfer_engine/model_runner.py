@@ -25,6 +25,7 @@ from deepinfer_engine.engine_model import EngineModel
 from deepinfer_engine.output_processor import RowResult
 from deepinfer_engine.outputs import Logprob
 from deepinfer_engine.scheduler import ScheduledChunk, SchedulerOutput
+from deepinfer_engine.step_peers import StepPeers
 
 logger = logging.getLogger("deepinfer.engine")
 
@@ -68,9 +69,11 @@ class ModelRunner:
         seed: int,
         keep_tokens: int | None = None,
         graph_max_batch: int = 0,
+        peers: StepPeers | None = None,
     ) -> None:
         """graph_max_batch: decode steps of up to this many sequences replay CUDA graphs (on
-        CUDA, when the model offers them; 0 = always eager)."""
+        CUDA, when the model offers them; 0 = always eager). peers: this is one rank of several
+        (its model is sharded: forwards pad their collectives to the step's agreed rows)."""
         from deepinfer_sampling.sampler import Sampler
 
         self.model = model
@@ -85,14 +88,23 @@ class ModelRunner:
         self.generator = torch.Generator(device=gen_device)
         self.generator.manual_seed(seed)
         self.keep_tokens = keep_tokens  # YOCO compact prefill: decoder runs on the last K only
+        self.peers = peers
         self.graphs = None
         if device.type == "cuda" and graph_max_batch > 0:
+            if peers is not None:
+                raise NotImplementedError(
+                    "CUDA graphs with several ranks: the decode graphs do not yet pad to the "
+                    "ranks' agreed batch bucket; pass enforce_eager=True"
+                )
             self.graphs = model.decode_graphs(graph_max_batch)
 
     # ---- forward -----------------------------------------------------------------------------
     @torch.inference_mode()
-    def launch(self, out: SchedulerOutput, prev: SampledStep | None) -> LaunchedStep:
-        """Build the flat batch of `out` and enqueue the model's forward."""
+    def launch(
+        self, out: SchedulerOutput, prev: SampledStep | None, rows: int | None = None
+    ) -> LaunchedStep:
+        """Build the flat batch of `out` and enqueue the model's forward (its collectives padded
+        to `rows`, the step's agreed count, when the engine has peers)."""
         for slot in out.new_slots:
             self.cache.reset_slot(slot)
         batch = build_batch(
@@ -100,6 +112,7 @@ class ModelRunner:
             self.device,
             prev_token_ids=prev.token_ids if prev is not None else None,
         )
+        batch.collective_rows = rows
         sample_chunks = [c for c in out.chunks if c.sample]
         # Prefill chunks that sample nothing still run: they write their KV into the cache.
         res = None
@@ -112,6 +125,11 @@ class ModelRunner:
         if res is None:
             res = self.model.forward(batch, self.cache)
         return LaunchedStep(out, res.logits if sample_chunks else None, sample_chunks)
+
+    @torch.inference_mode()
+    def idle(self, rows: int) -> None:
+        """This rank scheduled nothing: take part in the step's collectives (`rows` agreed)."""
+        self.model.idle_forward(rows)
 
     def _sequence_input(self, c: ScheduledChunk, prev: SampledStep | None) -> SequenceInput:
         """Chunk `c` as the batch builder takes it; its token in flight (if any) is the one
@@ -191,6 +209,8 @@ class ModelRunner:
             host["ranks"] = so.ranks
             host["top_logprobs"] = so.top_logprobs
             host["top_token_ids"] = so.top_token_ids
+        if self.peers is not None:
+            self.peers.share_samples(host)  # a DP follower takes its leader's tokens
         event = None
         if logits.device.type == "cuda":
             host = {k: v.to("cpu", non_blocking=True) for k, v in host.items()}

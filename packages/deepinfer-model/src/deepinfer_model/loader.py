@@ -519,6 +519,20 @@ def install_engram_token_map(model: torch.nn.Module, tokenizer: Tokenizer) -> No
     hasher.set_token_map(token_map, num_classes)
 
 
+def checkpoint_config(source: str | os.PathLike | None) -> tuple[Path, ModelConfig]:
+    """The local directory of `source` (as `load_model` takes it) and its model config, without
+    reading any weights (e.g. to plan a sharded load first)."""
+    from deepinfer_model.config import ModelConfig
+
+    if source is None:
+        from deepinfer_model.builtin import builtin_checkpoint
+
+        path = builtin_checkpoint()
+    else:
+        path = resolve_checkpoint(source)
+    return path, ModelConfig.from_hf(read_hf_config(path))
+
+
 def load_model(
     source: str | os.PathLike | None,
     device: torch.device | str = "cpu",
@@ -535,15 +549,7 @@ def load_model(
     `load_model(tiny_checkpoint.ensure_tiny_checkpoint())`. `shard`: load only this rank's
     part (`rank_shard.RankShard`, built for the checkpoint's config).
     """
-    from deepinfer_model.config import ModelConfig
-
-    if source is None:
-        from deepinfer_model.builtin import builtin_checkpoint
-
-        path = builtin_checkpoint()
-    else:
-        path = resolve_checkpoint(source)
-    config = ModelConfig.from_hf(read_hf_config(path))
+    path, config = checkpoint_config(source)
     tokenizer = Tokenizer.from_dir(path)
     reader = CheckpointReader(path)
     model = build_model(config, device, dtype, shard)

@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 
 import torch
 from deepinfer_parallel.engram_shard import RowShard, ShardedRows
-from deepinfer_parallel.eplb import OnlineEPLB, initial_placement
-from deepinfer_parallel.expert_dispatch import ExpertShard, make_dispatch
+from deepinfer_parallel.eplb import ExpertPlacement, OnlineEPLB, initial_placement
+from deepinfer_parallel.expert_dispatch import AllGatherDispatch, ExpertShard, make_dispatch
 from deepinfer_parallel.expert_parallel import ExpertParallel
+from deepinfer_parallel.layout import ParallelLayout
 from deepinfer_parallel.process_groups import RankGroups
 
 from .config import ModelConfig
@@ -73,13 +74,10 @@ class RankShard:
         layer, the `dispatch` backend, online EPLB every `eplb_interval` steps over a window of
         `eplb_window` steps (0: off)."""
         layout, coords = groups.layout, groups.coords
-        n = config.n_routed_experts
-        layout.check(num_experts=n, extra_experts=extra_experts)
+        layout.check(num_experts=config.n_routed_experts, extra_experts=extra_experts)
         experts = None
         if groups.ep is not None:
-            e = layout.expert_parallel_size
-            shard = ExpertShard(coords.ep_rank, e, (n + extra_experts) // e)
-            placement = initial_placement(config.num_hidden_layers, n, n + extra_experts, e)
+            shard, placement = _expert_plan(layout, coords.ep_rank, config, extra_experts)
             eplb = None
             if eplb_interval:
                 eplb = OnlineEPLB(placement, eplb_window, eplb_interval, device)
@@ -92,9 +90,38 @@ class RankShard:
             )
         engram = None
         if groups.engram is not None and config.engram_layer_ids:
-            g = layout.engram_parallel_size
-            engram = [
-                ShardedRows(groups.engram, RowShard(rows, g, coords.engram_rank))
-                for rows in config.engram_num_embeddings
-            ]
+            engram = _engram_plan(layout, coords.engram_rank, config, groups.engram)
         return cls(experts=experts, engram=engram)
+
+    @classmethod
+    def plan(
+        cls, layout: ParallelLayout, rank: int, config: ModelConfig, extra_experts: int = 0
+    ) -> RankShard:
+        """The shard `rank` of `layout` would hold, without process groups: to build a model
+        on the meta device and count what each rank holds (its collectives cannot run)."""
+        layout.check(num_experts=config.n_routed_experts, extra_experts=extra_experts)
+        coords = layout.coords(rank)
+        experts = engram = None
+        if layout.expert_parallel_size > 1:
+            shard, placement = _expert_plan(layout, coords.ep_rank, config, extra_experts)
+            experts = ExpertParallel(AllGatherDispatch(None, shard), placement)
+        if layout.engram_parallel_size > 1 and config.engram_layer_ids:
+            engram = _engram_plan(layout, coords.engram_rank, config, None)
+        return cls(experts=experts, engram=engram)
+
+
+def _expert_plan(
+    layout: ParallelLayout, ep_rank: int, config: ModelConfig, extra: int
+) -> tuple[ExpertShard, ExpertPlacement]:
+    n, e = config.n_routed_experts, layout.expert_parallel_size
+    shard = ExpertShard(ep_rank, e, (n + extra) // e)
+    return shard, initial_placement(config.num_hidden_layers, n, n + extra, e)
+
+
+def _engram_plan(
+    layout: ParallelLayout, engram_rank: int, config: ModelConfig, group
+) -> list[ShardedRows]:
+    g = layout.engram_parallel_size
+    return [
+        ShardedRows(group, RowShard(rows, g, engram_rank)) for rows in config.engram_num_embeddings
+    ]

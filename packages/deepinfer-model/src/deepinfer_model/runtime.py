@@ -61,6 +61,14 @@ class ModelRuntime:
     def forward(self, batch: ForwardBatch, cache: KVCache) -> ForwardOutput:
         return self.model.forward(batch, cache)
 
+    def idle_forward(self, rows: int) -> None:
+        """A sharded model's collectives of one step with no tokens (`Model.idle_forward`)."""
+        self.model.idle_forward(rows)
+
+    def end_step(self) -> bool:
+        """After each engine step of a sharded model: online EPLB (`Model.end_step`)."""
+        return self.model.end_step()
+
     def cache_spec(self, block_size: int, dtype: torch.dtype) -> CacheSpec:
         return CacheSpec.from_config(self.config, block_size=block_size, dtype=dtype)
 

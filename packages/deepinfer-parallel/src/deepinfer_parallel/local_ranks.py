@@ -26,9 +26,11 @@ import json
 import multiprocessing as mp
 import os
 import signal
+import sys
 import threading
 import time
 import traceback
+import types
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -69,6 +71,20 @@ class RankConn:
 
     def send_error(self, text: str) -> None:
         self._conn.send_bytes(_ERR + text.encode("utf-8", "replace"))
+
+
+@contextlib.contextmanager
+def _without_main_module():
+    """Start processes without the parent's `__main__`: multiprocessing would re-run the
+    user's script in the fork server and in every rank (so any script calling `LLM(...)` at
+    top level would need an ``if __name__ == "__main__"`` guard); the ranks run package code
+    only."""
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
 
 
 def _watch_driver(driver_pid: int) -> None:
@@ -151,7 +167,8 @@ class LocalRanks:
                     name=f"deepinfer-rank-{rank}",
                     daemon=True,
                 )
-                p.start()
+                with _without_main_module():
+                    p.start()
                 child.close()
                 self._conns.append(parent)
                 self._procs.append(p)
