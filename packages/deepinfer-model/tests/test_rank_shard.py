@@ -85,3 +85,24 @@ def test_two_ranks_equal_the_whole_model_bitwise_through_a_rebalance():
         # each): never read; half of each Engram table neither
         assert r["held_elsewhere"] == 8 * 4 * 6 and r["bytes_fraction"] < 0.85
     assert out[0]["engram_rows"] + out[1]["engram_rows"] == 48400
+
+
+def test_full_width_plan_holds_an_eighth_of_experts_and_engram_rows():
+    from deepinfer_model.config import ModelConfig
+    from deepinfer_model.model import Model
+    from deepinfer_model.rank_shard import RankShard
+    from deepinfer_parallel.layout import ParallelLayout, engram_row_range
+
+    cfg = ModelConfig()  # V4.1-Flash: 384 experts, Engram tables of ~384 M rows
+    layout = ParallelLayout(8, 8, 8)
+    for rank in (0, 5):
+        shard = RankShard.plan(layout, rank, cfg, extra_experts=32)
+        model = Model(cfg, dtype=torch.bfloat16, device="meta", shard=shard)
+        assert len(model.layers[0].ffn.experts) == (384 + 32) // 8
+        sources = model.shard_sources()
+        for i, layer in zip(cfg.engram_layer_ids, range(2), strict=True):
+            lo, hi = engram_row_range(cfg.engram_num_embeddings[layer], 8, rank)
+            assert model.layers[i].engram.embed.weight.shape[0] == hi - lo
+            assert sources.sources[f"layers.{i}.engram.embed.weight"].rows == (lo, hi)
+        held = {s.name.split(".")[4] for n, s in sources.sources.items() if "layers.0.ffn" in n}
+        assert len(held) == 48 and len(sources.elsewhere) == 40 * (384 - len(held)) * 6

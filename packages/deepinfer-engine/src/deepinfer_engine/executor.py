@@ -27,18 +27,11 @@ import json
 import logging
 import os
 import weakref
-from dataclasses import dataclass
 
-import torch
-from deepinfer_model.loader import checkpoint_config
-from deepinfer_model.tokenizer import Tokenizer
-from deepinfer_parallel.dp_balance import RankLoad, assign_requests
 from deepinfer_parallel.local_ranks import LocalRanks, RankFailure
 
-from deepinfer_engine.config import EngineConfig, resolve_device
-from deepinfer_engine.engine import StepStats, check_grammars, grammar_cache
-from deepinfer_engine.outputs import CompletionOutput, RequestOutput
-from deepinfer_engine.rank_engine import check_rank_features
+from deepinfer_engine.config import EngineConfig
+from deepinfer_engine.request_front import RemoteRequest, RequestFront
 from deepinfer_engine.step_messages import (
     Abort,
     Generate,
@@ -60,72 +53,22 @@ ABORT_WAIT_S = 120.0
 """How long an abort waits for the ranks to stop before they are killed."""
 
 
-@dataclass
-class ModelFacts:
-    """What the driver knows of the model (it loads no weights)."""
-
-    name: str
-    vocab_size: int
-    eos_token_id: int | None
-
-
-@dataclass
-class RemoteRequest:
-    """A request running on a rank: its output once finished."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: object
-    output: RequestOutput | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.output is not None
-
-    def to_output(self) -> RequestOutput:
-        if self.output is None:
-            return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids))
-        return self.output
-
-    def fail(self, reason: str) -> None:
-        outs = [
-            CompletionOutput(index=i, text="", token_ids=[], finish_reason="error", error=reason)
-            for i in range(getattr(self.params, "n", 1))
-        ]
-        self.output = RequestOutput(
-            self.request_id, self.prompt, list(self.prompt_token_ids), outs, True
-        )
-
-
 def _rank_threads(world: int) -> int:
     """Intra-op threads per rank: the node's cores shared out (ranks also poll and copy)."""
     return max(1, (os.cpu_count() or 1) // world)
 
 
-class MultiprocExecutor:
+class MultiprocExecutor(RequestFront):
     """See the module docstring. `config.layout.world_size` > 1."""
 
     def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
         layout = config.layout
-        path, model_config = checkpoint_config(config.model)
-        device = resolve_device(config.accelerator)
-        layout.check(
-            num_experts=model_config.n_routed_experts,
-            extra_experts=config.num_extra_experts,
-            num_devices=torch.cuda.device_count() if device == "cuda" else None,
-        )
-        check_rank_features(config, device)
-        self.config = config
-        self.tokenizer = Tokenizer.from_dir(path)
-        self.model = ModelFacts(str(path), model_config.vocab_size, model_config.eos_token_id)
-        self.stats = StepStats()
-        self._grammar_cache = None
-        resolved = dataclasses.replace(config, model=str(path), launched=None)
+        resolved = dataclasses.replace(config, model=str(self.path), launched=None)
         self._ranks = LocalRanks(
             rank_main,
             layout.world_size,
-            backend="nccl" if device == "cuda" else "gloo",
+            backend="nccl" if self.device == "cuda" else "gloo",
             threads=_rank_threads(layout.world_size),
             timeout_s=config.collective_timeout_s,
             args=(json.dumps(dataclasses.asdict(resolved)),),
@@ -146,12 +89,9 @@ class MultiprocExecutor:
             raise
         self.ready = [ready[r] for r in range(layout.world_size)]
         self.max_model_len = min(r.max_model_len for r in self.ready)
-        self._loads = [RankLoad() for _ in range(layout.data_parallel_size)]
-        self._queued: list[RemoteRequest] = []
         self._running: dict[str, RemoteRequest] = {}
         self._done: set[int] = set()
         self._in_run = False
-        self._next_request_id = 0
         self.last_run: list[RankDone] = []
         logger.info(
             "%d ranks ready (data=%d, expert=%d, engram=%d): max_model_len %d, loaded %s MiB, "
@@ -166,22 +106,9 @@ class MultiprocExecutor:
         )
 
     # ---- the engine interface LLM drives -----------------------------------------------------
-    def check_requests(self, reqs: list[ValidatedRequest]) -> None:
-        check_grammars(reqs, self._grammars)
-
-    def _grammars(self):
-        if self._grammar_cache is None:
-            eos = (self.model.eos_token_id,) if self.model.eos_token_id is not None else ()
-            self._grammar_cache = grammar_cache(self.tokenizer, eos, self.model.vocab_size)
-        return self._grammar_cache
-
     def add_request(self, req: ValidatedRequest) -> RemoteRequest:
         self._check_alive()
-        rid = str(self._next_request_id)
-        self._next_request_id += 1
-        r = RemoteRequest(rid, req.prompt, list(req.prompt_token_ids), req.params)
-        self._queued.append(r)
-        return r
+        return super().add_request(req)
 
     def has_unfinished(self) -> bool:
         return bool(self._queued) or self._in_run
@@ -215,9 +142,7 @@ class MultiprocExecutor:
     def abort_all(self, reason: str) -> None:
         """Stop the run in progress on every rank (their requests end with an error) and
         wait for it; requests not sent yet end with `reason`."""
-        for r in self._queued:
-            r.fail(reason)
-        self._queued = []
+        self.fail_queued(reason)
         if self._in_run and self._failure is None:
             try:
                 self._ranks.send_all(encode(Abort(reason)))
@@ -263,13 +188,11 @@ class MultiprocExecutor:
 
     def _start_run(self) -> None:
         layout = self.config.layout
-        costs = [len(r.prompt_token_ids) * getattr(r.params, "n", 1) for r in self._queued]
-        dp_of = assign_requests(costs, self._loads)
+        queued, wire, dp_of = self.take_queued()
         per_dp: list[list[RankRequest]] = [[] for _ in range(layout.data_parallel_size)]
-        for r, d in zip(self._queued, dp_of, strict=True):
-            per_dp[d].append(RankRequest(r.request_id, r.prompt, r.prompt_token_ids, r.params))
+        for r, w, d in zip(queued, wire, dp_of, strict=True):
+            per_dp[d].append(w)
             self._running[r.request_id] = r
-        self._queued = []
         self._done = set()
         self.last_run = []
         self._in_run = True
@@ -286,7 +209,7 @@ class MultiprocExecutor:
         self.last_run.append(msg)
         coords = self.config.layout.coords(msg.rank)
         if coords.is_dp_leader:
-            self._loads[coords.dp_rank] = msg.load
+            self.loads[coords.dp_rank] = msg.load
         if len(self._done) == self.config.layout.world_size:
             self._in_run = False
             self.last_run.sort(key=lambda m: m.rank)

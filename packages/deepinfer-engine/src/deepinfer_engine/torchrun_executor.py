@@ -17,17 +17,13 @@ import hashlib
 
 import torch
 import torch.distributed as dist
-from deepinfer_model.loader import checkpoint_config
-from deepinfer_model.tokenizer import Tokenizer
-from deepinfer_parallel.dp_balance import RankLoad, assign_requests
+from deepinfer_parallel.dp_balance import RankLoad
 from deepinfer_parallel.rendezvous import init_rank_from_launcher
 
-from deepinfer_engine.config import EngineConfig, resolve_device
-from deepinfer_engine.engine import StepStats, check_grammars, grammar_cache
-from deepinfer_engine.executor import ModelFacts, RemoteRequest
-from deepinfer_engine.rank_engine import RankEngine, check_rank_features
-from deepinfer_engine.step_messages import Generate, RankOutputs, RankRequest, decode, encode
-from deepinfer_engine.validation import ValidatedRequest
+from deepinfer_engine.config import EngineConfig
+from deepinfer_engine.rank_engine import RankEngine
+from deepinfer_engine.request_front import RemoteRequest, RequestFront
+from deepinfer_engine.step_messages import Generate, RankOutputs, decode, encode
 
 
 def _all_gather_bytes(data: bytes, group: dist.ProcessGroup) -> list[bytes]:
@@ -44,55 +40,24 @@ def _all_gather_bytes(data: bytes, group: dist.ProcessGroup) -> list[bytes]:
     return [bytes(b[: int(s)].tolist()) for b, s in zip(bufs, sizes, strict=True)]
 
 
-class TorchrunExecutor:
+class TorchrunExecutor(RequestFront):
     """See the module docstring. `config.launched` is set."""
 
     def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
         launched = config.launched
-        layout = config.layout
-        path, model_config = checkpoint_config(config.model)
-        device = resolve_device(config.accelerator)
-        layout.check(
-            num_experts=model_config.n_routed_experts,
-            extra_experts=config.num_extra_experts,
-            num_devices=torch.cuda.device_count() if device == "cuda" else None,
-        )
-        check_rank_features(config, device)
         init_rank_from_launcher(
             launched.rank,
             launched.world_size,
-            "nccl" if device == "cuda" else "gloo",
+            "nccl" if self.device == "cuda" else "gloo",
             config.collective_timeout_s,
         )
-        self.config = config
-        self.rank = RankEngine(dataclasses.replace(config, model=str(path)), launched.local_rank)
-        self.tokenizer = Tokenizer.from_dir(path)
-        self.model = ModelFacts(str(path), model_config.vocab_size, model_config.eos_token_id)
-        self.stats = StepStats()
-        self._grammar_cache = None
+        resolved = dataclasses.replace(config, model=str(self.path))
+        self.rank = RankEngine(resolved, launched.local_rank)
         control = self.rank.groups.control
         mml = torch.tensor([self.rank.engine.max_model_len])
         dist.all_reduce(mml, op=dist.ReduceOp.MIN, group=control)
         self.max_model_len = int(mml)
-        self._loads = [RankLoad() for _ in range(layout.data_parallel_size)]
-        self._queued: list[RemoteRequest] = []
-        self._next_request_id = 0
-
-    def check_requests(self, reqs: list[ValidatedRequest]) -> None:
-        check_grammars(reqs, self._grammars)
-
-    def _grammars(self):
-        if self._grammar_cache is None:
-            eos = (self.model.eos_token_id,) if self.model.eos_token_id is not None else ()
-            self._grammar_cache = grammar_cache(self.tokenizer, eos, self.model.vocab_size)
-        return self._grammar_cache
-
-    def add_request(self, req: ValidatedRequest) -> RemoteRequest:
-        rid = str(self._next_request_id)
-        self._next_request_id += 1
-        r = RemoteRequest(rid, req.prompt, list(req.prompt_token_ids), req.params)
-        self._queued.append(r)
-        return r
 
     def has_unfinished(self) -> bool:
         return bool(self._queued)
@@ -103,8 +68,7 @@ class TorchrunExecutor:
             raise RuntimeError("this LLM was shut down")
         layout, coords = self.config.layout, self.rank.groups.coords
         control = self.rank.groups.control
-        queued, self._queued = self._queued, []
-        wire = [RankRequest(r.request_id, r.prompt, r.prompt_token_ids, r.params) for r in queued]
+        queued, wire, dp_of = self.take_queued()
         digest = hashlib.sha256(encode(Generate(wire))).digest()
         digests = _all_gather_bytes(digest, control)
         if any(d != digests[0] for d in digests):
@@ -112,8 +76,6 @@ class TorchrunExecutor:
                 "the torchrun ranks were given different requests: every rank must call "
                 "generate with the same prompts and sampling parameters"
             )
-        costs = [len(r.prompt_token_ids) * getattr(r.params, "n", 1) for r in queued]
-        dp_of = assign_requests(costs, self._loads)
         mine = [w for w, d in zip(wire, dp_of, strict=True) if d == coords.dp_rank]
         outputs = [out for step in self.rank.run(mine) for out in step]
         # the loads the next assignment starts from: every DP leader's, on every rank
@@ -122,7 +84,7 @@ class TorchrunExecutor:
             load = self.rank.load()
             loads[coords.dp_rank] = torch.tensor([load.waiting_tokens, load.kv_tokens])
         dist.all_reduce(loads, group=control)
-        self._loads = [RankLoad(int(w), int(kv)) for w, kv in loads.tolist()]
+        self.loads = [RankLoad(int(w), int(kv)) for w, kv in loads.tolist()]
         by_id = {r.request_id: r for r in queued}
         mine_out = encode(RankOutputs(outputs if coords.is_dp_leader else []))
         for data in _all_gather_bytes(mine_out, control):
@@ -134,9 +96,7 @@ class TorchrunExecutor:
         return queued
 
     def abort_all(self, reason: str) -> None:
-        for r in self._queued:
-            r.fail(reason)
-        self._queued = []
+        self.fail_queued(reason)
 
     def shutdown(self) -> None:
         """Release this rank's model and process groups (idempotent). The groups' last

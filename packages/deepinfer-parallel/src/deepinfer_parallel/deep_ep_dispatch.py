@@ -20,12 +20,11 @@ Needs CUDA, bf16 activations and a DeepEP build; nothing here runs on CPU.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
-import torch.distributed as dist
 
-from .comm_stats import CommStats
-from .expert_dispatch import AllGatherDispatch, ExpertCompute, ExpertShard
+from .expert_dispatch import AllGatherDispatch, ExpertDispatch, RoutedCall
 
 NORMAL_BUFFER_BYTES = 1 << 30
 """NVLink buffer of the normal-mode kernels (DeepEP's tests use 1 GiB for intranode runs)."""
@@ -43,16 +42,13 @@ def deep_ep_reason() -> str | None:
 
 
 @dataclass
-class DeepEPDispatch:
+class DeepEPDispatch(ExpertDispatch):
     """See the module docstring. `hidden_size`: the token width D; `max_decode_tokens`: rows
     per rank up to which a step uses the low-latency kernels (all ranks pass the same)."""
 
-    group: dist.ProcessGroup
-    shard: ExpertShard
-    hidden_size: int
-    max_decode_tokens: int = 256
-    stats: CommStats = field(default_factory=CommStats)
-    name: str = "deep_ep"
+    hidden_size: int = field(kw_only=True)
+    max_decode_tokens: int = field(default=256, kw_only=True)
+    name: ClassVar[str] = "deep_ep"
 
     def __post_init__(self) -> None:
         why = deep_ep_reason()
@@ -79,46 +75,36 @@ class DeepEPDispatch:
             )
         return self._low_latency
 
-    def routed(
-        self,
-        x: torch.Tensor,
-        weights: torch.Tensor,
-        slots: torch.Tensor,
-        logical: torch.Tensor,
-        compute: ExpertCompute,
-        rows: int,
-        exact: bool = False,
-    ) -> torch.Tensor:
-        if exact:
-            return self._exact.routed(x, weights, slots, logical, compute, rows, exact=True)
-        slots = slots.to(torch.int64)
-        weights = weights.float()
-        if rows <= self.max_decode_tokens:
-            return self._low_latency_routed(x, weights, slots, compute)
+    def _routed(self, call: RoutedCall) -> torch.Tensor:
+        if call.exact:
+            return self._exact._routed(call)
+        if call.rows <= self.max_decode_tokens:
+            return self._low_latency_routed(call)
         buf = self._normal
         n = self.shard.num_physical
         with self.stats.timed():
-            per_rank, per_rdma_rank, per_expert, in_rank, _ = buf.get_dispatch_layout(slots, n)
+            per_rank, per_rdma_rank, per_expert, in_rank, _ = buf.get_dispatch_layout(call.slots, n)
             recv_x, recv_ids, recv_w, _, handle, _ = buf.dispatch(
-                x,
-                topk_idx=slots,
-                topk_weights=weights,
+                call.x,
+                topk_idx=call.slots,
+                topk_weights=call.weights,
                 num_tokens_per_rank=per_rank,
                 num_tokens_per_rdma_rank=per_rdma_rank,
                 is_token_in_rank=in_rank,
                 num_tokens_per_expert=per_expert,
             )
-        y = compute(recv_x, recv_w, recv_ids)
+        y = call.compute(recv_x, recv_w, recv_ids)
         with self.stats.timed():
             out, _, _ = buf.combine(y, handle)
         return out
 
-    def _low_latency_routed(self, x, weights, slots, compute) -> torch.Tensor:
+    def _low_latency_routed(self, call: RoutedCall) -> torch.Tensor:
         buf = self._ll_buffer()
+        x = call.x
         n, d = self.shard.num_physical, x.shape[1]
         with self.stats.timed():
             recv, counts, handle, _, _ = buf.low_latency_dispatch(
-                x, slots, self.max_decode_tokens, n, use_fp8=False
+                x, call.slots, self.max_decode_tokens, n, use_fp8=False
             )
         experts, cap = recv.shape[0], recv.shape[1]
         row = torch.arange(cap, device=x.device)
@@ -126,7 +112,7 @@ class DeepEPDispatch:
         local = torch.arange(experts, device=x.device)[:, None].expand(experts, cap)
         ids = local.masked_fill(~valid, -1).reshape(-1, 1)
         ones = torch.ones(ids.shape, dtype=torch.float32, device=x.device)
-        y = compute(recv.reshape(-1, d), ones, ids).view(experts, cap, d)
+        y = call.compute(recv.reshape(-1, d), ones, ids).view(experts, cap, d)
         with self.stats.timed():
-            out, _, _ = buf.low_latency_combine(y, slots, weights, handle)
+            out, _, _ = buf.low_latency_combine(y, call.slots, call.weights, handle)
         return out

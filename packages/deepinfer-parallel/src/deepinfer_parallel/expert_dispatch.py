@@ -24,9 +24,10 @@ single-rank one. It moves top_k times the combine bytes, so it is for batch-inva
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -123,12 +124,30 @@ def _unpack(buf: torch.Tensor, fields: list[_Field]) -> list[torch.Tensor]:
     return out
 
 
-class ExpertDispatch(Protocol):
-    """One MoE layer's routed experts over an EP group (see the module docstring)."""
+@dataclass(frozen=True)
+class RoutedCall:
+    """One MoE layer's call of a backend: x [T, D], weights [T, k] fp32, slots [T, k] int64
+    physical slot ids, logical [T, k] their logical experts, the rank's `compute`, the step's
+    agreed `rows` (>= T, the same on every rank of the group), `exact` (batch-invariant order)."""
 
-    name: str
+    x: torch.Tensor
+    weights: torch.Tensor
+    slots: torch.Tensor
+    logical: torch.Tensor
+    compute: ExpertCompute
+    rows: int
+    exact: bool
+
+
+@dataclass
+class ExpertDispatch(abc.ABC):
+    """One MoE layer's routed experts over the EP `group` (see the module docstring): the
+    backends implement `_routed`."""
+
+    group: dist.ProcessGroup | None
     shard: ExpertShard
-    stats: CommStats
+    stats: CommStats = field(default_factory=CommStats)
+    name: ClassVar[str] = ""
 
     def routed(
         self,
@@ -144,73 +163,60 @@ class ExpertDispatch(Protocol):
         logical experts -> [T, D] x.dtype, the routed experts' weighted sum. `rows` >= T is the
         step's agreed row count (the same on every rank of the group); `exact`: the
         batch-invariant order (module docstring)."""
-        ...
+        if rows < x.shape[0]:
+            raise ValueError(
+                f"expert dispatch: rows={rows} (the step's agreed count) < this rank's "
+                f"{x.shape[0]} tokens"
+            )
+        call = RoutedCall(x, weights.float(), slots.to(torch.int64), logical, compute, rows, exact)
+        return self._routed(call)
 
-
-def _check_rows(x: torch.Tensor, rows: int) -> None:
-    if rows < x.shape[0]:
-        raise ValueError(
-            f"expert dispatch: rows={rows} (the step's agreed count) < this rank's {x.shape[0]} "
-            "tokens"
-        )
+    @abc.abstractmethod
+    def _routed(self, call: RoutedCall) -> torch.Tensor: ...
 
 
 @dataclass
-class AllGatherDispatch:
+class AllGatherDispatch(ExpertDispatch):
     """All-gather + reduce-scatter (the default backend; see the module docstring)."""
 
-    group: dist.ProcessGroup
-    shard: ExpertShard
-    stats: CommStats = field(default_factory=CommStats)
-    name: str = "allgather"
+    name: ClassVar[str] = "allgather"
 
-    def routed(
-        self,
-        x: torch.Tensor,
-        weights: torch.Tensor,
-        slots: torch.Tensor,
-        logical: torch.Tensor,
-        compute: ExpertCompute,
-        rows: int,
-        exact: bool = False,
-    ) -> torch.Tensor:
-        _check_rows(x, rows)
+    def _routed(self, call: RoutedCall) -> torch.Tensor:
+        x, slots = call.x, call.slots
         t, k = slots.shape
         d = x.shape[1]
         e = self.shard.ep_size
-        pad = rows - t
+        pad = call.rows - t
+        rows = call.rows
         xp = torch.nn.functional.pad(x, (0, 0, 0, pad))
-        wp = torch.nn.functional.pad(weights.float(), (0, 0, 0, pad))
-        sp = torch.nn.functional.pad(slots.to(torch.int64), (0, 0, 0, pad), value=-1)
+        wp = torch.nn.functional.pad(call.weights, (0, 0, 0, pad))
+        sp = torch.nn.functional.pad(slots, (0, 0, 0, pad), value=-1)
         buf, fields = _pack([xp, wp, sp])
         gathered = buf.new_empty(e * rows, buf.shape[1])
         with self.stats.timed():
             dist.all_gather_single(gathered, buf, group=self.group)
         xg, wg, sg = _unpack(gathered, fields)
         local = self.shard.local_ids(sg)
-        if not exact:
-            y = compute(xg, wg, local)
+        if not call.exact:
+            y = call.compute(xg, wg, local)
             out = y.new_empty(rows, d)
             with self.stats.timed():
                 dist.reduce_scatter_single(out, y, group=self.group)
             return out[:t]
         per_slot = torch.stack(
-            [compute(xg, wg[:, j : j + 1], local[:, j : j + 1]) for j in range(k)], dim=1
+            [call.compute(xg, wg[:, j : j + 1], local[:, j : j + 1]) for j in range(k)], dim=1
         )  # [E * rows, k, D]: each (token, slot) non-zero on exactly one rank
         mine = per_slot.new_empty(rows, k, d)
         with self.stats.timed():
             dist.reduce_scatter_single(mine, per_slot, group=self.group)
-        return sum_in_expert_order(mine[:t], logical).to(x.dtype)
+        return sum_in_expert_order(mine[:t], call.logical).to(x.dtype)
 
 
 @dataclass
-class AllToAllDispatch:
+class AllToAllDispatch(ExpertDispatch):
     """`all_to_all_single` with per-rank counts (see the module docstring)."""
 
-    group: dist.ProcessGroup
-    shard: ExpertShard
-    stats: CommStats = field(default_factory=CommStats)
-    name: str = "alltoall"
+    name: ClassVar[str] = "alltoall"
 
     def _exchange(self, send: torch.Tensor, send_counts: list[int]) -> tuple[torch.Tensor, list]:
         """Rows of `send` (grouped by destination, `send_counts` each) -> (received rows,
@@ -225,23 +231,13 @@ class AllToAllDispatch:
             dist.all_to_all_single(recv, send, recv_counts, send_counts, group=self.group)
         return recv, recv_counts
 
-    def routed(
-        self,
-        x: torch.Tensor,
-        weights: torch.Tensor,
-        slots: torch.Tensor,
-        logical: torch.Tensor,
-        compute: ExpertCompute,
-        rows: int,
-        exact: bool = False,
-    ) -> torch.Tensor:
-        _check_rows(x, rows)
+    def _routed(self, call: RoutedCall) -> torch.Tensor:
+        x, slots, weights = call.x, call.slots, call.weights
         t, k = slots.shape
         d = x.shape[1]
         e = self.shard.ep_size
-        slots = slots.to(torch.int64)
         dest = self.shard.rank_of(slots)  # [T, k]
-        if exact:
+        if call.exact:
             # one row per (token, slot), ordered by destination rank, then token, then slot
             flat_dest = dest.reshape(-1)
             key = flat_dest * (t * k) + torch.arange(t * k, device=x.device)
@@ -250,7 +246,7 @@ class AllToAllDispatch:
             slot_j = order % k
             send_dest = flat_dest[order]
             send_ids = (slots.reshape(-1)[order] - send_dest * self.shard.slots_per_rank)[:, None]
-            send_w = weights.float().reshape(-1)[order][:, None]
+            send_w = weights.reshape(-1)[order][:, None]
         else:
             on = torch.zeros(t, e, dtype=torch.bool, device=x.device)
             on.scatter_(1, dest, True)  # [T, E]: token t needs rank r
@@ -259,22 +255,22 @@ class AllToAllDispatch:
             here = dest[tok] == r_idx[:, None]  # [M, k]
             local = slots[tok] - r_idx[:, None] * self.shard.slots_per_rank
             send_ids = torch.where(here, local, torch.full_like(local, -1))
-            send_w = weights.float()[tok]
+            send_w = weights[tok]
         send_counts = torch.bincount(send_dest, minlength=e).tolist()
         buf, fields = _pack([x[tok], send_w, send_ids])
         recv, recv_counts = self._exchange(buf, send_counts)
         xr, wr, ir = _unpack(recv, fields)
-        y = compute(xr, wr, ir)  # [M_recv, D]
+        y = call.compute(xr, wr, ir)  # [M_recv, D]
         back = y.new_empty(len(tok), d)
         with self.stats.timed():
             dist.all_to_all_single(back, y, send_counts, recv_counts, group=self.group)
-        if not exact:
+        if not call.exact:
             acc = torch.zeros(t, d, dtype=torch.float32, device=x.device)
             acc.index_add_(0, tok, back.float())
             return acc.to(x.dtype)
         per_slot = back.new_zeros(t, k, d)
         per_slot[tok, slot_j] = back
-        return sum_in_expert_order(per_slot, logical).to(x.dtype)
+        return sum_in_expert_order(per_slot, call.logical).to(x.dtype)
 
 
 DISPATCH_BACKENDS = ("allgather", "alltoall", "deep_ep")
@@ -292,5 +288,5 @@ def make_dispatch(
     if name == "deep_ep":
         from .deep_ep_dispatch import DeepEPDispatch
 
-        return DeepEPDispatch(group, shard, hidden_size)
+        return DeepEPDispatch(group, shard, hidden_size=hidden_size)
     raise ValueError(f"expert dispatch {name!r} is not one of {', '.join(DISPATCH_BACKENDS)}")
