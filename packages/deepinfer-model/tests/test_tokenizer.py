@@ -76,6 +76,14 @@ def test_decode_skips_sentence_tokens_but_keeps_markers(tok: Tokenizer) -> None:
     )
 
 
+def test_image_token_stays_in_decoded_text_as_in_the_released_tokenizer(tok: Tokenizer) -> None:
+    # DeepSeek's tokenizer.json does not mark <｜deepseek_image｜> special, so decoding keeps it
+    image = tok.token_to_id("<｜deepseek_image｜>")
+    assert tok.decode([image, *tok.encode("a")]) == "<｜deepseek_image｜>a"
+    specials = {t.content for t in tok.backend.get_added_tokens_decoder().values() if t.special}
+    assert specials == {"<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>"}
+
+
 def test_bad_ids_and_inputs(tok: Tokenizer) -> None:
     with pytest.raises(ValueError, match="outside the vocabulary"):
         tok.decode([tok.vocab_size])

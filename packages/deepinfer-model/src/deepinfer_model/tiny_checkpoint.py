@@ -52,9 +52,9 @@ TINY_SPECIAL_TOKENS: tuple[str, ...] = (
     PAD_TOKEN,
     *V41_SPECIAL_TOKENS[2:],
 )
-# Dropped by decode(skip_special_tokens=True); the role, think, DSML and task markers stay
-# visible in decoded text (DeepSeek marks them non-special so that parsers can see them).
-_SKIPPED_ON_DECODE = {BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, IMAGE_TOKEN}
+# Dropped by decode(skip_special_tokens=True); the role, think, DSML, task and image markers
+# stay visible in decoded text, as in DeepSeek's tokenizer.json, which marks them non-special.
+_SKIPPED_ON_DECODE = {BOS_TOKEN, EOS_TOKEN, PAD_TOKEN}
 
 
 # ---------------------------------------------------------------------------------------------
