@@ -3,14 +3,15 @@ V4.1 semantics (reference §2.2, §2.4), computed from the layer inputs the mode
 
 Covers window-only layers, the ratio-2 and ratio-1 kv sources (compressor, RoPE at j*r, index
 keys), reuse layers, the candidate source and the re-index layer. KV fake-quantisation is off
-(it is tested in the kernels); FP8 linears are written as quantise-activation-then-matmul.
+(it is tested in the kernels); FP8 linears are written as quantise-activation-then-matmul, and
+so is the grouped `wo_a` (its input cast to FP8 per token and 32 values, as in DeepInfer).
 """
 
 import math
 
 import pytest
 import torch
-from deepinfer_kernels import quant
+from deepinfer_kernels import ops, quant
 from deepinfer_model.batch import ForwardBatch
 from deepinfer_model.cache import CacheSpec, KVCache
 from deepinfer_model.config import ModelConfig
@@ -64,14 +65,28 @@ def captured():
     for i, layer in enumerate(model.layers):
         layer.attn_norm.register_forward_hook(keep(ins, i))
         layer.attn.wo_b.register_forward_hook(keep(outs, i))
+    # With the KV fake-quantisation off, the FP8 cast of each layer's context before wo_a is the
+    # only call of this op, once per layer in order: record its input.
+    contexts = []
+    cast = ops.fake_quant_fp8_ue8m0
+
+    def recording_cast(x, block=32):
+        contexts.append(x.detach().clone())
+        return cast(x, block)
+
     t = 23
     toks = torch.randint(0, 500, (t,), generator=torch.Generator().manual_seed(7)).tolist()
     spec = CacheSpec.from_config(cfg, block_size=16, dtype=torch.float32)
-    model(
-        ForwardBatch.build([toks], [0], [0], [[0, 1]]),
-        KVCache(cfg, spec, 4, 1, dtype=torch.float32),
-    )
-    return cfg, model, ins, outs, t
+    ops.fake_quant_fp8_ue8m0 = recording_cast
+    try:
+        model(
+            ForwardBatch.build([toks], [0], [0], [[0, 1]]),
+            KVCache(cfg, spec, 4, 1, dtype=torch.float32),
+        )
+    finally:
+        ops.fake_quant_fp8_ue8m0 = cast
+    assert len(contexts) == cfg.num_hidden_layers
+    return cfg, model, ins, outs, t, contexts
 
 
 def _latents(cfg, attn, x, t):
@@ -108,7 +123,7 @@ def _index_scores(cfg, model, layer, ins, keys, tok):
 
 
 def test_every_attention_layer_matches_float64_semantics(captured):
-    cfg, model, ins, outs, t = captured
+    cfg, model, ins, outs, t, contexts = captured
     eps, rd, w_len = cfg.rms_norm_eps, cfg.qk_rope_head_dim, cfg.sliding_window
     entries, ikeys, chosen, cands = {}, {}, {}, {}
     for layer in range(cfg.num_hidden_layers):
@@ -172,9 +187,19 @@ def test_every_attention_layer_matches_float64_semantics(captured):
                 den = torch.exp(lg).sum() + math.exp(float(attn.attn_sink[h]))
                 out[tok, h] = (torch.exp(lg).unsqueeze(1) * kk).sum(0) / den
             out[tok] = rope_last(out[tok], tok, attn.inv_freq, rd, inverse=True)
+        # The context reaching wo_a, then its FP8 cast (per token, 32 values per UE8M0 scale,
+        # as DeepInfer) of the model's own fp32 context: a float64 context would round a value
+        # lying within its last bits of an FP8 step to the other side now and then.
+        ctx = contexts[layer]
+        torch.testing.assert_close(
+            ctx.double(), out.reshape(t, -1), rtol=1e-5, atol=1e-5, msg=f"layer {layer} context"
+        )
+        acts, scales = quant.act_quant_fp8(ctx, 32)
+        assert scales.shape == (t, attn.n_heads * attn.head_dim // 32)
+        ctx8 = quant.act_dequant_fp8(acts, scales, F64)
         g = attn.n_groups
         wo_a = attn.wo_a.dequantized(F64).view(g, attn.o_lora_rank, -1)
-        o = torch.cat([out.reshape(t, g, -1)[:, k] @ wo_a[k].T for k in range(g)], dim=1)
+        o = torch.cat([ctx8.view(t, g, -1)[:, k] @ wo_a[k].T for k in range(g)], dim=1)
         want = lin8(o, attn.wo_b)
         torch.testing.assert_close(outs[layer], want, rtol=1e-5, atol=1e-5, msg=f"layer {layer}")
     # the selections really select (visible > index_topk happens in this sequence)

@@ -6,8 +6,9 @@ Per layer (all [T, ...] flat over the batch):
 3. Keys: the window of the last `sliding_window` positions (ring + this step's tokens), plus, for
    ratio > 0, the entries of the layer's kv source that its index source selected.
 4. ``o = sparse_sink_attention(q, keys, scale = head_dim^-0.5)``, inverse RoPE at the query
-   position, grouped ``wo_a`` (block-diagonal over `o_groups`, dequantised, no activation
-   quantisation as in the reference), then ``wo_b`` (FP8 linear).
+   position, o cast to FP8 e4m3 per token with one UE8M0 scale per 32 values (as DeepInfer's
+   output projection takes it; the inference/model.py reference leaves it unquantised), grouped
+   ``wo_a`` (block-diagonal over `o_groups`, dequantised weight), then ``wo_b`` (FP8 linear).
 kv sources run their `Compressor` and write compressed KV (RoPE at j*r, FP4 with e4m3 scale per
 16) and index keys into the pages before anyone reads them.
 """
@@ -138,9 +139,12 @@ class Attention(nn.Module):
         return straight_through(ops.fake_quant_fp8_ue8m0, kv, 32) if self.fake_quant_kv else kv
 
     def output(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """o [T, H, head_dim] -> [T, D]: inverse RoPE, grouped wo_a, wo_b."""
+        """o [T, H, head_dim] -> [T, D]: inverse RoPE, FP8 cast of the context, grouped wo_a,
+        wo_b."""
         o = rope_tail(o, positions, self.inv_freq, self.rope_dim, inverse=True)
-        o = o.reshape(o.shape[0], self.n_groups, -1)
+        # DeepInfer feeds wo_a an FP8 context: e4m3 per token, one UE8M0 scale per 32 values
+        o = ops.fake_quant_fp8_ue8m0(o.reshape(o.shape[0], -1), 32)
+        o = o.view(o.shape[0], self.n_groups, -1)
         wo_a = self.wo_a.dequantized(o.dtype).view(self.n_groups, self.o_lora_rank, -1)
         o = torch.stack([dense(o[:, g], wo_a[g]) for g in range(self.n_groups)], dim=1)
         return self.wo_b(o.flatten(1))
