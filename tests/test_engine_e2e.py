@@ -31,10 +31,13 @@ def llm():
     )
 
 
-def plain_greedy(model, config, prompt_ids: list[int], n: int, floor: int = 0) -> list[int]:
+def plain_greedy(
+    model, config, prompt_ids: list[int], n: int, floor: int = 0, mode: str = "compact"
+) -> list[int]:
     """Greedy decoding that recomputes the whole sequence from an empty cache at every step.
 
-    floor > 0: the model's own YOCO compact semantics (`ForwardBatch.yoco_floor`), one shot.
+    floor > 0: the model's own YOCO truncation (`ForwardBatch.yoco_floor`, truncating as `mode`
+    says), one shot.
     """
     toks, out = list(prompt_ids), []
     spec = CacheSpec.from_config(config, block_size=8, dtype=torch.float32)
@@ -44,6 +47,7 @@ def plain_greedy(model, config, prompt_ids: list[int], n: int, floor: int = 0) -
         batch = ForwardBatch.build([toks], [0], [0], [list(range(blocks))])
         if floor:
             batch.yoco_floor = torch.tensor([floor])
+            batch.yoco_truncation = mode
         with torch.inference_mode():
             t = int(model.forward(batch, cache).logits[0].argmax())
         toks.append(t)
@@ -103,7 +107,8 @@ def test_chat_and_bad_input(llm):
         llm.generate([[1, 10**6]], use_tqdm=False)
 
 
-def test_yoco_compact_matches_the_models_truncated_prefill_under_chunking():
+@pytest.mark.parametrize("mode", ["compact", "mask"])
+def test_yoco_truncation_matches_the_models_truncated_prefill_under_chunking(mode):
     k = 10  # tiny window 8 + (use_nextn_decode 1 + 1)
     llm = LLM(
         str(ensure_tiny_checkpoint()),
@@ -113,7 +118,7 @@ def test_yoco_compact_matches_the_models_truncated_prefill_under_chunking():
         block_size=8,
         max_model_len=256,
         max_num_batched_tokens=7,
-        yoco_prefill_truncation_mode="compact",
+        yoco_prefill_truncation_mode=mode,
         yoco_prefill_keep_tokens=k,
         use_nextn_decode=1,
     )
@@ -124,7 +129,7 @@ def test_yoco_compact_matches_the_models_truncated_prefill_under_chunking():
     model, cfg = llm.engine.model.model, llm.engine.model.config
     for o in out:
         ids = o.prompt_token_ids
-        ref = plain_greedy(model, cfg, ids, 3, floor=max(0, len(ids) - k))
+        ref = plain_greedy(model, cfg, ids, 3, floor=max(0, len(ids) - k), mode=mode)
         assert o.outputs[0].token_ids == ref
 
 

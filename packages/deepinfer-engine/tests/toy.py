@@ -106,6 +106,7 @@ class ToyModel:
         self.max_position_embeddings = max_len
         self.bytes_per_slot = bytes_per_slot
         self.supports_yoco_floor = yoco
+        self.truncations: set[str] = set()  # the yoco_truncation of batches with a floor
 
     def cache_spec(self, block_size: int, dtype: torch.dtype) -> ToySpec:
         return ToySpec(block_size, bytes_per_slot=self.bytes_per_slot)
@@ -139,6 +140,8 @@ class ToyModel:
                 rows[j] = logits
             cache.h[slot] = h
             cache.n[slot] += cu[b + 1] - cu[b]
+        if batch.yoco_floor is not None:
+            self.truncations.add(batch.yoco_truncation)
         sel = batch.logits_indices.tolist()
         logits = torch.stack([rows[j] for j in sel]).float() if sel else torch.empty(0, len(VOCAB))
         return ForwardOutput(logits=logits)

@@ -17,7 +17,7 @@ from typing import Any
 from deepinfer_kernels.settings import KernelSettings, parse_bool, parse_overrides
 
 ACCELERATORS = ("nvidia", "ascend", "cpu")
-TRUNCATION_MODES = ("off", "compact")
+TRUNCATION_MODES = ("off", "mask", "compact")
 
 # Environment variable -> EngineConfig field.
 ENV_FIELDS: dict[str, str] = {

@@ -145,7 +145,7 @@ class Engine:
             (plan.num_slots * spec.bytes_per_slot + plan.num_blocks * spec.bytes_per_block) / 2**20,
             self.device,
         )
-        keep = self._check_truncation(config, model)
+        yoco = self._check_truncation(config, model)
         self.kv = KVCacheManager(plan.num_slots, plan.num_blocks, plan.block_size)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.output = OutputProcessor(self.scheduler, model.eos_token_id, self.max_model_len)
@@ -158,7 +158,7 @@ class Engine:
                 self.device,
                 self.dtype,
                 config.seed,
-                keep_tokens=keep,
+                yoco=yoco,
                 graph_max_batch=0 if config.enforce_eager else config.max_num_seqs,
             )
         self.eos_ids: tuple[int, ...] = (
@@ -185,9 +185,11 @@ class Engine:
         return self.config.kv_cache_bytes
 
     @staticmethod
-    def _check_truncation(config: EngineConfig, model: EngineModel) -> int | None:
-        """SWA bounded replay (YOCO prefill truncation): returns K in compact mode, else None."""
-        if config.yoco_prefill_truncation_mode == "off":
+    def _check_truncation(config: EngineConfig, model: EngineModel) -> tuple[int, str] | None:
+        """SWA bounded replay (YOCO prefill truncation): (K, mode) in `mask` or `compact`
+        mode, else None."""
+        mode = config.yoco_prefill_truncation_mode
+        if mode == "off":
             return None
         k = config.yoco_prefill_keep_tokens
         need = model.sliding_window + config.max_backtrack
@@ -200,11 +202,11 @@ class Engine:
             )
         if not model.supports_yoco_floor:
             raise NotImplementedError(
-                "yoco_prefill_truncation_mode='compact' needs the model to run decoder layers "
-                "only on each prompt's last K tokens (ForwardBatch.yoco_floor); this model "
-                "does not support it (supports_yoco_floor is False). Use 'off'."
+                f"yoco_prefill_truncation_mode={mode!r} needs the model to truncate its "
+                "consumer layers to each prompt's last K tokens (ForwardBatch.yoco_floor); "
+                "this model does not support it (supports_yoco_floor is False). Use 'off'."
             )
-        return k
+        return k, mode
 
     def _grammars(self):
         if self._grammar_cache is None:

@@ -66,11 +66,13 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         seed: int,
-        keep_tokens: int | None = None,
+        yoco: tuple[int, str] | None = None,
         graph_max_batch: int = 0,
     ) -> None:
-        """graph_max_batch: decode steps of up to this many sequences replay CUDA graphs (on
-        CUDA, when the model offers them; 0 = always eager)."""
+        """yoco: YOCO prefill truncation, (K, how: "compact" | "mask", as
+        `ForwardBatch.yoco_truncation`), None when off; graph_max_batch: decode steps of up
+        to this many sequences replay CUDA graphs (on CUDA, when the model offers them;
+        0 = always eager)."""
         from deepinfer_sampling.sampler import Sampler
 
         self.model = model
@@ -84,7 +86,8 @@ class ModelRunner:
         gen_device = device if device.type == "cuda" else torch.device("cpu")
         self.generator = torch.Generator(device=gen_device)
         self.generator.manual_seed(seed)
-        self.keep_tokens = keep_tokens  # YOCO compact prefill: decoder runs on the last K only
+        # YOCO truncation: the consumer layers fully run each prompt's last K tokens only
+        self.keep_tokens, self.truncation = yoco if yoco is not None else (None, "compact")
         self.graphs = None
         if device.type == "cuda" and graph_max_batch > 0:
             self.graphs = model.decode_graphs(graph_max_batch)
@@ -99,6 +102,7 @@ class ModelRunner:
             [self._sequence_input(c, prev) for c in out.chunks],
             self.device,
             prev_token_ids=prev.token_ids if prev is not None else None,
+            yoco_truncation=self.truncation,
         )
         sample_chunks = [c for c in out.chunks if c.sample]
         # Prefill chunks that sample nothing still run: they write their KV into the cache.
@@ -129,11 +133,11 @@ class ModelRunner:
         )
 
     def _yoco_floor(self, c: ScheduledChunk) -> int:
-        """YOCO compact prefill: the first position that runs the decoder layers.
+        """YOCO prefill truncation: the first position the consumer layers fully run.
 
-        A prompt of N > K tokens runs the decoder layers only on positions >= N - K; shorter
-        prompts are exact (0). N is the *original* prompt length for the sequence's whole life
-        (prompt chunks, decode steps, and recompute after preemption), as the model requires.
+        A prompt of N > K tokens is truncated below position N - K; shorter prompts are exact
+        (0). N is the *original* prompt length for the sequence's whole life (prompt chunks,
+        decode steps, and recompute after preemption), as the model requires.
         """
         assert self.keep_tokens is not None
         return max(0, c.seq.num_prompt_tokens - self.keep_tokens)

@@ -51,8 +51,10 @@ class ModelRuntime:
 
     @property
     def supports_yoco_floor(self) -> bool:
-        """The forward honours `ForwardBatch.yoco_floor` (YOCO compact prefill)."""
-        return True
+        """The forward honours `ForwardBatch.yoco_floor` (YOCO prefill truncation): the
+        config's kv sources all lie at or before the decoder start (V4.1: 2, 8, 14, 20)."""
+        cfg = self.config
+        return all(src <= cfg.decoder_start_layer for src in cfg.kv_source_layer_ids)
 
     @property
     def has_dspark_stages(self) -> bool:

@@ -66,6 +66,11 @@ class Projections:
         values = (getattr(self, f.name) for f in dataclasses.fields(self))
         return Projections(*(None if t is None else t[:n] for t in values))
 
+    def select(self, rows: torch.Tensor) -> Projections:
+        """Rows `rows` [T'] (device int64) of every tensor."""
+        values = (getattr(self, f.name) for f in dataclasses.fields(self))
+        return Projections(*(None if t is None else t.index_select(0, rows) for t in values))
+
 
 class Attention(nn.Module):
     """One layer's attention. Parameters (HF names): `wq_a`, `q_norm`, `wq_b`, `wkv`, `kv_norm`,
@@ -175,9 +180,14 @@ class Attention(nn.Module):
         return kv, keys
 
     # -- compressed branch ----------------------------------------------------------------------
-    def _publish(self, x: torch.Tensor, p: Projections, ctx: StepContext, cache: KVCache) -> None:
+    def publish(self, x: torch.Tensor, p: Projections, ctx: StepContext, cache: KVCache) -> None:
         """kv source: compress, write index keys and compressed KV to pages, read back every
-        sequence's entries (gathers with index tensors built on the host: no sync)."""
+        sequence's entries into `ctx.compressed` (gathers with index tensors built on the host:
+        no sync). Once per step: `attend` publishes unless the step's context already holds
+        this layer's entries (the YOCO boundary publishes every token's before it cuts the rows
+        the consumer layers run). No-op on other layers."""
+        if not self.is_kv_source or self.ratio == 0 or self.layer_id in ctx.compressed:
+            return
         r, bs = self.ratio, cache.block_size
         done = ctx.completed_entries(r, bs)
         if p.entry_kv is not None:
@@ -344,8 +354,7 @@ class Attention(nn.Module):
         pool = [ring[ctx.token["slots"]].flatten(0, 1).to(x.dtype), p.kv]
         idx = [ctx.window(self.window, ring.shape[1])]
         if self.ratio > 0:
-            if self.is_kv_source:
-                self._publish(x, p, ctx, cache)
+            self.publish(x, p, ctx, cache)
             if self.is_index_source:
                 self._select(p, ctx)
             if self.observer is not None:
