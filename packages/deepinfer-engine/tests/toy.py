@@ -39,8 +39,20 @@ class ToyTokenizer:
     def encode(self, text: str) -> list[int]:
         return [VOCAB.index(c) for c in text]
 
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return "".join(VOCAB[i] for i in ids if not (skip_special_tokens and i < len(SPECIALS)))
+    def decode(
+        self, ids, skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True
+    ) -> str:
+        if skip_special_tokens:
+            return "".join(VOCAB[i] for i in ids if i >= len(SPECIALS))
+        if not spaces_between_special_tokens:
+            return "".join(VOCAB[i] for i in ids)
+        pieces = []  # each special token alone, the runs of other tokens between them
+        for i in ids:
+            if i < len(SPECIALS) or not pieces or pieces[-1] in SPECIALS:
+                pieces.append(VOCAB[i])
+            else:
+                pieces[-1] += VOCAB[i]
+        return " ".join(pieces)
 
 
 def _weights(vocab: int, dim: int = 16):

@@ -71,9 +71,18 @@ def test_decode_skips_sentence_tokens_but_keeps_markers(tok: Tokenizer) -> None:
     ids = [0, *tok.encode("a<think>b"), 1]
     assert tok.decode(ids) == "a<think>b"
     assert (
-        tok.decode(ids, skip_special_tokens=False)
+        tok.decode(ids, skip_special_tokens=False, spaces_between_special_tokens=False)
         == "<｜begin▁of▁sentence｜>a<think>b<｜end▁of▁sentence｜>"
     )
+    # vLLM's default: a special token shown in the text stands apart (markers are not special)
+    assert (
+        tok.decode(ids, skip_special_tokens=False)
+        == "<｜begin▁of▁sentence｜> a<think>b <｜end▁of▁sentence｜>"
+    )
+    assert tok.decode([0, 1], skip_special_tokens=False) == (
+        "<｜begin▁of▁sentence｜> <｜end▁of▁sentence｜>"
+    )
+    assert tok.special_ids == {0, 1, 2}
 
 
 def test_image_token_stays_in_decoded_text_as_in_the_released_tokenizer(tok: Tokenizer) -> None:

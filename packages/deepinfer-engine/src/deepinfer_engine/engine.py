@@ -224,9 +224,9 @@ class Engine:
     def check_requests(self, reqs: list[ValidatedRequest]) -> None:
         """Compile every structured-output grammar up front, so a bad one fails before work."""
         for i, r in enumerate(reqs):
-            if r.params.so_args is not None:
+            if r.params.structured_output is not None:
                 try:
-                    self._grammars().compile(r.params.so_args)
+                    self._grammars().compile(r.params.structured_output)
                 except ValueError as e:
                     raise ValueError(f"prompt {i}: {e}") from None
 
@@ -248,10 +248,14 @@ class Engine:
                 prompt_token_ids=list(req.prompt_token_ids),
                 params=params,
                 detokenizer=IncrementalDetokenizer(
-                    self.tokenizer, req.prompt_token_ids, stop=list(p.stop)
+                    self.tokenizer,
+                    req.prompt_token_ids,
+                    stop=list(p.stop),
+                    skip_special_tokens=p.skip_special_tokens,
+                    spaces_between_special_tokens=p.spaces_between_special_tokens,
                 ),
                 seed=params.seq_seed,
-                grammar=self._grammars().matcher(p.so_args) if p.so_args is not None else None,
+                grammar=self._grammars().matcher(so) if (so := p.structured_output) else None,
             )
             self._next_seq_id += 1
             request.seqs.append(seq)

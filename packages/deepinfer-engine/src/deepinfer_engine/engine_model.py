@@ -14,12 +14,20 @@ from deepinfer_model.batch import ForwardBatch, ForwardOutput
 
 
 class TextTokenizer(Protocol):
-    """encode(text) -> ids (no BOS added), decode(ids). Structured output also reads `backend`
-    (a `tokenizers.Tokenizer`) when a request asks for a grammar."""
+    """encode(text) -> ids (no BOS added), decode(ids) with vLLM's two detokenization flags:
+    `skip_special_tokens` drops the tokens the tokenizer marks special, and, when they are
+    shown, `spaces_between_special_tokens` separates each from its neighbours by a space.
+    Structured output also reads `backend` (a `tokenizers.Tokenizer`) when a request asks for
+    a grammar."""
 
     def encode(self, text: str) -> list[int]: ...
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+    def decode(
+        self,
+        ids: list[int],
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+    ) -> str: ...
 
 
 class CacheSizes(Protocol):

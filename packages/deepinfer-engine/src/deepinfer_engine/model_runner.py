@@ -238,9 +238,7 @@ class ModelRunner:
                 )
             elif lp is not None and c.seq.params.logprobs is not None:
                 res.logprob = lp[r]
-                # The sampler returns min(N, vocab) candidates: a request may ask for more
-                # than the vocabulary holds (vLLM then returns what there is).
-                n = min(c.seq.params.logprobs, len(top_ids[r]))
+                n = c.seq.params.logprobs  # <= the vocabulary (validate_requests)
                 top = {tokens[r]: Logprob(lp[r], rank=ranks[r])}
                 for k in range(n):
                     top.setdefault(top_ids[r][k], Logprob(top_lp[r][k], rank=k + 1))

@@ -40,6 +40,7 @@ class OutputProcessor:
         self.eos_token_id = eos_token_id
         self.max_model_len = max_model_len
         self.num_generated = 0  # tokens appended to outputs
+        self._token_text: dict[int, str] = {}  # id -> its text alone (Logprob.decoded_token)
 
     def update(self, out: SchedulerOutput, results: list[RowResult | None]) -> list[Sequence]:
         """Resolve the placeholders of step `out`: append sampled tokens and apply stop rules.
@@ -82,7 +83,21 @@ class OutputProcessor:
         if res.top_logprobs is not None:
             if seq.logprobs is None:
                 seq.logprobs = []
-            seq.logprobs.append(res.top_logprobs)
+            seq.logprobs.append(self._decoded(seq, res.top_logprobs))
+
+    def _decoded(self, seq: Sequence, logprobs: dict[int, Logprob]) -> dict[int, Logprob]:
+        """`logprobs` with each `decoded_token` set to its token's text alone, as vLLM gives
+        it (special tokens spelled out; a byte of a longer character shows as U+FFFD). A
+        sequence without a detokenizer leaves them None."""
+        if seq.detokenizer is None:
+            return logprobs
+        decode = seq.detokenizer.tokenizer.decode
+        for tid, lp in logprobs.items():
+            text = self._token_text.get(tid)
+            if text is None:
+                text = self._token_text[tid] = decode([tid], skip_special_tokens=False)
+            lp.decoded_token = text
+        return logprobs
 
     def _check_stop(self, seq: Sequence, token: int) -> bool:
         """Apply stop rules after appending `token`; finish the sequence if one fires.

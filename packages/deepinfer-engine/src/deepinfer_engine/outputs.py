@@ -11,6 +11,7 @@ class Logprob:
     temperature, penalties, bias and filters; vLLM's default `raw_logprobs`).
 
     `rank` is 1 for the most likely token; None when the sampler did not report it.
+    `decoded_token`: the token's text decoded alone (special tokens spelled out).
     """
 
     logprob: float

@@ -14,7 +14,13 @@ from .grammar import (
     tokenizer_info_from_vocab,
 )
 from .json_schema import UnsupportedJsonSchema
-from .params import SCHEMA_TYPES, SamplingParams, StructuredOutput, parse_grammar
+from .params import (
+    SCHEMA_TYPES,
+    SamplingParams,
+    StructuredOutput,
+    StructuredOutputsParams,
+    parse_grammar,
+)
 from .rng import (
     STREAM_DRAFT,
     STREAM_SAMPLE,
@@ -45,6 +51,7 @@ __all__ = [
     "SamplingParams",
     "SamplingRow",
     "StructuredOutput",
+    "StructuredOutputsParams",
     "UnsupportedJsonSchema",
     "allocate_token_bitmask",
     "apply_token_bitmask",
