@@ -105,19 +105,23 @@ class ToySpec:
 
 class ToyModel:
     """The toy as an `EngineModel`: `max_len` positions, `bytes_per_slot` of state per sequence,
-    `yoco`: whether it honours `ForwardBatch.yoco_floor`."""
+    `yoco`: whether it honours `ForwardBatch.yoco_floor`; `drafts`: the draft length it claims
+    (the engine checks DEEPINFER_USE_NEXTN_DECODE against it; nothing drafts yet)."""
 
     name = "toy"
     eos_token_id = EOS
     vocab_size = len(VOCAB)
     sliding_window = 8
-    has_dspark_stages = False
 
-    def __init__(self, max_len: int = 256, bytes_per_slot: int = 4096, yoco: bool = False) -> None:
+    def __init__(
+        self, max_len: int = 256, bytes_per_slot: int = 4096, yoco: bool = False, drafts: int = 5
+    ) -> None:
         self.tokenizer = ToyTokenizer()
         self.max_position_embeddings = max_len
         self.bytes_per_slot = bytes_per_slot
         self.supports_yoco_floor = yoco
+        self.max_draft_tokens = drafts
+        self.has_dspark_stages = drafts > 0
         self.truncations: set[str] = set()  # the yoco_truncation of batches with a floor
 
     def cache_spec(self, block_size: int, dtype: torch.dtype) -> ToySpec:

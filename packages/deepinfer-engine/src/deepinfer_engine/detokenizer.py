@@ -61,9 +61,11 @@ class IncrementalDetokenizer:
         self._max_stop = max((len(s) for s in self.stop), default=0)
 
     def _decode(self, ids: list[int]) -> str:
+        if self.skip_special_tokens:  # no special token shown: no spaces to put around one
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
         return self.tokenizer.decode(
             ids,
-            skip_special_tokens=self.skip_special_tokens,
+            skip_special_tokens=False,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
         )
 

@@ -15,14 +15,13 @@ n+1; that row is dropped.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass, field
 
 import torch
 from deepinfer_kernels import REGISTRY
 
-from deepinfer_engine.config import EngineConfig, resolve_device
+from deepinfer_engine.config import EngineConfig
 from deepinfer_engine.detokenizer import IncrementalDetokenizer
 from deepinfer_engine.engine_model import EngineModel
 from deepinfer_engine.kv_cache_manager import KVCacheManager, plan_cache
@@ -91,6 +90,7 @@ class Engine:
     `output` (tokens -> outputs and stops)."""
 
     def __init__(self, config: EngineConfig, model: EngineModel) -> None:
+        config = config.replaced(use_nextn_decode=self._draft_length(config, model))
         self.config = config
         self.model = model
         # This engine's kernel settings (argument, else DEEPINFER_BATCH_INVARIANT /
@@ -99,7 +99,7 @@ class Engine:
         self.kernel_settings = config.kernel_settings()
         REGISTRY.check(self.kernel_settings)
         self.tokenizer = model.tokenizer
-        self.device = torch.device(resolve_device(config.accelerator))
+        self.device = torch.device(config.device())
         self.dtype = config.torch_dtype(self.device.type)
         spec = model.cache_spec(config.block_size, self.dtype)
         budget = self._kv_budget_bytes()
@@ -121,8 +121,7 @@ class Engine:
             max_model_len,
         )
         self.max_model_len = plan.max_model_len
-        resolved = dataclasses.replace(
-            config,
+        resolved = config.replaced(
             model=model.name,
             dtype=str(self.dtype).removeprefix("torch."),
             max_model_len=self.max_model_len,
@@ -183,6 +182,22 @@ class Engine:
                 )
             return budget
         return self.config.kv_cache_bytes
+
+    @staticmethod
+    def _draft_length(config: EngineConfig, model: EngineModel) -> int:
+        """DEEPINFER_USE_NEXTN_DECODE against what the model's DSpark stages draft: the given
+        length, or the model's when none is given; more than the model drafts is an error."""
+        most = model.max_draft_tokens
+        n = config.use_nextn_decode
+        if n is None:
+            return most
+        if n > most:
+            allowed = f"0..{most}" if most else "0 (the model has no DSpark stages)"
+            raise ValueError(
+                f"use_nextn_decode={n} ({config.origin('use_nextn_decode')}) is more than this "
+                f"model drafts: its DSpark stages draft {most} tokens a step; allowed: {allowed}"
+            )
+        return n
 
     @staticmethod
     def _check_truncation(config: EngineConfig, model: EngineModel) -> tuple[int, str] | None:

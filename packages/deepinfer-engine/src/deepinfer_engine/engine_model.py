@@ -16,7 +16,8 @@ from deepinfer_model.batch import ForwardBatch, ForwardOutput
 class TextTokenizer(Protocol):
     """encode(text) -> ids (no BOS added), decode(ids) with vLLM's two detokenization flags:
     `skip_special_tokens` drops the tokens the tokenizer marks special, and, when they are
-    shown, `spaces_between_special_tokens` separates each from its neighbours by a space.
+    shown, `spaces_between_special_tokens` separates each from its neighbours by a space (the
+    engine passes it only with skip_special_tokens=False).
     Structured output also reads `backend` (a `tokenizers.Tokenizer`) when a request asks for
     a grammar."""
 
@@ -68,7 +69,8 @@ class EngineModel(Protocol):
     Facts the engine plans with: `name` (logged), `tokenizer`, `vocab_size`, `eos_token_id`
     (None: no EOS), `max_position_embeddings`, `sliding_window` (tokens), and capabilities:
     `supports_yoco_floor` (the forward honours `ForwardBatch.yoco_floor`, needed by SWA bounded
-    replay) and `has_dspark_stages` (DSpark draft stages are loaded).
+    replay), `has_dspark_stages` (DSpark draft stages are loaded) and `max_draft_tokens` (the
+    tokens its stages draft per step, 0 without: DEEPINFER_USE_NEXTN_DECODE's upper bound).
     """
 
     @property
@@ -94,6 +96,9 @@ class EngineModel(Protocol):
 
     @property
     def has_dspark_stages(self) -> bool: ...
+
+    @property
+    def max_draft_tokens(self) -> int: ...
 
     def forward(self, batch: ForwardBatch, cache: Any) -> ForwardOutput:
         """One step: logits [R, vocab] fp32 for `batch.logits_indices` (+ hidden if asked),

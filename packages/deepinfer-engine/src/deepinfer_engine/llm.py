@@ -9,7 +9,7 @@ from typing import Any
 
 from deepinfer_sampling.params import SamplingParams
 
-from deepinfer_engine.config import EngineConfig, resolve_device
+from deepinfer_engine.config import EngineConfig
 from deepinfer_engine.engine import Engine, Request
 from deepinfer_engine.engine_model import EngineModel
 from deepinfer_engine.outputs import RequestOutput
@@ -38,7 +38,7 @@ class LLM:
                 "no model given (model=None, DEEPINFER_HF_MODEL_DIR unset): using the built-in "
                 "tiny checkpoint"
             )
-        device = resolve_device(cfg.accelerator)
+        device = cfg.device()
         loaded = load_model(cfg.model, device=device, dtype=cfg.torch_dtype(device))
         self.engine = Engine(cfg, ModelRuntime.from_loaded(loaded))
 

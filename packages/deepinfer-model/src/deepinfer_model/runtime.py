@@ -60,6 +60,12 @@ class ModelRuntime:
     def has_dspark_stages(self) -> bool:
         return self.config.num_nextn_predict_layers > 0
 
+    @property
+    def max_draft_tokens(self) -> int:
+        """Tokens the DSpark stages draft per step: one block (`dspark_block_size`, 5 on V4.1),
+        0 without stages."""
+        return self.config.dspark_block_size if self.has_dspark_stages else 0
+
     def forward(self, batch: ForwardBatch, cache: KVCache) -> ForwardOutput:
         return self.model.forward(batch, cache)
 
