@@ -13,6 +13,7 @@ from deepinfer_engine.config import EngineConfig
 from deepinfer_engine.engine import Engine, Request
 from deepinfer_engine.engine_model import EngineModel
 from deepinfer_engine.outputs import RequestOutput
+from deepinfer_engine.progress import progress_bar
 from deepinfer_engine.validation import validate_requests
 
 logger = logging.getLogger("deepinfer")
@@ -63,6 +64,8 @@ class LLM:
 
         prompts: a string, token ids, {"prompt_token_ids": [...]}, or a list of these.
         sampling_params: one for all prompts, or one per prompt (None: defaults).
+        use_tqdm: show the progress on stderr (`progress.progress_bar`: tqdm's bar on a
+        terminal, else one line per `LOG_INTERVAL_S` seconds).
         Every request is validated first; a bad one raises ValueError("prompt {i}: ...") and
         nothing runs. A mid-run failure of one request (non-finite logits, a grammar dead end)
         ends only that request, with finish_reason="error" and a message in `.error`.
@@ -87,11 +90,7 @@ class LLM:
 
     def _run(self, requests: list[Request], use_tqdm: bool) -> None:
         eng = self.engine
-        bar = None
-        if use_tqdm:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=len(requests), desc="Processed prompts", dynamic_ncols=True)
+        bar = progress_bar(len(requests), "Processed prompts") if use_tqdm else None
         pending = {r.request_id: r for r in requests}
         t0 = time.perf_counter()
         tok0 = eng.stats.tokens_generated
