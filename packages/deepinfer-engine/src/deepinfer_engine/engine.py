@@ -63,7 +63,12 @@ class Request:
             for s in self.seqs
         ]
         return RequestOutput(
-            self.request_id, self.prompt, list(self.prompt_token_ids), outs, self.finished
+            self.request_id,
+            self.prompt,
+            list(self.prompt_token_ids),
+            outs,
+            self.finished,
+            self.seqs[0].prompt_logprobs,
         )
 
 

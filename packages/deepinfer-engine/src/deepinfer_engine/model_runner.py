@@ -14,6 +14,7 @@ On CPU everything is synchronous and the same code runs.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 
@@ -21,9 +22,11 @@ import torch
 from deepinfer_model.batch import SequenceInput, build_batch
 from deepinfer_model.cuda_graph import GraphCaptureError
 
+from deepinfer_engine import prompt_logprobs
 from deepinfer_engine.engine_model import EngineModel
 from deepinfer_engine.output_processor import RowResult
-from deepinfer_engine.outputs import Logprob
+from deepinfer_engine.outputs import logprob_entry
+from deepinfer_engine.prompt_logprobs import PromptLogits
 from deepinfer_engine.scheduler import ScheduledChunk, SchedulerOutput
 
 logger = logging.getLogger("deepinfer.engine")
@@ -34,12 +37,14 @@ class LaunchedStep:
     """A step whose forward has been enqueued.
 
     logits: [R, vocab] for the sampled chunks (R = number of chunks with `sample`), in chunk
-    order; `sample_chunks[i]` is the chunk of logits row i.
+    order; `sample_chunks[i]` is the chunk of logits row i. prompt: the prompt logprobs the
+    step computes (`prompt_logprobs.PromptLogits`), None when no chunk asks for them.
     """
 
     out: SchedulerOutput
     logits: torch.Tensor | None
     sample_chunks: list[ScheduledChunk]
+    prompt: PromptLogits | None = None
 
 
 @dataclass
@@ -98,13 +103,18 @@ class ModelRunner:
         """Build the flat batch of `out` and enqueue the model's forward."""
         for slot in out.new_slots:
             self.cache.reset_slot(slot)
+        sample_chunks = [c for c in out.chunks if c.sample]
+        rows = prompt_logprobs.prompt_rows(out.chunks)
+        if rows:  # after the sampled rows (one per sampled chunk, its last)
+            ends = itertools.accumulate(c.num_tokens for c in out.chunks)
+            rows = [e - 1 for c, e in zip(out.chunks, ends, strict=True) if c.sample] + rows
         batch = build_batch(
             [self._sequence_input(c, prev) for c in out.chunks],
             self.device,
             prev_token_ids=prev.token_ids if prev is not None else None,
+            logits_rows=rows or None,
             yoco_truncation=self.truncation,
         )
-        sample_chunks = [c for c in out.chunks if c.sample]
         # Prefill chunks that sample nothing still run: they write their KV into the cache.
         res = None
         if self.graphs is not None and self.graphs.unsupported(batch) is None:
@@ -115,7 +125,9 @@ class ModelRunner:
                 self.graphs = None
         if res is None:
             res = self.model.forward(batch, self.cache)
-        return LaunchedStep(out, res.logits if sample_chunks else None, sample_chunks)
+        n = len(sample_chunks)
+        prompt = prompt_logprobs.start(res.logits[n:], out.chunks) if rows else None
+        return LaunchedStep(out, res.logits[:n] if n else None, sample_chunks, prompt)
 
     def _sequence_input(self, c: ScheduledChunk, prev: SampledStep | None) -> SequenceInput:
         """Chunk `c` as the batch builder takes it; its token in flight (if any) is the one
@@ -137,9 +149,12 @@ class ModelRunner:
 
         A prompt of N > K tokens is truncated below position N - K; shorter prompts are exact
         (0). N is the *original* prompt length for the sequence's whole life (prompt chunks,
-        decode steps, and recompute after preemption), as the model requires.
+        decode steps, and recompute after preemption), as the model requires. A sequence that
+        computes prompt logprobs is exact (0): each of its prompt rows needs every layer.
         """
         assert self.keep_tokens is not None
+        if c.seq.wants_prompt_logprobs:
+            return 0
         return max(0, c.seq.num_prompt_tokens - self.keep_tokens)
 
     # ---- sampling ----------------------------------------------------------------------------
@@ -204,7 +219,21 @@ class ModelRunner:
         return SampledStep(step, so.token_ids, row_of_seq, host, event)
 
     def resolve(self, sampled: SampledStep | None, step: LaunchedStep) -> list[RowResult | None]:
-        """Wait for the host copy of `sampled` and turn it into one result per chunk of `step`."""
+        """Wait for the host copies of `sampled` and of the step's prompt logprobs and turn
+        them into one result per chunk of `step` (None: a chunk with nothing to report)."""
+        prompt = (
+            prompt_logprobs.resolve(step.prompt, step.out.chunks) if step.prompt is not None else {}
+        )
+        results = self._resolve_samples(sampled, step)
+        for i, entries in prompt.items():
+            if results[i] is None:
+                results[i] = RowResult()
+            results[i].prompt_logprobs = entries
+        return results
+
+    def _resolve_samples(
+        self, sampled: SampledStep | None, step: LaunchedStep
+    ) -> list[RowResult | None]:
         results: list[RowResult | None] = [
             RowResult() if c.sample else None for c in step.out.chunks
         ]
@@ -239,9 +268,8 @@ class ModelRunner:
             elif lp is not None and c.seq.params.logprobs is not None:
                 res.logprob = lp[r]
                 n = c.seq.params.logprobs  # <= the vocabulary (validate_requests)
-                top = {tokens[r]: Logprob(lp[r], rank=ranks[r])}
-                for k in range(n):
-                    top.setdefault(top_ids[r][k], Logprob(top_lp[r][k], rank=k + 1))
-                res.top_logprobs = top
+                res.top_logprobs = logprob_entry(
+                    tokens[r], lp[r], ranks[r], top_ids[r][:n], top_lp[r][:n]
+                )
             results[index_of_chunk[id(c)]] = res
         return results

@@ -20,12 +20,15 @@ class RowResult:
     """What the sampler produced for one sampled chunk.
 
     `error` (a message) ends that sequence with finish_reason="error" and no token appended.
+    `prompt_logprobs`: entries of the sequence's prompt logprobs this step computed (a chunk
+    that samples nothing may carry them too).
     """
 
     token_id: int = -1
     logprob: float | None = None
     top_logprobs: dict[int, Logprob] | None = None
     error: str | None = None
+    prompt_logprobs: list[dict[int, Logprob]] | None = None
 
 
 class OutputProcessor:
@@ -45,15 +48,17 @@ class OutputProcessor:
     def update(self, out: SchedulerOutput, results: list[RowResult | None]) -> list[Sequence]:
         """Resolve the placeholders of step `out`: append sampled tokens and apply stop rules.
 
-        `results[i]` belongs to `out.chunks[i]` (None for chunks that did not sample). Returns the
-        sequences that finished in this update. Rows of sequences that finished earlier (async
-        scheduling computes one step past a stop) are dropped.
+        `results[i]` belongs to `out.chunks[i]` (None for a chunk with nothing to report).
+        Returns the sequences that finished in this update. Rows of sequences that finished
+        earlier (async scheduling computes one step past a stop) are dropped.
         """
         finished: list[Sequence] = []
         for chunk, res in zip(out.chunks, results, strict=True):
+            seq = chunk.seq
+            if res is not None and res.prompt_logprobs and seq.prompt_logprobs is not None:
+                seq.prompt_logprobs.extend(self._decoded(seq, e) for e in res.prompt_logprobs)
             if not chunk.sample:
                 continue
-            seq = chunk.seq
             seq.num_inflight -= 1
             if seq.is_finished:
                 continue

@@ -126,7 +126,7 @@ def validate_requests(
                 f"prompt {i}: stop_token_ids has {bad_stop[0]}, outside the vocabulary "
                 f"[0, {vocab_size})"
             )
-        for field in ("logprobs",):
+        for field in ("logprobs", "prompt_logprobs"):
             n = getattr(sp, field)
             if n is not None and n > vocab_size:
                 raise ValueError(

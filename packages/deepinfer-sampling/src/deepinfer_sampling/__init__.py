@@ -14,6 +14,7 @@ from .grammar import (
     tokenizer_info_from_vocab,
 )
 from .json_schema import UnsupportedJsonSchema
+from .logprobs import TokenLogprobs, token_logprobs
 from .params import (
     SCHEMA_TYPES,
     SamplingParams,
@@ -52,6 +53,7 @@ __all__ = [
     "SamplingRow",
     "StructuredOutput",
     "StructuredOutputsParams",
+    "TokenLogprobs",
     "UnsupportedJsonSchema",
     "allocate_token_bitmask",
     "apply_token_bitmask",
@@ -59,6 +61,7 @@ __all__ = [
     "counter_uniform",
     "parse_grammar",
     "row_keys",
+    "token_logprobs",
     "tokenizer_info_from_tokenizer",
     "tokenizer_info_from_vocab",
     "uniform_from_keys",

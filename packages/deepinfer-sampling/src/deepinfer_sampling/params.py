@@ -277,6 +277,9 @@ class SamplingParams:
     ignore_eos: keep generating after EOS (the engine decides; the sampler does not mask EOS).
     logprobs: None (none), or N >= 0: return the sampled token's logprob and the top N (the
         engine also refuses N above the model's vocabulary).
+    prompt_logprobs: None (none), or N >= 0: return, for every prompt token after the first,
+        its logprob given the tokens before it and the top N there (vLLM's
+        `RequestOutput.prompt_logprobs`; the engine refuses N above the vocabulary).
     logit_bias: {token_id: bias}, bias in [-100, 100], added to the logits.
     seq_seed: None (fresh randomness) or an int in [0, 2**63): the sampled token is then a pure
         function of (seq_seed, position, logits). `seed` is an alias; after construction both hold
@@ -316,6 +319,7 @@ class SamplingParams:
     seed: int | None = None
     so_args: StructuredOutput | Mapping[str, Any] | None = None
     structured_outputs: StructuredOutputsParams | Mapping[str, Any] | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
 
@@ -340,6 +344,7 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS, allow_none=True)
+        _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS, allow_none=True)
         for name in ("skip_special_tokens", "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
