@@ -4,7 +4,8 @@ reasoning effort, and bad conversations named before any work."""
 from __future__ import annotations
 
 import pytest
-from deepinfer import LLM, SamplingParams
+from _tiny_llm import tiny_llm
+from deepinfer import SamplingParams
 from deepinfer_model.chat import encode_messages
 
 SP = SamplingParams(temperature=0, max_tokens=1)
@@ -13,14 +14,7 @@ MSG = [{"role": "user", "content": "hi"}]
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(
-        accelerator="cpu",
-        dtype="float32",
-        kv_cache_bytes=16 << 20,
-        max_num_seqs=4,
-        block_size=8,
-        max_model_len=128,
-    )
+    return tiny_llm(kv_cache_bytes=16 << 20)
 
 
 def prompt(llm, **kw) -> str:

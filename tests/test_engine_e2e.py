@@ -11,6 +11,7 @@ import re
 
 import pytest
 import torch
+from _tiny_llm import tiny_llm
 from deepinfer import LLM, SamplingParams
 from deepinfer_model.batch import ForwardBatch
 from deepinfer_model.cache import CacheSpec, KVCache
@@ -21,14 +22,7 @@ PROMPTS = ["Hello, my name is", "The capital of France is a city that", "1 2 3"]
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(
-        accelerator="cpu",
-        dtype="float32",
-        kv_cache_bytes=64 << 20,
-        max_num_seqs=8,
-        block_size=8,
-        max_model_len=256,
-    )
+    return tiny_llm(kv_cache_bytes=64 << 20, max_num_seqs=8, max_model_len=256)
 
 
 def plain_greedy(
@@ -136,14 +130,7 @@ def test_yoco_truncation_matches_the_models_truncated_prefill_under_chunking(mod
 def test_one_token_prompt_admitted_next_to_a_decode_row():
     # max_num_seqs=2: the third prompt (1 token) is admitted when the first finishes, and runs
     # in the same step as the second prompt's decode row (both 1 new token: one select group).
-    llm = LLM(
-        accelerator="cpu",
-        dtype="float32",
-        kv_cache_bytes=64 << 20,
-        max_num_seqs=2,
-        block_size=8,
-        max_model_len=64,
-    )
+    llm = tiny_llm(kv_cache_bytes=64 << 20, max_num_seqs=2, max_model_len=64)
     prompts = [list(range(5, 15)), list(range(20, 32)), [40]]
     sps = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (2, 8, 3)]
     outs = llm.generate(prompts, sps, use_tqdm=False)

@@ -8,7 +8,8 @@ import math
 
 import pytest
 import torch
-from deepinfer import LLM, SamplingParams
+from _tiny_llm import tiny_llm
+from deepinfer import SamplingParams
 from deepinfer_model.batch import ForwardBatch
 from deepinfer_model.cache import CacheSpec, KVCache
 
@@ -17,21 +18,9 @@ OTHERS = ["Hello, my name is", "1 2 3 4 5 6 7 8 9"]
 N = 3
 
 
-def make(**kw):
-    return LLM(
-        accelerator="cpu",
-        dtype="float32",
-        kv_cache_bytes=32 << 20,
-        max_num_seqs=4,
-        block_size=8,
-        max_model_len=128,
-        **kw,
-    )
-
-
 @pytest.fixture(scope="module")
 def llm():
-    return make()
+    return tiny_llm()
 
 
 def prefill_logprobs(llm, ids: list[int]) -> torch.Tensor:
@@ -74,7 +63,7 @@ def test_prompt_logprobs_are_the_log_softmax_of_the_prefill_logits(llm):
 
 @pytest.mark.parametrize("budget", [5, 13])
 def test_chunked_prefill_and_batch_composition_give_the_same_prompt_logprobs(budget):
-    llm = make(max_num_batched_tokens=budget)
+    llm = tiny_llm(max_num_batched_tokens=budget)
     asked = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=N)
     plain = SamplingParams(temperature=0, max_tokens=2)
     outs = llm.generate([OTHERS[0], PROMPT, OTHERS[1]], [plain, asked, asked], use_tqdm=False)

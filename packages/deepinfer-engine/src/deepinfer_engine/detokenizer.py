@@ -19,6 +19,11 @@ _PROMPT_CONTEXT = 5
 
 
 class TokenDecoder(Protocol):
+    """decode(ids) with vLLM's two detokenization flags: `skip_special_tokens` drops the tokens
+    the tokenizer marks special, and, when they are shown, `spaces_between_special_tokens`
+    separates each from its neighbours by a space (the detokenizer passes it only with
+    skip_special_tokens=False)."""
+
     def decode(
         self,
         ids: list[int],

@@ -12,23 +12,14 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from deepinfer_model.batch import ForwardBatch, ForwardOutput
 
+from deepinfer_engine.detokenizer import TokenDecoder
 
-class TextTokenizer(Protocol):
-    """encode(text) -> ids (no BOS added), decode(ids) with vLLM's two detokenization flags:
-    `skip_special_tokens` drops the tokens the tokenizer marks special, and, when they are
-    shown, `spaces_between_special_tokens` separates each from its neighbours by a space (the
-    engine passes it only with skip_special_tokens=False).
-    Structured output also reads `backend` (a `tokenizers.Tokenizer`) when a request asks for
-    a grammar."""
+
+class TextTokenizer(TokenDecoder, Protocol):
+    """encode(text) -> ids (no BOS added), and `TokenDecoder`'s decode. Structured output also
+    reads `backend` (a `tokenizers.Tokenizer`) when a request asks for a grammar."""
 
     def encode(self, text: str) -> list[int]: ...
-
-    def decode(
-        self,
-        ids: list[int],
-        skip_special_tokens: bool = True,
-        spaces_between_special_tokens: bool = True,
-    ) -> str: ...
 
 
 class CacheSizes(Protocol):
