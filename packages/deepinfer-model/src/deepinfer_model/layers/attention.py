@@ -148,7 +148,8 @@ class Attention(nn.Module):
         wo_b."""
         o = rope_tail(o, positions, self.inv_freq, self.rope_dim, inverse=True)
         # DeepInfer feeds wo_a an FP8 context: e4m3 per token, one UE8M0 scale per 32 values
-        o = ops.fake_quant_fp8_ue8m0(o.reshape(o.shape[0], -1), 32)
+        # (in training the gradient passes the rounding unchanged, as the KV fake-quant's)
+        o = straight_through(ops.fake_quant_fp8_ue8m0, o.reshape(o.shape[0], -1), 32)
         o = o.view(o.shape[0], self.n_groups, -1)
         wo_a = self.wo_a.dequantized(o.dtype).view(self.n_groups, self.o_lora_rank, -1)
         o = torch.stack([dense(o[:, g], wo_a[g]) for g in range(self.n_groups)], dim=1)
