@@ -177,3 +177,14 @@ def test_engram_pad_id_uses_the_hugging_face_spelling():
     raw["text_config"].update(engram_pad_id=3, engram_pad_token_id=4)
     with pytest.raises(ValueError, match=r"engram_pad_id=3.*engram_pad_token_id=4"):
         ModelConfig.from_hf(raw)
+
+
+def test_the_builtin_checkpoint_writes_the_hugging_face_spelling():
+    import json
+
+    from deepinfer_model.builtin import builtin_checkpoint
+
+    raw = json.loads((builtin_checkpoint() / "config.json").read_text())
+    text = raw["text_config"]
+    assert "engram_pad_token_id" not in text
+    assert ModelConfig.from_hf(raw).engram_pad_token_id == text["engram_pad_id"]

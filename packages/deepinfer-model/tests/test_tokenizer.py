@@ -93,6 +93,15 @@ def test_image_token_stays_in_decoded_text_as_in_the_released_tokenizer(tok: Tok
     assert specials == {"<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>"}
 
 
+def test_the_builtin_checkpoints_tokenizer_keeps_the_image_token_too() -> None:
+    from deepinfer_model.builtin import builtin_checkpoint
+
+    tok = Tokenizer.from_dir(builtin_checkpoint())
+    image = tok.token_to_id("<｜deepseek_image｜>")
+    assert tok.decode([image]) == "<｜deepseek_image｜>"
+    assert tok.special_ids == {tok.bos_token_id, tok.eos_token_id, tok.token_to_id("<｜▁pad▁｜>")}
+
+
 def test_bad_ids_and_inputs(tok: Tokenizer) -> None:
     with pytest.raises(ValueError, match="outside the vocabulary"):
         tok.decode([tok.vocab_size])

@@ -80,8 +80,9 @@ def byte_level_alphabet() -> dict[int, str]:
 def v41_tokenizer(tokens: list[str], merges: list[tuple[str, str]]):
     """A byte-level BPE `tokenizers.Tokenizer` with the V4.1 special tokens at ids 0.. (in
     `TINY_SPECIAL_TOKENS` order) followed by `tokens` (byte-level strings, in id order) and the
-    BPE `merges` among them. BOS/EOS/PAD/image are special (dropped on decode); the role, think,
-    DSML and task markers are added tokens that stay visible in decoded text."""
+    BPE `merges` among them. BOS/EOS/PAD are special (dropped on decode); the role, think,
+    DSML, task and image markers are added tokens that stay visible in decoded text, as in
+    DeepSeek's tokenizer.json."""
     from tokenizers import AddedToken, decoders, models, pre_tokenizers
     from tokenizers import Tokenizer as Backend
 
