@@ -76,9 +76,3 @@ def test_chunked_prefill_and_batch_composition_give_the_same_prompt_logprobs(bud
 def test_bad_prompt_logprobs_are_refused(bad):
     with pytest.raises(ValueError, match="prompt_logprobs must be"):
         SamplingParams(prompt_logprobs=bad)
-
-
-def test_prompt_logprobs_above_the_vocabulary_are_refused(llm):
-    vocab = llm.engine.model.vocab_size
-    with pytest.raises(ValueError, match=f"prompt 0: prompt_logprobs={vocab + 1}"):
-        llm.generate([PROMPT], SamplingParams(prompt_logprobs=vocab + 1), use_tqdm=False)
