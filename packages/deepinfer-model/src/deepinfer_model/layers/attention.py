@@ -26,11 +26,11 @@ from torch import nn
 from ..cache import KVCache
 from ..config import ModelConfig
 from ..step_context import CandidateMasks, Compressed, StepContext
-from ..training import straight_through
 from .compressor import Compressor
 from .indexer import Indexer
 from .linear import FP8Linear, RMSNorm, dense
 from .rope import layer_inv_freq, rope_tail
+from .rounding import straight_through
 
 
 def write_ring(ring: torch.Tensor, ctx: StepContext, kv: torch.Tensor) -> None:

@@ -26,6 +26,7 @@ from torch import nn
 from ..cache import KVCache
 from ..config import ModelConfig
 from ..step_context import StepContext
+from . import rounding
 from .linear import SCALE_DTYPE, FP8Linear
 
 FROZEN_MULTIPLIERS: dict[tuple[int, int, int], tuple[int, ...]] = {
@@ -179,9 +180,7 @@ class EngramTable(nn.Module):
     def forward(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """ids [...] -> [..., dim] `dtype`."""
         if self.master is not None:
-            from ..training import engram_rows
-
-            return engram_rows(self.master, ids, self.block).to(dtype)
+            return rounding.engram_rows(self.master, ids, self.block).to(dtype)
         v = self.weight[ids].float().unflatten(-1, (-1, self.block)) * self.scale[
             ids
         ].float().unsqueeze(-1)

@@ -20,6 +20,7 @@ from deepinfer_kernels import ops
 from torch import nn
 
 from ..config import ModelConfig
+from . import rounding
 from .linear import FP4Weight, FP8Linear, dense
 
 
@@ -162,9 +163,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         if self.experts[0].w1.master is not None:  # training mode (deepinfer_model.training)
-            from ..training import routed_experts
-
-            routed = routed_experts(x, weights, ids, self.experts, self.limit)
+            routed = rounding.routed_experts(x, weights, ids, self.experts, self.limit)
             return (routed.float() + self.shared_experts(x).float()).to(x.dtype)
         fragment_order = self._use_order(x.device)
         st = self.stacked()
