@@ -23,7 +23,7 @@ PROMPTS = [
 ]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default=None, help="checkpoint dir or hub id (default: see above)")
     ap.add_argument("--max-tokens", type=int, default=16)
@@ -33,10 +33,14 @@ def main() -> None:
     ap.add_argument("--accelerator", default=None, choices=["nvidia", "ascend", "cpu"])
     ap.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"])
     ap.add_argument("prompts", nargs="*", help="prompts (default: four built-in ones)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
-    llm = LLM(args.model, accelerator=args.accelerator, dtype=args.dtype)
+    try:
+        llm = LLM(args.model, accelerator=args.accelerator, dtype=args.dtype)
+    except (ValueError, NotImplementedError) as e:
+        # a value this machine or model cannot take; the message names the argument
+        ap.error(str(e))
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed
     )

@@ -11,6 +11,7 @@ import re
 
 import pytest
 import torch
+from _tiny_llm import tiny_llm
 from deepinfer import LLM, SamplingParams
 from deepinfer_model.batch import ForwardBatch
 from deepinfer_model.cache import CacheSpec, KVCache
@@ -21,20 +22,16 @@ PROMPTS = ["Hello, my name is", "The capital of France is a city that", "1 2 3"]
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(
-        accelerator="cpu",
-        dtype="float32",
-        kv_cache_bytes=64 << 20,
-        max_num_seqs=8,
-        block_size=8,
-        max_model_len=256,
-    )
+    return tiny_llm(kv_cache_bytes=64 << 20, max_num_seqs=8, max_model_len=256)
 
 
-def plain_greedy(model, config, prompt_ids: list[int], n: int, floor: int = 0) -> list[int]:
+def plain_greedy(
+    model, config, prompt_ids: list[int], n: int, floor: int = 0, mode: str = "compact"
+) -> list[int]:
     """Greedy decoding that recomputes the whole sequence from an empty cache at every step.
 
-    floor > 0: the model's own YOCO compact semantics (`ForwardBatch.yoco_floor`), one shot.
+    floor > 0: the model's own YOCO truncation (`ForwardBatch.yoco_floor`, truncating as `mode`
+    says), one shot.
     """
     toks, out = list(prompt_ids), []
     spec = CacheSpec.from_config(config, block_size=8, dtype=torch.float32)
@@ -44,6 +41,7 @@ def plain_greedy(model, config, prompt_ids: list[int], n: int, floor: int = 0) -
         batch = ForwardBatch.build([toks], [0], [0], [list(range(blocks))])
         if floor:
             batch.yoco_floor = torch.tensor([floor])
+            batch.yoco_truncation = mode
         with torch.inference_mode():
             t = int(model.forward(batch, cache).logits[0].argmax())
         toks.append(t)
@@ -103,7 +101,8 @@ def test_chat_and_bad_input(llm):
         llm.generate([[1, 10**6]], use_tqdm=False)
 
 
-def test_yoco_compact_matches_the_models_truncated_prefill_under_chunking():
+@pytest.mark.parametrize("mode", ["compact", "mask"])
+def test_yoco_truncation_matches_the_models_truncated_prefill_under_chunking(mode):
     k = 10  # tiny window 8 + (use_nextn_decode 1 + 1)
     llm = LLM(
         str(ensure_tiny_checkpoint()),
@@ -113,7 +112,7 @@ def test_yoco_compact_matches_the_models_truncated_prefill_under_chunking():
         block_size=8,
         max_model_len=256,
         max_num_batched_tokens=7,
-        yoco_prefill_truncation_mode="compact",
+        yoco_prefill_truncation_mode=mode,
         yoco_prefill_keep_tokens=k,
         use_nextn_decode=1,
     )
@@ -124,21 +123,14 @@ def test_yoco_compact_matches_the_models_truncated_prefill_under_chunking():
     model, cfg = llm.engine.model.model, llm.engine.model.config
     for o in out:
         ids = o.prompt_token_ids
-        ref = plain_greedy(model, cfg, ids, 3, floor=max(0, len(ids) - k))
+        ref = plain_greedy(model, cfg, ids, 3, floor=max(0, len(ids) - k), mode=mode)
         assert o.outputs[0].token_ids == ref
 
 
 def test_one_token_prompt_admitted_next_to_a_decode_row():
     # max_num_seqs=2: the third prompt (1 token) is admitted when the first finishes, and runs
     # in the same step as the second prompt's decode row (both 1 new token: one select group).
-    llm = LLM(
-        accelerator="cpu",
-        dtype="float32",
-        kv_cache_bytes=64 << 20,
-        max_num_seqs=2,
-        block_size=8,
-        max_model_len=64,
-    )
+    llm = tiny_llm(kv_cache_bytes=64 << 20, max_num_seqs=2, max_model_len=64)
     prompts = [list(range(5, 15)), list(range(20, 32)), [40]]
     sps = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (2, 8, 3)]
     outs = llm.generate(prompts, sps, use_tqdm=False)

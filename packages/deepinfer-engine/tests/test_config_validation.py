@@ -32,7 +32,7 @@ def test_env_is_read_and_argument_wins():
     [
         ("DEEPINFER_ASYNC_SCHEDULING", "maybe", "ASYNC_SCHEDULING='maybe' is not a boolean"),
         ("DEEPINFER_ACCELERATOR", "tpu", "DEEPINFER_ACCELERATOR='tpu'.*nvidia, ascend, cpu"),
-        ("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", "on", "off, compact"),
+        ("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", "on", "off, mask, compact"),
         ("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS", "-3", "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS"),
         ("DEEPINFER_USE_NEXTN_DECODE", "x", "DEEPINFER_USE_NEXTN_DECODE"),
     ],

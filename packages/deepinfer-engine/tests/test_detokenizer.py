@@ -17,7 +17,9 @@ class BytesTokenizer:
         self.pieces.append(piece)
         return len(self.pieces) - 1
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+    def decode(
+        self, ids: list[int], skip_special_tokens: bool = True, spaces_between_special_tokens=True
+    ) -> str:
         return b"".join(self.pieces[i] for i in ids).decode("utf-8", errors="replace")
 
 

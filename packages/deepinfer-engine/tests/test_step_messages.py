@@ -47,7 +47,12 @@ def test_requests_round_trip(seed, bias, stop, temperature, logprobs):
 def test_outputs_keep_every_float_and_int_key():
     step = {5: Logprob(-math.inf, 2), 9: Logprob(-0.125, 1, "x")}
     out = RequestOutput(
-        "3", None, [4], [CompletionOutput(0, "ab", [9], -0.1, [step], "stop", 1, None)], True
+        "3",
+        None,
+        [4, 5],
+        [CompletionOutput(0, "ab", [9], -0.1, [step], "stop", 1, None)],
+        True,
+        prompt_logprobs=[None, step],
     )
     got = decode(encode(RankOutputs([out])))
     assert (

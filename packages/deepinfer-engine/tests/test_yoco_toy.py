@@ -1,8 +1,8 @@
-"""SWA bounded replay (YOCO compact prefill): what the engine asks of the model, over the toy.
+"""SWA bounded replay (YOCO prefill truncation): what the engine asks of the model, over the toy.
 
 The toy stands in for the model's truncated semantics ("encoder-only" update on the skipped
 tokens); the engine must mark exactly the prompt positions < N - K, whatever the chunking or
-preemption, and nothing in `off` mode.
+preemption, pass the mode (`mask` or `compact`) on, and mark nothing in `off` mode.
 """
 
 from __future__ import annotations
@@ -29,10 +29,13 @@ def make(mode, **kw):
     )
 
 
+@pytest.mark.parametrize("mode", ["compact", "mask"])
 @pytest.mark.parametrize("budget", [3, 16, 512])
-def test_compact_truncates_exactly_prompt_positions_before_n_minus_k(budget):
+def test_truncation_marks_exactly_prompt_positions_before_n_minus_k(budget, mode):
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    outs = make("compact", max_num_batched_tokens=budget).generate(PROMPTS, sp, use_tqdm=False)
+    llm = make(mode, max_num_batched_tokens=budget)
+    outs = llm.generate(PROMPTS, sp, use_tqdm=False)
+    assert llm.engine.model.truncations == {mode}  # the model is told how to truncate
     for p, o in zip(PROMPTS, outs, strict=True):
         assert o.outputs[0].token_ids == greedy_reference(p, 6, ignore_eos=True, keep=K)
     # a prompt longer than K really is truncated (the toy's outputs differ from `off`)

@@ -39,8 +39,20 @@ class ToyTokenizer:
     def encode(self, text: str) -> list[int]:
         return [VOCAB.index(c) for c in text]
 
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return "".join(VOCAB[i] for i in ids if not (skip_special_tokens and i < len(SPECIALS)))
+    def decode(
+        self, ids, skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True
+    ) -> str:
+        if skip_special_tokens:
+            return "".join(VOCAB[i] for i in ids if i >= len(SPECIALS))
+        if not spaces_between_special_tokens:
+            return "".join(VOCAB[i] for i in ids)
+        pieces = []  # each special token alone, the runs of other tokens between them
+        for i in ids:
+            if i < len(SPECIALS) or not pieces or pieces[-1] in SPECIALS:
+                pieces.append(VOCAB[i])
+            else:
+                pieces[-1] += VOCAB[i]
+        return " ".join(pieces)
 
 
 def _weights(vocab: int, dim: int = 16):
@@ -93,19 +105,24 @@ class ToySpec:
 
 class ToyModel:
     """The toy as an `EngineModel`: `max_len` positions, `bytes_per_slot` of state per sequence,
-    `yoco`: whether it honours `ForwardBatch.yoco_floor`."""
+    `yoco`: whether it honours `ForwardBatch.yoco_floor`; `drafts`: the draft length it claims
+    (the engine checks DEEPINFER_USE_NEXTN_DECODE against it; nothing drafts yet)."""
 
     name = "toy"
     eos_token_id = EOS
     vocab_size = len(VOCAB)
     sliding_window = 8
-    has_dspark_stages = False
 
-    def __init__(self, max_len: int = 256, bytes_per_slot: int = 4096, yoco: bool = False) -> None:
+    def __init__(
+        self, max_len: int = 256, bytes_per_slot: int = 4096, yoco: bool = False, drafts: int = 5
+    ) -> None:
         self.tokenizer = ToyTokenizer()
         self.max_position_embeddings = max_len
         self.bytes_per_slot = bytes_per_slot
         self.supports_yoco_floor = yoco
+        self.max_draft_tokens = drafts
+        self.has_dspark_stages = drafts > 0
+        self.truncations: set[str] = set()  # the yoco_truncation of batches with a floor
 
     def cache_spec(self, block_size: int, dtype: torch.dtype) -> ToySpec:
         return ToySpec(block_size, bytes_per_slot=self.bytes_per_slot)
@@ -139,6 +156,8 @@ class ToyModel:
                 rows[j] = logits
             cache.h[slot] = h
             cache.n[slot] += cu[b + 1] - cu[b]
+        if batch.yoco_floor is not None:
+            self.truncations.add(batch.yoco_truncation)
         sel = batch.logits_indices.tolist()
         logits = torch.stack([rows[j] for j in sel]).float() if sel else torch.empty(0, len(VOCAB))
         return ForwardOutput(logits=logits)

@@ -48,19 +48,22 @@ def test_system_shares_its_token_with_the_effort_line() -> None:
 
 
 @pytest.mark.parametrize(
-    ("name", "value"), [("low", 25), ("high", 50), ("xhigh", 75), ("max", 100)]
+    ("name", "value"),
+    [("low", 25), ("medium", 50), ("high", 50), ("xhigh", 75), ("max", 100)],
 )
 def test_effort_names(name: str, value: int) -> None:
+    # V4.1's names, plus vLLM's (OpenAI's) "medium", its default, as V4.1's default "high"
     assert resolve_reasoning_effort(name) == value
     assert EFFORT.format(value) in encode_messages(
         [user("x")], thinking=True, reasoning_effort=name
     )
 
 
-def test_effort_is_not_rendered_in_chat_mode_but_still_validated() -> None:
-    assert "Reasoning Effort" not in encode_messages([user("x")], reasoning_effort=7)
-    with pytest.raises(ValueError, match="reasoning_effort"):
-        encode_messages([user("x")], reasoning_effort="medium")
+def test_effort_with_thinking_off_is_an_error_not_dropped() -> None:
+    for effort in (7, "low"):
+        with pytest.raises(ValueError, match=r"reasoning_effort=.* thinking"):
+            encode_messages([user("x")], reasoning_effort=effort)
+    assert "Reasoning Effort" not in encode_messages([user("x")])
 
 
 @given(st.integers(min_value=1, max_value=100))
@@ -70,7 +73,7 @@ def test_integer_effort_is_rendered_verbatim(n: int) -> None:
     assert out == BOS + "<｜System｜>" + EFFORT.format(n) + "<｜User｜>q<｜Assistant｜><think>"
 
 
-@pytest.mark.parametrize("bad", [0, 101, -5, 50.0, True, "MAX", "medium", ""])
+@pytest.mark.parametrize("bad", [0, 101, -5, 50.0, True, "MAX", "minimal", ""])
 def test_bad_effort_is_a_value_error_naming_the_parameter(bad) -> None:
     with pytest.raises(ValueError, match="reasoning_effort"):
         encode_messages([user("x")], thinking=True, reasoning_effort=bad)
@@ -175,6 +178,12 @@ def test_bad_containers() -> None:
         encode_messages("hello")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"messages\[0\].content"):
         encode_messages([{"role": "user", "content": 3}])
+
+
+@pytest.mark.parametrize("message", [{"role": "user"}, {"role": "system", "content": None}])
+def test_a_message_without_content_is_named(message) -> None:
+    with pytest.raises(ValueError, match=r"messages\[1\] has no content"):
+        encode_messages([user("a"), message])
 
 
 @given(

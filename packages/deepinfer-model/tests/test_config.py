@@ -159,3 +159,32 @@ def test_reference_zero_dspark_expert_counts_fall_back_to_the_backbone():
     # the activated count
     cfg = ModelConfig.from_hf(_hf_text(dspark_n_routed_experts=0, dspark_n_activated_experts=0))
     assert (cfg.dspark_n_routed_experts, cfg.dspark_num_experts_per_tok) == (4, 2)
+
+
+def test_engram_pad_id_uses_the_hugging_face_spelling():
+    """transformers' DeepseekV41TextConfig names the field `engram_pad_id`; a config written
+    with the project's own name would leave Hugging Face on its default (2)."""
+    cfg = ModelConfig.tiny(engram_pad_token_id=5)
+    text = cfg.to_hf()["text_config"]
+    assert text["engram_pad_id"] == 5 and "engram_pad_token_id" not in text
+    assert ModelConfig.from_hf(cfg.to_hf()).engram_pad_token_id == 5
+    for name in ("engram_pad_id", "engram_pad_token_id"):
+        raw = ModelConfig.tiny().to_hf()
+        raw["text_config"].pop("engram_pad_id")
+        raw["text_config"][name] = 7
+        assert ModelConfig.from_hf(raw).engram_pad_token_id == 7
+    raw = ModelConfig.tiny().to_hf()
+    raw["text_config"].update(engram_pad_id=3, engram_pad_token_id=4)
+    with pytest.raises(ValueError, match=r"engram_pad_id=3.*engram_pad_token_id=4"):
+        ModelConfig.from_hf(raw)
+
+
+def test_the_builtin_checkpoint_writes_the_hugging_face_spelling():
+    import json
+
+    from deepinfer_model.builtin import builtin_checkpoint
+
+    raw = json.loads((builtin_checkpoint() / "config.json").read_text())
+    text = raw["text_config"]
+    assert "engram_pad_token_id" not in text
+    assert ModelConfig.from_hf(raw).engram_pad_token_id == text["engram_pad_id"]

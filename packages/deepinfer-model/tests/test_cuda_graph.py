@@ -91,6 +91,14 @@ def test_unsupported_batches_say_why(tiny):
     above = _batch([[1]], [40], [0], [[0, 1, 2]], "cpu").with_yoco_floor([9])
     above.host = HostBatchInfo.of(above)
     assert graphs.unsupported(above) is None
+    # at position 12 the window (8) reaches position 5, below the floor: the decoder layers'
+    # windows must stop there, which the graphed step (one context for every layer) cannot do
+    near = _batch([[1]], [12], [0], [[0]], "cpu").with_yoco_floor([9])
+    near.host = HostBatchInfo.of(near)
+    assert "window reaches below its YOCO floor" in graphs.unsupported(near)
+    start = _batch([[1]], [3], [0], [[0]], "cpu").with_yoco_floor([0])
+    start.host = HostBatchInfo.of(start)
+    assert graphs.unsupported(start) is None
     cache = KVCache(cfg, spec, num_blocks=4, num_slots=3, dtype=torch.float32)
     with pytest.raises(ValueError, match="pure decode"):
         graphs.forward(prefill, cache)

@@ -71,9 +71,35 @@ def test_decode_skips_sentence_tokens_but_keeps_markers(tok: Tokenizer) -> None:
     ids = [0, *tok.encode("a<think>b"), 1]
     assert tok.decode(ids) == "a<think>b"
     assert (
-        tok.decode(ids, skip_special_tokens=False)
+        tok.decode(ids, skip_special_tokens=False, spaces_between_special_tokens=False)
         == "<｜begin▁of▁sentence｜>a<think>b<｜end▁of▁sentence｜>"
     )
+    # vLLM's default: a special token shown in the text stands apart (markers are not special)
+    assert (
+        tok.decode(ids, skip_special_tokens=False)
+        == "<｜begin▁of▁sentence｜> a<think>b <｜end▁of▁sentence｜>"
+    )
+    assert tok.decode([0, 1], skip_special_tokens=False) == (
+        "<｜begin▁of▁sentence｜> <｜end▁of▁sentence｜>"
+    )
+    assert tok.special_ids == {0, 1, 2}
+
+
+def test_image_token_stays_in_decoded_text_as_in_the_released_tokenizer(tok: Tokenizer) -> None:
+    # DeepSeek's tokenizer.json does not mark <｜deepseek_image｜> special, so decoding keeps it
+    image = tok.token_to_id("<｜deepseek_image｜>")
+    assert tok.decode([image, *tok.encode("a")]) == "<｜deepseek_image｜>a"
+    specials = {t.content for t in tok.backend.get_added_tokens_decoder().values() if t.special}
+    assert specials == {"<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>"}
+
+
+def test_the_builtin_checkpoints_tokenizer_keeps_the_image_token_too() -> None:
+    from deepinfer_model.builtin import builtin_checkpoint
+
+    tok = Tokenizer.from_dir(builtin_checkpoint())
+    image = tok.token_to_id("<｜deepseek_image｜>")
+    assert tok.decode([image]) == "<｜deepseek_image｜>"
+    assert tok.special_ids == {tok.bos_token_id, tok.eos_token_id, tok.token_to_id("<｜▁pad▁｜>")}
 
 
 def test_bad_ids_and_inputs(tok: Tokenizer) -> None:

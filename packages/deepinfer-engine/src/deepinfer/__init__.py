@@ -7,6 +7,13 @@ outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=16))
 
 from deepinfer_engine.llm import LLM
 from deepinfer_engine.outputs import CompletionOutput, Logprob, RequestOutput
-from deepinfer_sampling.params import SamplingParams
+from deepinfer_sampling.params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "Logprob",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputsParams",
+]

@@ -9,17 +9,20 @@ are no silent defaults for malformed input.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from deepinfer_kernels.settings import KernelSettings, parse_bool, parse_overrides
 from deepinfer_parallel.expert_dispatch import DISPATCH_BACKENDS
 from deepinfer_parallel.layout import ParallelLayout
 
+logger = logging.getLogger("deepinfer")
+
 ACCELERATORS = ("nvidia", "ascend", "cpu")
-TRUNCATION_MODES = ("off", "compact")
+TRUNCATION_MODES = ("off", "mask", "compact")
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 """Set by torchrun (and other launchers) in every rank process: when all are present, this
 process is one rank of a launched engine and joins the others at MASTER_ADDR:MASTER_PORT."""
@@ -135,7 +138,9 @@ class EngineConfig:
     async_scheduling: bool = True
     yoco_prefill_truncation_mode: str = "off"
     yoco_prefill_keep_tokens: int = 140
-    use_nextn_decode: int = 5  # maximum draft length (spec decoding); 0 = off
+    use_nextn_decode: int | None = None
+    """Maximum draft length (spec decoding), at most what the model's DSpark stages draft;
+    0 = off; None = the model's (5 on V4.1, 0 without stages), set by the engine."""
     enable_mtp_varlen: bool = False
     batch_invariant: bool = False
     kernels: str = ""  # per-op kernel tier overrides, "op=tier,..." (DEEPINFER_KERNELS)
@@ -149,9 +154,27 @@ class EngineConfig:
     num_extra_experts: int = 0
     collective_timeout_s: float = 1800.0
     launched: LaunchedRank | None = None  # from RANK, WORLD_SIZE, LOCAL_RANK (torchrun)
+    sources: dict[str, str] = field(default_factory=dict, init=False, repr=False, compare=False)
+    """Field -> the environment variable it was read from (`from_env`); see `origin`."""
 
     def __post_init__(self) -> None:
         self.validate()
+
+    def origin(self, name: str) -> str:
+        """Where field `name`'s value came from, for error messages: its environment variable
+        or "the <name> argument"."""
+        return self.sources.get(name, f"the {name} argument")
+
+    def replaced(self, **changes: Any) -> EngineConfig:
+        """A copy with `changes` applied (validated again), keeping `sources`."""
+        out = dataclasses.replace(self, **changes)
+        out.sources = {k: v for k, v in self.sources.items() if k not in changes}
+        return out
+
+    def device(self) -> str:
+        """The torch device string of `accelerator` (None: detect); errors name where the
+        accelerator came from."""
+        return resolve_device(self.accelerator, self.origin("accelerator"))
 
     def validate(self) -> None:
         """Normalise and check every field; errors name the field and the allowed values."""
@@ -188,7 +211,8 @@ class EngineConfig:
         self.yoco_prefill_keep_tokens = _parse_int(
             "yoco_prefill_keep_tokens", self.yoco_prefill_keep_tokens, 1
         )
-        self.use_nextn_decode = _parse_int("use_nextn_decode", self.use_nextn_decode, 0)
+        if self.use_nextn_decode is not None:
+            self.use_nextn_decode = _parse_int("use_nextn_decode", self.use_nextn_decode, 0)
         self.enable_mtp_varlen = parse_bool("enable_mtp_varlen", self.enable_mtp_varlen)
         self.batch_invariant = parse_bool("batch_invariant", self.batch_invariant)
         self.enforce_eager = parse_bool("enforce_eager", self.enforce_eager)
@@ -257,7 +281,10 @@ class EngineConfig:
 
     @property
     def max_backtrack(self) -> int:
-        """Tokens a verify step can roll back: max draft length + 1 (spec-and-parallel.md §3.3)."""
+        """Tokens a verify step can roll back: max draft length + 1 (spec-and-parallel.md §3.3);
+        known once the engine has set `use_nextn_decode`."""
+        if self.use_nextn_decode is None:
+            raise ValueError("max_backtrack: use_nextn_decode is not resolved against a model yet")
         return self.use_nextn_decode + 1
 
     @classmethod
@@ -268,25 +295,37 @@ class EngineConfig:
         names raise `ValueError` listing the accepted ones.
         """
         env = os.environ if env is None else env
-        names = {f.name for f in dataclasses.fields(cls)}
+        names = {f.name for f in dataclasses.fields(cls) if f.init}
         unknown = sorted(set(overrides) - names)
         if unknown:
             raise ValueError(
                 f"unknown engine argument(s) {unknown}; accepted: {', '.join(sorted(names))}"
             )
         values: dict[str, Any] = {}
-        for var, field in ENV_FIELDS.items():
+        sources: dict[str, str] = {}
+        for var, name in ENV_FIELDS.items():
             raw = env.get(var)
             if raw is None or raw == "":
                 continue
-            values[field] = _parse_env(var, field, raw)
+            values[name] = _parse_env(var, name, raw)
+            sources[name] = var
         launched = _launched_rank(env)
         if launched is not None:
             values["launched"] = launched
         for k, v in overrides.items():
             if v is not None:
                 values[k] = v
-        return cls(**values)
+                sources.pop(k, None)
+        cfg = cls(**values)
+        cfg.sources = sources
+        if cfg.yoco_prefill_truncation_mode == "off" and "yoco_prefill_keep_tokens" in values:
+            logger.warning(
+                "%s=%d has no effect: yoco_prefill_truncation_mode is 'off' (set "
+                "DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE to mask or compact to truncate)",
+                cfg.origin("yoco_prefill_keep_tokens"),
+                cfg.yoco_prefill_keep_tokens,
+            )
+        return cfg
 
 
 def _launched_rank(env: Mapping[str, str]) -> LaunchedRank | None:
@@ -301,29 +340,30 @@ def _launched_rank(env: Mapping[str, str]) -> LaunchedRank | None:
     return LaunchedRank(rank, world, local)
 
 
-def _parse_env(var: str, field: str, raw: str) -> Any:
+def _parse_env(var: str, name: str, raw: str) -> Any:
     """Parse one environment variable; the error names the variable, not the field."""
-    if field in ("async_scheduling", "enable_mtp_varlen", "batch_invariant"):
+    if name in ("async_scheduling", "enable_mtp_varlen", "batch_invariant"):
         return parse_bool(var, raw)
-    if field == "accelerator":
+    if name == "accelerator":
         return _parse_choice(var, raw, ACCELERATORS)
-    if field == "yoco_prefill_truncation_mode":
+    if name == "yoco_prefill_truncation_mode":
         return _parse_choice(var, raw, TRUNCATION_MODES)
-    if field == "yoco_prefill_keep_tokens":
+    if name == "yoco_prefill_keep_tokens":
         return _parse_int(var, raw, 1)
-    if field in ("use_nextn_decode", "expert_rearrangement_step_interval", "num_extra_experts"):
+    if name in ("use_nextn_decode", "expert_rearrangement_step_interval", "num_extra_experts"):
         return _parse_int(var, raw, 0)
-    if field == "expert_count_window_size":
+    if name == "expert_count_window_size":
         return _parse_int(var, raw, 1)
-    if field == "collective_timeout_s":
+    if name == "collective_timeout_s":
         return _parse_seconds(var, raw)
-    if field == "kernels":
+    if name == "kernels":
         parse_overrides(raw, var)
     return raw  # the model directory, the kernel overrides
 
 
-def resolve_device(accelerator: str | None) -> str:
-    """Map an accelerator name (or None = detect) to a torch device string."""
+def resolve_device(accelerator: str | None, origin: str = "the accelerator argument") -> str:
+    """Map an accelerator name (or None = detect) to a torch device string; `origin` (where the
+    name came from: an argument or DEEPINFER_ACCELERATOR) is named in the errors."""
     import torch
 
     if accelerator is None:
@@ -331,11 +371,13 @@ def resolve_device(accelerator: str | None) -> str:
     if accelerator == "nvidia":
         if not torch.cuda.is_available():
             raise ValueError(
-                "accelerator='nvidia' (DEEPINFER_ACCELERATOR) but CUDA is not available"
+                f"accelerator='nvidia' ({origin}) but CUDA is not available on this machine; "
+                "use 'cpu', or leave it unset to detect"
             )
         return "cuda"
     if accelerator == "ascend":
         raise NotImplementedError(
-            "accelerator='ascend': the engine's NPU device path (torch_npu) is not built yet"
+            f"accelerator='ascend' ({origin}): the engine's NPU device path (torch_npu) is "
+            "not built yet"
         )
     return "cpu"

@@ -19,7 +19,17 @@ _PROMPT_CONTEXT = 5
 
 
 class TokenDecoder(Protocol):
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+    """decode(ids) with vLLM's two detokenization flags: `skip_special_tokens` drops the tokens
+    the tokenizer marks special, and, when they are shown, `spaces_between_special_tokens`
+    separates each from its neighbours by a space (the detokenizer passes it only with
+    skip_special_tokens=False)."""
+
+    def decode(
+        self,
+        ids: list[int],
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+    ) -> str: ...
 
 
 class IncrementalDetokenizer:
@@ -28,6 +38,9 @@ class IncrementalDetokenizer:
     `text` is the text emitted so far. Stop strings are searched only where a new occurrence can
     be (the new text plus `max_stop_len - 1` characters before it), so the work per token is
     O(window), and an occurrence cut across any number of tokens is still found.
+    `skip_special_tokens` and `spaces_between_special_tokens` go to every `decode` (vLLM's
+    SamplingParams flags): the text of a window only grows when tokens are appended, spaces
+    around special tokens included, so the window rule holds for both.
     """
 
     def __init__(
@@ -36,9 +49,11 @@ class IncrementalDetokenizer:
         prompt_token_ids: list[int],
         stop: list[str] | None = None,
         skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.spaces_between_special_tokens = spaces_between_special_tokens
         ctx = list(prompt_token_ids[-_PROMPT_CONTEXT:])
         self._ids: list[int] = ctx
         self._prefix = 0
@@ -51,7 +66,13 @@ class IncrementalDetokenizer:
         self._max_stop = max((len(s) for s in self.stop), default=0)
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        if self.skip_special_tokens:  # no special token shown: no spaces to put around one
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(
+            ids,
+            skip_special_tokens=False,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+        )
 
     def add_token(self, token_id: int, check_stop: bool = True) -> str | None:
         """Append one token; return the stop string it completed (text is then cut before it).

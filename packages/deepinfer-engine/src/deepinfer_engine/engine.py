@@ -15,14 +15,13 @@ n+1; that row is dropped.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass, field
 
 import torch
 from deepinfer_kernels import REGISTRY
 
-from deepinfer_engine.config import EngineConfig, resolve_device
+from deepinfer_engine.config import EngineConfig
 from deepinfer_engine.detokenizer import IncrementalDetokenizer
 from deepinfer_engine.engine_model import EngineModel
 from deepinfer_engine.kv_cache_manager import KVCacheManager, plan_cache
@@ -65,7 +64,12 @@ class Request:
             for s in self.seqs
         ]
         return RequestOutput(
-            self.request_id, self.prompt, list(self.prompt_token_ids), outs, self.finished
+            self.request_id,
+            self.prompt,
+            list(self.prompt_token_ids),
+            outs,
+            self.finished,
+            self.seqs[0].prompt_logprobs,
         )
 
 
@@ -100,9 +104,9 @@ def check_grammars(reqs: list[ValidatedRequest], grammars) -> None:
     """Compile every structured-output grammar of `reqs` with `grammars()` (a cache), so a bad
     one raises ValueError("prompt {i}: ...") before any work."""
     for i, r in enumerate(reqs):
-        if r.params.so_args is not None:
+        if r.params.structured_output is not None:
             try:
-                grammars().compile(r.params.so_args)
+                grammars().compile(r.params.structured_output)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
 
@@ -120,6 +124,7 @@ class Engine:
         self, config: EngineConfig, model: EngineModel, peers: StepPeers | None = None
     ) -> None:
         self.peers = peers
+        config = config.replaced(use_nextn_decode=self._draft_length(config, model))
         self.config = config
         self.model = model
         # This engine's kernel settings (argument, else DEEPINFER_BATCH_INVARIANT /
@@ -128,7 +133,7 @@ class Engine:
         self.kernel_settings = config.kernel_settings()
         REGISTRY.check(self.kernel_settings)
         self.tokenizer = model.tokenizer
-        self.device = torch.device(resolve_device(config.accelerator))
+        self.device = torch.device(config.device())
         self.dtype = config.torch_dtype(self.device.type)
         spec = model.cache_spec(config.block_size, self.dtype)
         budget = self._kv_budget_bytes()
@@ -150,8 +155,7 @@ class Engine:
             max_model_len,
         )
         self.max_model_len = plan.max_model_len
-        resolved = dataclasses.replace(
-            config,
+        resolved = config.replaced(
             model=model.name,
             dtype=str(self.dtype).removeprefix("torch."),
             max_model_len=self.max_model_len,
@@ -174,7 +178,7 @@ class Engine:
             (plan.num_slots * spec.bytes_per_slot + plan.num_blocks * spec.bytes_per_block) / 2**20,
             self.device,
         )
-        keep = self._check_truncation(config, model)
+        yoco = self._check_truncation(config, model)
         self.kv = KVCacheManager(plan.num_slots, plan.num_blocks, plan.block_size)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.output = OutputProcessor(self.scheduler, model.eos_token_id, self.max_model_len)
@@ -187,7 +191,7 @@ class Engine:
                 self.device,
                 self.dtype,
                 config.seed,
-                keep_tokens=keep,
+                yoco=yoco,
                 graph_max_batch=0 if config.enforce_eager else config.max_num_seqs,
                 peers=peers,
             )
@@ -215,9 +219,27 @@ class Engine:
         return self.config.kv_cache_bytes
 
     @staticmethod
-    def _check_truncation(config: EngineConfig, model: EngineModel) -> int | None:
-        """SWA bounded replay (YOCO prefill truncation): returns K in compact mode, else None."""
-        if config.yoco_prefill_truncation_mode == "off":
+    def _draft_length(config: EngineConfig, model: EngineModel) -> int:
+        """DEEPINFER_USE_NEXTN_DECODE against what the model's DSpark stages draft: the given
+        length, or the model's when none is given; more than the model drafts is an error."""
+        most = model.max_draft_tokens
+        n = config.use_nextn_decode
+        if n is None:
+            return most
+        if n > most:
+            allowed = f"0..{most}" if most else "0 (the model has no DSpark stages)"
+            raise ValueError(
+                f"use_nextn_decode={n} ({config.origin('use_nextn_decode')}) is more than this "
+                f"model drafts: its DSpark stages draft {most} tokens a step; allowed: {allowed}"
+            )
+        return n
+
+    @staticmethod
+    def _check_truncation(config: EngineConfig, model: EngineModel) -> tuple[int, str] | None:
+        """SWA bounded replay (YOCO prefill truncation): (K, mode) in `mask` or `compact`
+        mode, else None."""
+        mode = config.yoco_prefill_truncation_mode
+        if mode == "off":
             return None
         k = config.yoco_prefill_keep_tokens
         need = model.sliding_window + config.max_backtrack
@@ -230,11 +252,11 @@ class Engine:
             )
         if not model.supports_yoco_floor:
             raise NotImplementedError(
-                "yoco_prefill_truncation_mode='compact' needs the model to run decoder layers "
-                "only on each prompt's last K tokens (ForwardBatch.yoco_floor); this model "
-                "does not support it (supports_yoco_floor is False). Use 'off'."
+                f"yoco_prefill_truncation_mode={mode!r} needs the model to truncate its "
+                "consumer layers to each prompt's last K tokens (ForwardBatch.yoco_floor); "
+                "this model does not support it (supports_yoco_floor is False). Use 'off'."
             )
-        return k
+        return k, mode
 
     def _grammars(self):
         if self._grammar_cache is None:
@@ -264,10 +286,14 @@ class Engine:
                 prompt_token_ids=list(req.prompt_token_ids),
                 params=params,
                 detokenizer=IncrementalDetokenizer(
-                    self.tokenizer, req.prompt_token_ids, stop=list(p.stop)
+                    self.tokenizer,
+                    req.prompt_token_ids,
+                    stop=list(p.stop),
+                    skip_special_tokens=p.skip_special_tokens,
+                    spaces_between_special_tokens=p.spaces_between_special_tokens,
                 ),
                 seed=params.seq_seed,
-                grammar=self._grammars().matcher(p.so_args) if p.so_args is not None else None,
+                grammar=self._grammars().matcher(so) if (so := p.structured_output) else None,
             )
             self._next_seq_id += 1
             request.seqs.append(seq)

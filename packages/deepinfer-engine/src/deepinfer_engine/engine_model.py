@@ -12,14 +12,14 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from deepinfer_model.batch import ForwardBatch, ForwardOutput
 
+from deepinfer_engine.detokenizer import TokenDecoder
 
-class TextTokenizer(Protocol):
-    """encode(text) -> ids (no BOS added), decode(ids). Structured output also reads `backend`
-    (a `tokenizers.Tokenizer`) when a request asks for a grammar."""
+
+class TextTokenizer(TokenDecoder, Protocol):
+    """encode(text) -> ids (no BOS added), and `TokenDecoder`'s decode. Structured output also
+    reads `backend` (a `tokenizers.Tokenizer`) when a request asks for a grammar."""
 
     def encode(self, text: str) -> list[int]: ...
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
 
 class CacheSizes(Protocol):
@@ -60,7 +60,8 @@ class EngineModel(Protocol):
     Facts the engine plans with: `name` (logged), `tokenizer`, `vocab_size`, `eos_token_id`
     (None: no EOS), `max_position_embeddings`, `sliding_window` (tokens), and capabilities:
     `supports_yoco_floor` (the forward honours `ForwardBatch.yoco_floor`, needed by SWA bounded
-    replay) and `has_dspark_stages` (DSpark draft stages are loaded).
+    replay), `has_dspark_stages` (DSpark draft stages are loaded) and `max_draft_tokens` (the
+    tokens its stages draft per step, 0 without: DEEPINFER_USE_NEXTN_DECODE's upper bound).
     """
 
     @property
@@ -86,6 +87,9 @@ class EngineModel(Protocol):
 
     @property
     def has_dspark_stages(self) -> bool: ...
+
+    @property
+    def max_draft_tokens(self) -> int: ...
 
     def forward(self, batch: ForwardBatch, cache: Any) -> ForwardOutput:
         """One step: logits [R, vocab] fp32 for `batch.logits_indices` (+ hidden if asked),

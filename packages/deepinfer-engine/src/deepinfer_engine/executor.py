@@ -53,6 +53,11 @@ ABORT_WAIT_S = 120.0
 """How long an abort waits for the ranks to stop before they are killed."""
 
 
+def _init_fields(config: EngineConfig) -> dict:
+    """The config's constructor arguments (what a rank rebuilds it from; no environment)."""
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
+
+
 def _rank_threads(world: int) -> int:
     """Intra-op threads per rank: the node's cores shared out (ranks also poll and copy)."""
     return max(1, (os.cpu_count() or 1) // world)
@@ -71,7 +76,7 @@ class MultiprocExecutor(RequestFront):
             backend="nccl" if self.device == "cuda" else "gloo",
             threads=_rank_threads(layout.world_size),
             timeout_s=config.collective_timeout_s,
-            args=(json.dumps(dataclasses.asdict(resolved)),),
+            args=(json.dumps(_init_fields(resolved)),),
             preload=("deepinfer_engine.worker",),
         )
         self._finalizer = weakref.finalize(self, self._ranks.close)

@@ -9,10 +9,11 @@ from typing import Any
 
 from deepinfer_sampling.params import SamplingParams
 
-from deepinfer_engine.config import EngineConfig, resolve_device
+from deepinfer_engine.config import EngineConfig
 from deepinfer_engine.engine import Engine, Request
 from deepinfer_engine.engine_model import EngineModel
 from deepinfer_engine.outputs import RequestOutput
+from deepinfer_engine.progress import progress_bar
 from deepinfer_engine.validation import validate_requests
 
 logger = logging.getLogger("deepinfer")
@@ -52,7 +53,7 @@ class LLM:
                 "no model given (model=None, DEEPINFER_HF_MODEL_DIR unset): using the built-in "
                 "tiny checkpoint"
             )
-        device = resolve_device(cfg.accelerator)
+        device = cfg.device()
         loaded = load_model(cfg.model, device=device, dtype=cfg.torch_dtype(device))
         self.engine = Engine(cfg, ModelRuntime.from_loaded(loaded))
 
@@ -89,6 +90,8 @@ class LLM:
 
         prompts: a string, token ids, {"prompt_token_ids": [...]}, or a list of these.
         sampling_params: one for all prompts, or one per prompt (None: defaults).
+        use_tqdm: show the progress on stderr (`progress.progress_bar`: tqdm's bar on a
+        terminal, else one line per `LOG_INTERVAL_S` seconds).
         Every request is validated first; a bad one raises ValueError("prompt {i}: ...") and
         nothing runs. A mid-run failure of one request (non-finite logits, a grammar dead end)
         ends only that request, with finish_reason="error" and a message in `.error`.
@@ -113,11 +116,7 @@ class LLM:
 
     def _run(self, requests: list[Request], use_tqdm: bool) -> None:
         eng = self.engine
-        bar = None
-        if use_tqdm:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=len(requests), desc="Processed prompts", dynamic_ncols=True)
+        bar = progress_bar(len(requests), "Processed prompts") if use_tqdm else None
         pending = {r.request_id: r for r in requests}
         t0 = time.perf_counter()
         tok0 = eng.stats.tokens_generated
@@ -141,18 +140,33 @@ class LLM:
         self,
         messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        thinking: bool = False,
+        thinking: bool | None = None,
         reasoning_effort: str | int | None = None,
         use_tqdm: bool = True,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Chat: one conversation (a list of {"role", "content"} dicts) or a list of them.
 
-        Encoded with the model's V4.1 chat encoding (`deepinfer_model.chat.encode_messages`);
-        an unknown role raises ValueError naming the conversation's index.
+        Encoded with the model's V4.1 chat encoding (`deepinfer_model.chat.encode_messages`).
+        thinking: thinking mode (default off). reasoning_effort: "low" | "medium" | "high" |
+        "xhigh" | "max" or an int 1..100 (V4.1's levels 25/50/50/75/100; "medium" is vLLM's
+        name of the default, V4.1's "high"), with thinking only. chat_template_kwargs: the same
+        options as vLLM users pass them, {"thinking" (or "enable_thinking"): bool,
+        "reasoning_effort": ...}; an option given both ways must agree.
+        An empty conversation, a message without content, an unknown role or an effort with
+        thinking off raises ValueError naming the conversation's index, before any work.
         """
         from deepinfer_model.chat import encode_messages
 
-        convs = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        thinking, reasoning_effort = _chat_options(thinking, reasoning_effort, chat_template_kwargs)
+        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+            raise ValueError(
+                f"messages must be a conversation (a list of message dicts) or a list of them, "
+                f"got {type(messages).__name__}"
+            )
+        if not messages:
+            raise ValueError("messages must not be empty: give a conversation or a list of them")
+        convs = [messages] if isinstance(messages[0], Mapping) else list(messages)
         prompts = []
         for i, conv in enumerate(convs):
             try:
@@ -161,3 +175,50 @@ class LLM:
                 raise ValueError(f"prompt {i}: {e}") from None
             prompts.append({"prompt_token_ids": self.engine.tokenizer.encode(text), "prompt": text})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+# chat_template_kwargs key -> the chat option it sets
+_TEMPLATE_OPTIONS = {
+    "thinking": "thinking",
+    "enable_thinking": "thinking",
+    "reasoning_effort": "reasoning_effort",
+}
+
+
+def _chat_options(
+    thinking: bool | None,
+    reasoning_effort: str | int | None,
+    chat_template_kwargs: Mapping[str, Any] | None,
+) -> tuple[bool, str | int | None]:
+    """(thinking, reasoning_effort) from `LLM.chat`'s arguments and its `chat_template_kwargs`;
+    ValueError on an unknown key or an option the two give differently."""
+    given: dict[str, tuple[str, Any]] = {}
+    if thinking is not None:
+        given["thinking"] = ("thinking", thinking)
+    if reasoning_effort is not None:
+        given["reasoning_effort"] = ("reasoning_effort", reasoning_effort)
+    if chat_template_kwargs is not None:
+        if not isinstance(chat_template_kwargs, Mapping):
+            raise ValueError(
+                "chat_template_kwargs must be a dict such as {'thinking': True, "
+                f"'reasoning_effort': 'high'}}, got {type(chat_template_kwargs).__name__}"
+            )
+        unknown = sorted(set(chat_template_kwargs) - set(_TEMPLATE_OPTIONS))
+        if unknown:
+            raise ValueError(
+                f"chat_template_kwargs has unknown keys {unknown}; the V4.1 chat encoding "
+                f"takes {', '.join(_TEMPLATE_OPTIONS)}"
+            )
+        for key, value in chat_template_kwargs.items():
+            option = _TEMPLATE_OPTIONS[key]
+            name = f"chat_template_kwargs[{key!r}]"
+            if option in given and given[option][1] != value:
+                raise ValueError(
+                    f"{given[option][0]}={given[option][1]!r} and {name}={value!r} disagree; "
+                    f"give {option} once"
+                )
+            given.setdefault(option, (name, value))
+    return (
+        given["thinking"][1] if "thinking" in given else False,
+        given["reasoning_effort"][1] if "reasoning_effort" in given else None,
+    )

@@ -14,6 +14,7 @@ On CPU everything is synchronous and the same code runs.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 
@@ -21,9 +22,11 @@ import torch
 from deepinfer_model.batch import SequenceInput, build_batch
 from deepinfer_model.cuda_graph import GraphCaptureError
 
+from deepinfer_engine import prompt_logprobs
 from deepinfer_engine.engine_model import EngineModel
 from deepinfer_engine.output_processor import RowResult
-from deepinfer_engine.outputs import Logprob
+from deepinfer_engine.outputs import logprob_entry
+from deepinfer_engine.prompt_logprobs import PromptLogits
 from deepinfer_engine.scheduler import ScheduledChunk, SchedulerOutput
 from deepinfer_engine.step_peers import StepPeers
 
@@ -35,12 +38,14 @@ class LaunchedStep:
     """A step whose forward has been enqueued.
 
     logits: [R, vocab] for the sampled chunks (R = number of chunks with `sample`), in chunk
-    order; `sample_chunks[i]` is the chunk of logits row i.
+    order; `sample_chunks[i]` is the chunk of logits row i. prompt: the prompt logprobs the
+    step computes (`prompt_logprobs.PromptLogits`), None when no chunk asks for them.
     """
 
     out: SchedulerOutput
     logits: torch.Tensor | None
     sample_chunks: list[ScheduledChunk]
+    prompt: PromptLogits | None = None
 
 
 @dataclass
@@ -67,13 +72,15 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         seed: int,
-        keep_tokens: int | None = None,
+        yoco: tuple[int, str] | None = None,
         graph_max_batch: int = 0,
         peers: StepPeers | None = None,
     ) -> None:
-        """graph_max_batch: decode steps of up to this many sequences replay CUDA graphs (on
-        CUDA, when the model offers them; 0 = always eager). peers: this is one rank of several
-        (its model is sharded: forwards pad their collectives to the step's agreed rows)."""
+        """yoco: YOCO prefill truncation, (K, how: "compact" | "mask", as
+        `ForwardBatch.yoco_truncation`), None when off; graph_max_batch: decode steps of up
+        to this many sequences replay CUDA graphs (on CUDA, when the model offers them;
+        0 = always eager). peers: this is one rank of several (its model is sharded: forwards
+        pad their collectives to the step's agreed rows)."""
         from deepinfer_sampling.sampler import Sampler
 
         self.model = model
@@ -87,7 +94,8 @@ class ModelRunner:
         gen_device = device if device.type == "cuda" else torch.device("cpu")
         self.generator = torch.Generator(device=gen_device)
         self.generator.manual_seed(seed)
-        self.keep_tokens = keep_tokens  # YOCO compact prefill: decoder runs on the last K only
+        # YOCO truncation: the consumer layers fully run each prompt's last K tokens only
+        self.keep_tokens, self.truncation = yoco if yoco is not None else (None, "compact")
         self.peers = peers
         self.graphs = None
         if device.type == "cuda" and graph_max_batch > 0:
@@ -101,19 +109,25 @@ class ModelRunner:
     # ---- forward -----------------------------------------------------------------------------
     @torch.inference_mode()
     def launch(
-        self, out: SchedulerOutput, prev: SampledStep | None, rows: int | None = None
+        self, out: SchedulerOutput, prev: SampledStep | None, collective_rows: int | None = None
     ) -> LaunchedStep:
         """Build the flat batch of `out` and enqueue the model's forward (its collectives padded
-        to `rows`, the step's agreed count, when the engine has peers)."""
+        to `collective_rows`, the step's agreed count, when the engine has peers)."""
         for slot in out.new_slots:
             self.cache.reset_slot(slot)
+        sample_chunks = [c for c in out.chunks if c.sample]
+        rows = prompt_logprobs.prompt_rows(out.chunks)
+        if rows:  # after the sampled rows (one per sampled chunk, its last)
+            ends = itertools.accumulate(c.num_tokens for c in out.chunks)
+            rows = [e - 1 for c, e in zip(out.chunks, ends, strict=True) if c.sample] + rows
         batch = build_batch(
             [self._sequence_input(c, prev) for c in out.chunks],
             self.device,
             prev_token_ids=prev.token_ids if prev is not None else None,
+            logits_rows=rows or None,
+            yoco_truncation=self.truncation,
         )
-        batch.collective_rows = rows
-        sample_chunks = [c for c in out.chunks if c.sample]
+        batch.collective_rows = collective_rows
         # Prefill chunks that sample nothing still run: they write their KV into the cache.
         res = None
         if self.graphs is not None and self.graphs.unsupported(batch) is None:
@@ -124,7 +138,9 @@ class ModelRunner:
                 self.graphs = None
         if res is None:
             res = self.model.forward(batch, self.cache)
-        return LaunchedStep(out, res.logits if sample_chunks else None, sample_chunks)
+        n = len(sample_chunks)
+        prompt = prompt_logprobs.start(res.logits[n:], out.chunks) if rows else None
+        return LaunchedStep(out, res.logits[:n] if n else None, sample_chunks, prompt)
 
     @torch.inference_mode()
     def idle(self, rows: int) -> None:
@@ -147,13 +163,16 @@ class ModelRunner:
         )
 
     def _yoco_floor(self, c: ScheduledChunk) -> int:
-        """YOCO compact prefill: the first position that runs the decoder layers.
+        """YOCO prefill truncation: the first position the consumer layers fully run.
 
-        A prompt of N > K tokens runs the decoder layers only on positions >= N - K; shorter
-        prompts are exact (0). N is the *original* prompt length for the sequence's whole life
-        (prompt chunks, decode steps, and recompute after preemption), as the model requires.
+        A prompt of N > K tokens is truncated below position N - K; shorter prompts are exact
+        (0). N is the *original* prompt length for the sequence's whole life (prompt chunks,
+        decode steps, and recompute after preemption), as the model requires. A sequence that
+        computes prompt logprobs is exact (0): each of its prompt rows needs every layer.
         """
         assert self.keep_tokens is not None
+        if c.seq.wants_prompt_logprobs:
+            return 0
         return max(0, c.seq.num_prompt_tokens - self.keep_tokens)
 
     # ---- sampling ----------------------------------------------------------------------------
@@ -220,7 +239,21 @@ class ModelRunner:
         return SampledStep(step, so.token_ids, row_of_seq, host, event)
 
     def resolve(self, sampled: SampledStep | None, step: LaunchedStep) -> list[RowResult | None]:
-        """Wait for the host copy of `sampled` and turn it into one result per chunk of `step`."""
+        """Wait for the host copies of `sampled` and of the step's prompt logprobs and turn
+        them into one result per chunk of `step` (None: a chunk with nothing to report)."""
+        prompt = (
+            prompt_logprobs.resolve(step.prompt, step.out.chunks) if step.prompt is not None else {}
+        )
+        results = self._resolve_samples(sampled, step)
+        for i, entries in prompt.items():
+            if results[i] is None:
+                results[i] = RowResult()
+            results[i].prompt_logprobs = entries
+        return results
+
+    def _resolve_samples(
+        self, sampled: SampledStep | None, step: LaunchedStep
+    ) -> list[RowResult | None]:
         results: list[RowResult | None] = [
             RowResult() if c.sample else None for c in step.out.chunks
         ]
@@ -254,12 +287,9 @@ class ModelRunner:
                 )
             elif lp is not None and c.seq.params.logprobs is not None:
                 res.logprob = lp[r]
-                # The sampler returns min(N, vocab) candidates: a request may ask for more
-                # than the vocabulary holds (vLLM then returns what there is).
-                n = min(c.seq.params.logprobs, len(top_ids[r]))
-                top = {tokens[r]: Logprob(lp[r], rank=ranks[r])}
-                for k in range(n):
-                    top.setdefault(top_ids[r][k], Logprob(top_lp[r][k], rank=k + 1))
-                res.top_logprobs = top
+                n = c.seq.params.logprobs  # <= the vocabulary (validate_requests)
+                res.top_logprobs = logprob_entry(
+                    tokens[r], lp[r], ranks[r], top_ids[r][:n], top_lp[r][:n]
+                )
             results[index_of_chunk[id(c)]] = res
         return results

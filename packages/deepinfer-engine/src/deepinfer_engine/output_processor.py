@@ -20,12 +20,15 @@ class RowResult:
     """What the sampler produced for one sampled chunk.
 
     `error` (a message) ends that sequence with finish_reason="error" and no token appended.
+    `prompt_logprobs`: entries of the sequence's prompt logprobs this step computed (a chunk
+    that samples nothing may carry them too).
     """
 
     token_id: int = -1
     logprob: float | None = None
     top_logprobs: dict[int, Logprob] | None = None
     error: str | None = None
+    prompt_logprobs: list[dict[int, Logprob]] | None = None
 
 
 class OutputProcessor:
@@ -40,19 +43,22 @@ class OutputProcessor:
         self.eos_token_id = eos_token_id
         self.max_model_len = max_model_len
         self.num_generated = 0  # tokens appended to outputs
+        self._token_text: dict[int, str] = {}  # id -> its text alone (Logprob.decoded_token)
 
     def update(self, out: SchedulerOutput, results: list[RowResult | None]) -> list[Sequence]:
         """Resolve the placeholders of step `out`: append sampled tokens and apply stop rules.
 
-        `results[i]` belongs to `out.chunks[i]` (None for chunks that did not sample). Returns the
-        sequences that finished in this update. Rows of sequences that finished earlier (async
-        scheduling computes one step past a stop) are dropped.
+        `results[i]` belongs to `out.chunks[i]` (None for a chunk with nothing to report).
+        Returns the sequences that finished in this update. Rows of sequences that finished
+        earlier (async scheduling computes one step past a stop) are dropped.
         """
         finished: list[Sequence] = []
         for chunk, res in zip(out.chunks, results, strict=True):
+            seq = chunk.seq
+            if res is not None and res.prompt_logprobs and seq.prompt_logprobs is not None:
+                seq.prompt_logprobs.extend(self._decoded(seq, e) for e in res.prompt_logprobs)
             if not chunk.sample:
                 continue
-            seq = chunk.seq
             seq.num_inflight -= 1
             if seq.is_finished:
                 continue
@@ -82,7 +88,21 @@ class OutputProcessor:
         if res.top_logprobs is not None:
             if seq.logprobs is None:
                 seq.logprobs = []
-            seq.logprobs.append(res.top_logprobs)
+            seq.logprobs.append(self._decoded(seq, res.top_logprobs))
+
+    def _decoded(self, seq: Sequence, logprobs: dict[int, Logprob]) -> dict[int, Logprob]:
+        """`logprobs` with each `decoded_token` set to its token's text alone, as vLLM gives
+        it (special tokens spelled out; a byte of a longer character shows as U+FFFD). A
+        sequence without a detokenizer leaves them None."""
+        if seq.detokenizer is None:
+            return logprobs
+        decode = seq.detokenizer.tokenizer.decode
+        for tid, lp in logprobs.items():
+            text = self._token_text.get(tid)
+            if text is None:
+                text = self._token_text[tid] = decode([tid], skip_special_tokens=False)
+            lp.decoded_token = text
+        return logprobs
 
     def _check_stop(self, seq: Sequence, token: int) -> bool:
         """Apply stop rules after appending `token`; finish the sequence if one fires.

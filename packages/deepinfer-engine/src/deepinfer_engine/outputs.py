@@ -11,11 +11,23 @@ class Logprob:
     temperature, penalties, bias and filters; vLLM's default `raw_logprobs`).
 
     `rank` is 1 for the most likely token; None when the sampler did not report it.
+    `decoded_token`: the token's text decoded alone (special tokens spelled out).
     """
 
     logprob: float
     rank: int | None = None
     decoded_token: str | None = None
+
+
+def logprob_entry(
+    token_id: int, logprob: float, rank: int, top_ids: list[int], top_logprobs: list[float]
+) -> dict[int, Logprob]:
+    """One position's {token_id: Logprob}: the given token, then the top ones in order (rank
+    k+1 for the k-th; the given token keeps its own rank when it is among them)."""
+    entry = {token_id: Logprob(logprob, rank=rank)}
+    for k, (t, lp) in enumerate(zip(top_ids, top_logprobs, strict=True)):
+        entry.setdefault(t, Logprob(lp, rank=k + 1))
+    return entry
 
 
 @dataclass
@@ -43,10 +55,16 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """The result of one prompt: its `n` completions, in index order."""
+    """The result of one prompt: its `n` completions, in index order.
+
+    prompt_logprobs: with `SamplingParams.prompt_logprobs`, one entry per prompt token: None
+    for the first, then {token_id: Logprob} with the token's logprob given the tokens before it
+    and the top N there (vLLM's field); None when not asked.
+    """
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -34,6 +34,8 @@ class ScheduledChunk:
     `sample`: the chunk reaches the last token, so a new token is sampled from its last row.
     `token_ids[i]` is -1 where the token is still in flight (async scheduling's placeholder); the
     runner takes those ids from the previous step's sampled tensor on the device.
+    `prompt_logits`: positions [a, b) of the chunk whose logits give prompt logprobs (the
+    logprob of prompt token j+1 at position j), None when none are wanted.
     """
 
     seq: Sequence
@@ -41,6 +43,7 @@ class ScheduledChunk:
     num_tokens: int
     token_ids: list[int]
     sample: bool
+    prompt_logits: tuple[int, int] | None = None
 
 
 @dataclass
@@ -131,7 +134,16 @@ class Scheduler:
     def _add_chunk(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
         start = seq.num_computed_tokens
         sample = start + n == seq.num_tokens
-        out.chunks.append(ScheduledChunk(seq, start, n, seq.token_ids(start, start + n), sample))
+        out.chunks.append(
+            ScheduledChunk(
+                seq,
+                start,
+                n,
+                seq.token_ids(start, start + n),
+                sample,
+                seq.prompt_logit_positions(start, start + n),
+            )
+        )
         seq.num_computed_tokens += n
         if sample:
             seq.num_inflight += 1

@@ -6,6 +6,11 @@ Token accounting (the invariant the scheduler keeps):
 `num_inflight` counts tokens sampled on the device whose ids the host does not know yet (async
 scheduling's placeholders). `num_computed_tokens` counts tokens whose KV is written (or queued to
 be written by an already-launched step) into this sequence's slot and pages.
+
+Prompt logprobs (vLLM's `prompt_logprobs`, the request's first completion only): the logits row
+of prompt position j gives the logprob of prompt token j+1. `num_prompt_logits` counts the
+positions 0.. whose rows a launched step asked for; a recompute after preemption asks only for
+the rows beyond it, so no entry is computed twice.
 """
 
 from __future__ import annotations
@@ -48,6 +53,28 @@ class Sequence:
     cumulative_logprob: float | None = None
     logprobs: list[dict[int, Logprob]] | None = None
     num_preemptions: int = 0
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_prompt_logits: int = 0
+
+    def __post_init__(self) -> None:
+        if self.wants_prompt_logprobs:
+            self.prompt_logprobs = [None]  # the first token has no context
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Computes the request's prompt logprobs: asked for, and its first completion."""
+        return self.index == 0 and getattr(self.params, "prompt_logprobs", None) is not None
+
+    def prompt_logit_positions(self, start: int, end: int) -> tuple[int, int] | None:
+        """Of the positions [start, end) a step computes, the ones [a, b) whose logits give
+        prompt logprobs still missing (None: none); marks them asked for."""
+        if not self.wants_prompt_logprobs:
+            return None
+        a, b = max(start, self.num_prompt_logits), min(end, self.num_prompt_tokens - 1)
+        if a >= b:
+            return None
+        self.num_prompt_logits = b
+        return a, b
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -106,14 +106,22 @@ def encode(msg: Message) -> bytes:
     return json.dumps({"kind": type(msg).__name__, "body": _plain(msg)}).encode()
 
 
+def _positions(steps: list | None) -> list[dict[int, Logprob] | None] | None:
+    """Per-position {token id: Logprob} dicts back from JSON (string keys; None entries kept)."""
+    if steps is None:
+        return None
+    return [
+        None if step is None else {int(t): Logprob(**lp) for t, lp in step.items()}
+        for step in steps
+    ]
+
+
 def _output(body: dict) -> RequestOutput:
-    outs = []
-    for c in body["outputs"]:
-        logprobs = None
-        if c["logprobs"] is not None:
-            logprobs = [{int(t): Logprob(**lp) for t, lp in step.items()} for step in c["logprobs"]]
-        outs.append(CompletionOutput(**{**c, "logprobs": logprobs}))
-    return RequestOutput(**{**body, "outputs": outs})
+    outs = [
+        CompletionOutput(**{**c, "logprobs": _positions(c["logprobs"])}) for c in body["outputs"]
+    ]
+    prompt = _positions(body.get("prompt_logprobs"))
+    return RequestOutput(**{**body, "outputs": outs, "prompt_logprobs": prompt})
 
 
 def _request(body: dict) -> RankRequest:

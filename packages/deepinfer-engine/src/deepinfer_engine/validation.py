@@ -126,6 +126,13 @@ def validate_requests(
                 f"prompt {i}: stop_token_ids has {bad_stop[0]}, outside the vocabulary "
                 f"[0, {vocab_size})"
             )
+        for field in ("logprobs", "prompt_logprobs"):
+            n = getattr(sp, field)
+            if n is not None and n > vocab_size:
+                raise ValueError(
+                    f"prompt {i}: {field}={n} asks for more tokens than the model's vocabulary "
+                    f"of {vocab_size}"
+                )
         bad_bias = [t for t in (sp.logit_bias or {}) if t >= vocab_size]
         if bad_bias:
             raise ValueError(

@@ -18,6 +18,9 @@ import torch
 
 from .staging import upload
 
+YOCO_TRUNCATION_MODES = ("compact", "mask")
+"""How a YOCO floor truncates the consumer layers (`ForwardBatch.yoco_truncation`)."""
+
 
 @dataclass
 class SequenceInput:
@@ -47,6 +50,7 @@ def build_batch(
     prev_token_ids: torch.Tensor | None = None,
     logits_rows: list[int] | None = None,
     return_hidden: bool = False,
+    yoco_truncation: str = "compact",
 ) -> ForwardBatch:
     """The `ForwardBatch` of `seqs` on `device`, with its host mirror.
 
@@ -54,7 +58,8 @@ def build_batch(
     then filled on the device from `prev_token_ids` [S] (the previous step's sampled ids, row
     `prev_row` of each sequence), so building never waits for the device. `logits_rows`: the
     flat rows whose logits are wanted (default: the last row of every sequence with `sample`).
-    `yoco_floor` is set for every sequence or for none.
+    `yoco_floor` is set for every sequence or for none; `yoco_truncation` says how it
+    truncates (see `ForwardBatch`).
     """
     ids: list[int] = []
     pos: list[int] = []
@@ -114,6 +119,7 @@ def build_batch(
         logits_indices=rows_t,
         return_hidden=return_hidden,
         yoco_floor=floor_t if floor is not None else None,
+        yoco_truncation=yoco_truncation,
         host=HostBatchInfo(cu, ctx_lens, slots, bt, rows, floor),
     )
 
@@ -159,11 +165,15 @@ class ForwardBatch:
     (tokens already in the cache); slots: [B] int64 (per-slot state index); block_tables:
     [B, max_blocks] int32 page ids (-1 padded); logits_indices: [R] int64 flat rows whose logits
     are wanted; return_hidden: also return the DSpark target-layer hidden states of all T rows.
-    yoco_floor: optional [B] int64 (YOCO compact prefill, "decoder SWA bounded replay"): the
-    first position of each sequence that runs the layers after the CED split layer (layers
-    > `config.decoder_start_layer`); tokens before it stop after that layer, and those layers'
-    windows never reach below it. 0 (or None) = exact path. Pass the same value for a sequence's
-    whole life (prompt chunks and decode steps) once set.
+    yoco_floor: optional [B] int64 (DeepInfer's YOCO prefill truncation, "decoder SWA bounded
+    replay"): the first position of each sequence whose tokens the consumer layers (from
+    `config.decoder_start_layer` on) fully run; their windows never reach below it. The producer
+    layers before them run every token as without a floor, and so does the decoder start's
+    compressor (the compressed KV and index keys of every token). 0 (or None) = exact path.
+    Pass the same value for a sequence's whole life (prompt chunks and decode steps) once set.
+    yoco_truncation: "compact" (tokens below the floor stop before the consumer layers: their
+    logits cannot be requested) or "mask" (every token runs every layer; one below its floor
+    sees no window position in the consumer layers, so its logits are approximate too).
     host: optional CPU mirror of the metadata (`HostBatchInfo`). Give it whenever the tensors are
     on an accelerator: without it the forward reads the metadata back (one sync per forward). On
     CUDA the forward then trusts the device tensors to match it and does not re-check
@@ -183,6 +193,7 @@ class ForwardBatch:
     logits_indices: torch.Tensor
     return_hidden: bool = False
     yoco_floor: torch.Tensor | None = None
+    yoco_truncation: str = "compact"
     host: HostBatchInfo | None = None
     collective_rows: int | None = None
 
@@ -244,6 +255,7 @@ class ForwardBatch:
             logits_indices=torch.zeros(1 if logits else 0, dtype=torch.int64).to(dev),
             return_hidden=self.return_hidden,
             yoco_floor=None if self.yoco_floor is None else self.yoco_floor[b : b + 1],
+            yoco_truncation=self.yoco_truncation,
             host=HostBatchInfo(
                 [0, 1],
                 [host.context_lens[b] + row - host.cu_seqlens[b]],

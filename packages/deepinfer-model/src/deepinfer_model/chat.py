@@ -16,8 +16,11 @@ is our own implementation of the same format facts, for text chat:
   last user turn keep `{reasoning_content}</think>` before their content.
 - Reasoning effort is rendered only in thinking mode, once, at the very start:
   `<｜System｜>Reasoning Effort: {N} (range 1-100, the higher the value, the more thorough the
-  reasoning)\\n\\n`, sharing the `<｜System｜>` token with a leading system message. Names map
-  low/high/xhigh/max -> 25/50/75/100; the default is "high" (50).
+  reasoning)\\n\\n`, sharing the `<｜System｜>` token with a leading system message. V4.1's
+  names map low/high/xhigh/max -> 25/50/75/100; the default is "high" (50). vLLM's (OpenAI's)
+  low/medium/high are accepted too: "low" and "high" are V4.1's own names, and "medium",
+  OpenAI's default level, is V4.1's default "high" (50). An effort given with thinking off is
+  an error (it would not be rendered).
 - A literal `<｜deepseek_image｜>` typed in message text is escaped to its ASCII-bar spelling
   `<|deepseek_image|>`, so text never produces the image token (this engine is text-only).
 
@@ -42,7 +45,13 @@ from deepinfer_model.tokenizer import (
     USER_TOKEN,
 )
 
-REASONING_EFFORT_LEVELS: dict[str, int] = {"low": 25, "high": 50, "xhigh": 75, "max": 100}
+REASONING_EFFORT_LEVELS: dict[str, int] = {
+    "low": 25,
+    "medium": 50,  # vLLM's (OpenAI's) default level: V4.1's default, "high"
+    "high": 50,
+    "xhigh": 75,
+    "max": 100,
+}
 DEFAULT_REASONING_EFFORT = "high"
 REASONING_EFFORT_LINE = (
     "Reasoning Effort: {effort} "
@@ -119,6 +128,11 @@ def _check(messages: Sequence[Mapping[str, Any]]) -> None:
             )
         if role not in ROLES:
             raise ValueError(f"messages[{i}].role={role!r} is unknown: allowed roles are {ROLES}")
+        if message.get("content") is None:
+            raise ValueError(
+                f"messages[{i}] has no content: every {role} message needs one (a string or a "
+                "list of text blocks; '' for an empty turn)"
+            )
         for field in _UNSUPPORTED_FIELDS:
             if message.get(field):
                 raise NotImplementedError(
@@ -165,13 +179,19 @@ def encode_messages(
     `messages`: dicts with `role` in system/user/developer/assistant/latest_reminder and
     `content` (str or a list of text blocks); assistant turns may carry `reasoning_content`.
     `thinking`: thinking mode (the reply opens with `<think>`) or chat mode (`</think>`).
-    `reasoning_effort`: "low"/"high"/"xhigh"/"max" (25/50/75/100) or an int 1..100; validated
-    always, rendered only when thinking. Raises ValueError on an unknown role or a bad effort.
+    `reasoning_effort`: "low"/"medium"/"high"/"xhigh"/"max" (25/50/50/75/100) or an int 1..100
+    (None: "high"), with thinking only. Raises ValueError on an unknown role, a message without
+    content, a bad effort, or an effort given with thinking off.
     """
     _check(messages)
     effort = resolve_reasoning_effort(reasoning_effort)
     if not isinstance(thinking, bool):
         raise ValueError(f"thinking must be a bool, got {thinking!r}")
+    if reasoning_effort is not None and not thinking:
+        raise ValueError(
+            f"reasoning_effort={reasoning_effort!r} needs thinking on: V4.1 renders the effort "
+            "in thinking mode only; pass thinking=True or leave reasoning_effort unset"
+        )
     msgs = _drop_old_thinking(messages) if thinking else [dict(m) for m in messages]
     last_user = _last_user_index(msgs)
 

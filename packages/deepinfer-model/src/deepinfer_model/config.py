@@ -1,6 +1,7 @@
 """The DeepSeek-V4.1 text configuration (`ModelConfig`), parsed from a Hugging Face `config.json`.
 
-Field names are the Hugging Face names of the V4.1 `text_config`; `ModelConfig.from_hf` also
+Field names are the Hugging Face names of the V4.1 `text_config` (one exception, `HF_NAMES`:
+`engram_pad_token_id`, which Hugging Face spells `engram_pad_id`); `ModelConfig.from_hf` also
 accepts the names DeepSeek's reference `inference/config.json` uses (`dim`, `n_layers`,
 `window_size`, `kv_source_layers`, ...) as aliases. Layer indices count the backbone layers
 ``0 .. num_hidden_layers-1``; the DSpark stages (`mtp.0..`) follow them in `compress_ratios`.
@@ -38,6 +39,11 @@ ALIASES: dict[str, str] = {
     "dspark_n_activated_experts": "dspark_num_experts_per_tok",
     "max_seq_len": "max_position_embeddings",
 }
+
+# field -> Hugging Face's name where the field keeps another spelling: transformers'
+# DeepseekV41TextConfig reads `engram_pad_id`, while released configs also write
+# `engram_pad_token_id`. `from_hf` reads both; `to_hf` writes Hugging Face's.
+HF_NAMES: dict[str, str] = {"engram_pad_token_id": "engram_pad_id"}
 
 _TUPLE_FIELDS = (
     "compress_ratios",
@@ -217,6 +223,13 @@ class ModelConfig:
         rope_scaling = flat.pop("rope_scaling", None)
         rope_parameters = flat.pop("rope_parameters", None)
         quant = flat.pop("quantization_config", None)
+        for field_name, hf_name in HF_NAMES.items():
+            if field_name in flat and hf_name in flat and flat[field_name] != flat[hf_name]:
+                # both spellings occur in released configs: neither may silently win
+                raise ValueError(
+                    f"config: {hf_name}={flat[hf_name]!r} and {field_name}={flat[field_name]!r} "
+                    "name the same field with different values; give one"
+                )
         for key, value in flat.items():
             name = ALIASES.get(key, key)
             if name == "rope_factor" or key == "rope_factor":
@@ -321,7 +334,7 @@ class ModelConfig:
             if f.name in ("beta_fast", "beta_slow", "fp8_block_size", "expert_dtype"):
                 continue
             value = getattr(self, f.name)
-            text[f.name] = list(value) if isinstance(value, tuple) else value
+            text[HF_NAMES.get(f.name, f.name)] = list(value) if isinstance(value, tuple) else value
         text["model_type"] = "deepseek_v41_text"
         text["rope_scaling"] = {
             "rope_type": "yarn",

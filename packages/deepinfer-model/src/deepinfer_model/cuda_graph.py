@@ -103,10 +103,15 @@ class DecodeGraphs:
             return "not a pure decode step (a sequence brings more than one token)"
         if b > self.sizes[-1]:
             return f"{b} sequences > the largest captured batch {self.sizes[-1]}"
-        if host.yoco_floor is not None and any(
-            c < f for c, f in zip(host.context_lens, host.yoco_floor, strict=True)
-        ):
-            return "a token lies below its YOCO floor"
+        if host.yoco_floor is not None:
+            window = self.model.config.sliding_window
+            pairs = list(zip(host.context_lens, host.yoco_floor, strict=True))
+            if any(c < f for c, f in pairs):
+                return "a token lies below its YOCO floor"
+            # the graphed step reads every layer's window from one context, without the
+            # consumer layers' floor (StepContext.consumer_view): exact only above it
+            if any(f > 0 and c - window + 1 < f for c, f in pairs):
+                return "a token's window reaches below its YOCO floor"
         return None
 
     # -- pieces --------------------------------------------------------------------------------

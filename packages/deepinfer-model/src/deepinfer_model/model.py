@@ -160,6 +160,14 @@ class Model(nn.Module):
                 f"ForwardBatch.positions: must be < max_position_embeddings "
                 f"{cfg.max_position_embeddings}"
             )
+        if ctx.floor is not None and any(
+            src > cfg.decoder_start_layer for src in cfg.kv_source_layer_ids
+        ):
+            raise NotImplementedError(
+                "ForwardBatch.yoco_floor: a kv source after the decoder start layer "
+                f"({cfg.decoder_start_layer}) would compress consumer-layer rows; YOCO "
+                "truncation for such a config is not implemented"
+            )
         t = ids.shape[0]
         if len(host.logits_indices) != batch.logits_indices.shape[0] or any(
             r < 0 or r >= t for r in host.logits_indices
@@ -180,12 +188,15 @@ class Model(nn.Module):
         target layer the mean over the hc streams of that layer's input, concatenated in target
         order.
 
-        YOCO compact prefill (`batch.yoco_floor`, reference §3 "decoder SWA bounded replay"):
-        layers 0 .. `decoder_start_layer` (all of layer 20, which also publishes the shared
-        compressed KV, index keys and candidates) run on every token; later layers run only on
-        tokens at positions >= the sequence's floor, with their windows cut at the floor. This
-        is approximate by design (the exact path is `yoco_floor=None`); hidden rows of tokens
-        below the floor are zero, and their logits cannot be requested.
+        YOCO prefill truncation (`batch.yoco_floor`, reference §3 "decoder SWA bounded
+        replay", as DeepInfer's `v4_modules/yoco.py`): the producer layers 0 ..
+        `decoder_start_layer` - 1 run on every token exactly as without a floor, and so does
+        the decoder start's compressor (layer 20 publishes the compressed KV and index keys of
+        every token). The consumer layers, from the decoder start on, never see a window
+        position below the sequence's floor; with `batch.yoco_truncation` "compact" they run
+        only the tokens at or after it (hidden rows of the others are zero and their logits
+        cannot be requested), with "mask" every token. This is approximate by design (the exact
+        path is `yoco_floor=None`).
 
         With DEEPINFER_BATCH_INVARIANT=1 (the kernel registry's setting) every token of every
         sequence is evaluated alone, in position order: its logits are then bitwise the same
@@ -289,7 +300,7 @@ class Model(nn.Module):
         hashes = self.engram_hasher(ids, ctx, cache) if self.engram_hasher is not None else None
         h, pre = self.embed_streams(ids)
         hidden: dict[int, torch.Tensor] = {}
-        rows_of = None  # YOCO compact: flat rows still running, after the CED split layer
+        rows_of = None  # YOCO compact: flat rows the consumer layers run (None: all)
         rows_of_cpu = None
         for i, layer in enumerate(self.layers):
             if rows_of is not None and rows_of.numel() == 0:
@@ -303,14 +314,10 @@ class Model(nn.Module):
                 h = layer.engram(h, hashes[:, layer.engram.layer_index])
             if batch.return_hidden and i in cfg.dspark_target_layer_ids:
                 hidden[i] = self._scatter(h.float().mean(1).to(h.dtype), rows_of, t)
-            h, pre = layer(h, pre, ctx, cache)
             if i == cfg.decoder_start_layer and ctx.floor is not None:
-                late = ctx.late_subset()
-                if late is not None:
-                    ctx, rows_of, rows_of_cpu = late
-                    h, pre = h[rows_of], pre[rows_of]
-                    if self.shard is not None:
-                        self.shard.scope.keys = self._replica_keys(ctx)
+                h, pre, ctx, rows_of, rows_of_cpu = self._enter_consumers(layer, h, pre, ctx, cache)
+            else:
+                h, pre = layer(h, pre, ctx, cache)
         if rows_of_cpu is not None:
             pos_of = torch.full((t,), -1, dtype=torch.int64)
             pos_of[rows_of_cpu] = torch.arange(rows_of_cpu.shape[0])
@@ -326,6 +333,28 @@ class Model(nn.Module):
         if batch.return_hidden:
             out_hidden = torch.cat([hidden[i] for i in cfg.dspark_target_layer_ids], dim=-1)
         return ForwardOutput(logits=logits, hidden=out_hidden)
+
+    def _enter_consumers(
+        self, layer: Block, h: torch.Tensor, pre: torch.Tensor, ctx: StepContext, cache: KVCache
+    ) -> tuple[torch.Tensor, torch.Tensor, StepContext, torch.Tensor | None, torch.Tensor | None]:
+        """The decoder start `layer` under a YOCO floor, DeepInfer's truncation boundary: its
+        compressor publishes the entries of every token (h, pre: all rows), then its attention
+        and FFN run in the consumer layers' context (`StepContext.consumer_view`). Returns the
+        streams and pre of the rows that run on, that context, and those rows (device, CPU;
+        None: every row)."""
+        s = layer.enter(h, pre, ctx.positions)
+        layer.attn.publish(s.x, s.proj, ctx, cache)
+        view, rows, rows_cpu = ctx.consumer_view()
+        if self.shard is not None:
+            self.shard.scope.keys = self._replica_keys(view)
+        if rows is not None:
+            if rows_cpu.numel() == 0:  # every token of the step lies below its floor
+                if self.shard is not None:
+                    layer.ffn.idle()  # the other ranks still run this layer's experts
+                return h[rows], pre[rows], view, rows, rows_cpu
+            s = s.select(rows)
+        h, pre = layer.leave(layer.attn.attend(s.x, s.proj, view, cache), s, view.positions)
+        return h, pre, view, rows, rows_cpu
 
     def embed_streams(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """ids [T] -> (h [T, hc, D] the embedding on every stream, pre [T, hc] the one-hot

@@ -51,12 +51,20 @@ class ModelRuntime:
 
     @property
     def supports_yoco_floor(self) -> bool:
-        """The forward honours `ForwardBatch.yoco_floor` (YOCO compact prefill)."""
-        return True
+        """The forward honours `ForwardBatch.yoco_floor` (YOCO prefill truncation): the
+        config's kv sources all lie at or before the decoder start (V4.1: 2, 8, 14, 20)."""
+        cfg = self.config
+        return all(src <= cfg.decoder_start_layer for src in cfg.kv_source_layer_ids)
 
     @property
     def has_dspark_stages(self) -> bool:
         return self.config.num_nextn_predict_layers > 0
+
+    @property
+    def max_draft_tokens(self) -> int:
+        """Tokens the DSpark stages draft per step: one block (`dspark_block_size`, 5 on V4.1),
+        0 without stages."""
+        return self.config.dspark_block_size if self.has_dspark_stages else 0
 
     def forward(self, batch: ForwardBatch, cache: KVCache) -> ForwardOutput:
         return self.model.forward(batch, cache)

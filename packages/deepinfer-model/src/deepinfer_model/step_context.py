@@ -11,13 +11,14 @@ pinned, non-blocking copies (`staging`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
-from .batch import ForwardBatch, HostBatchInfo
+from .batch import YOCO_TRUNCATION_MODES, ForwardBatch, HostBatchInfo
 from .staging import HostStaging, upload
 
 
@@ -106,12 +107,16 @@ class StepContext:
     block_tables_cpu: torch.Tensor
     token: dict[str, torch.Tensor]
     """Device [T] int64 per token: `ctx` (its sequence's context_len), `start` (its sequence's
-    first flat row), `slot`, `floor` (YOCO floor, 0 without); and `slots` [B] per sequence."""
+    first flat row), `slot`, `floor` (the lowest position its window sees: the YOCO floor in
+    the consumer layers' context, `consumer_view`, else 0); and `slots` [B] per sequence."""
     compressed: dict[int, Compressed] = field(default_factory=dict)
     topk: dict[int, torch.Tensor] = field(default_factory=dict)
     candidates: CandidateMasks | None = None
     candidate_groups: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)
     floor: list[int] | None = None
+    """The batch's YOCO floor per sequence (None: the exact path)."""
+    truncation: str = "compact"
+    """How the floor truncates the consumer layers (`ForwardBatch.yoco_truncation`)."""
 
     block_rows: list[int] | None = None
     """Rows of `batch.block_tables` per sequence of this context (None: 0..B-1)."""
@@ -172,6 +177,11 @@ class StepContext:
                 f"ForwardBatch.positions: sequence {bad} must be {ctx[bad]}.."
                 f"{ctx[bad] + lens[bad] - 1} (context_lens[b] onwards)"
             )
+        if batch.yoco_truncation not in YOCO_TRUNCATION_MODES:
+            raise ValueError(
+                f"ForwardBatch.yoco_truncation: {batch.yoco_truncation!r} is not one of "
+                f"{', '.join(YOCO_TRUNCATION_MODES)}"
+            )
         floor = None
         if batch.yoco_floor is not None or host.yoco_floor is not None:
             if batch.yoco_floor is None or host.yoco_floor is None:
@@ -193,6 +203,7 @@ class StepContext:
             list(ctx),
             list(host.slots),
             floor,
+            False,
             None,
             host.block_tables,
         )
@@ -209,22 +220,25 @@ class StepContext:
         ctx: list[int],
         slots: list[int],
         floor: list[int] | None,
+        floored_windows: bool,
         block_rows: list[int] | None,
         block_tables_cpu: torch.Tensor,
     ) -> StepContext:
-        """Build the per-token device tensors from the host facts in one upload."""
+        """Build the per-token device tensors from the host facts in one upload; the windows
+        stop at `floor` iff `floored_windows`."""
         dev = batch.input_ids.device
         t = int(pos_cpu.shape[0])
 
         def per_seq(v: list[int]) -> torch.Tensor:
             return torch.tensor(v, dtype=torch.int64)[seq_cpu]
 
+        narrow = floored_windows and floor is not None
         rows = [
             seq_cpu,
             per_seq(ctx),
             per_seq(starts),
             per_seq(slots),
-            per_seq(floor) if floor is not None else torch.zeros(t, dtype=torch.int64),
+            per_seq(floor) if narrow else torch.zeros(t, dtype=torch.int64),
             pos_cpu,
         ]
         packed = torch.cat([torch.stack(rows).flatten(), torch.tensor(slots, dtype=torch.int64)])
@@ -250,6 +264,7 @@ class StepContext:
             block_tables_cpu=block_tables_cpu,
             token=token,
             floor=floor,
+            truncation=batch.yoco_truncation,
             block_rows=block_rows,
         )
 
@@ -313,7 +328,8 @@ class StepContext:
 
         Token at position p of sequence b sees positions p-window+1 .. p; positions before the
         step come from ring row ``b*ring_len + q % ring_len``, the step's own from
-        ``B*ring_len + row``; positions < 0 (or below the YOCO floor) are -1.
+        ``B*ring_len + row``; positions < 0 (or, in the consumer layers' context, below the
+        YOCO floor) are -1.
         """
 
         def build():
@@ -426,17 +442,27 @@ class StepContext:
         return list(by_len.values()) + alone
 
     # -- YOCO ----------------------------------------------------------------------------------
-    def late_subset(self) -> tuple[StepContext, torch.Tensor, torch.Tensor] | None:
-        """The context of the tokens at or after each sequence's YOCO floor (None when every
-        token is kept), and the kept flat rows [T'] (device, CPU). Sequences with no kept token
-        drop out; per-sequence and per-token state handed down by earlier layers is subset
-        alike."""
+    def consumer_view(self) -> tuple[StepContext, torch.Tensor | None, torch.Tensor | None]:
+        """The context of the consumer layers (from the CED decoder start on) under the
+        batch's YOCO floor, as DeepInfer's truncation gives them: their windows never reach
+        below a sequence's floor, and with `compact` truncation only the tokens at or after it
+        run them (`mask`: every token, a token below its floor seeing no window position).
+
+        Returns (context, kept flat rows on the device, the same on the CPU); the rows are None
+        when every token runs on, and the context then has this one's rows. Sequences with no
+        kept token drop out; what earlier layers handed down (compressed entries, top-k ids,
+        candidates) is subset alike. Without a floor: (self, None, None)."""
         if self.floor is None:
-            return None
+            return self, None, None
         floor_tok = torch.tensor(self.floor, dtype=torch.int64)[self.seq_cpu]
         keep = self.pos_cpu >= floor_tok
-        if bool(keep.all()):
-            return None
+        if self.truncation == "mask" or bool(keep.all()):
+            token = {**self.token, "floor": self.upload(floor_tok)}
+            # the windows depend on the floor; every other index tensor is the same
+            memo = {
+                k: v for k, v in self.memo.items() if not (type(k) is tuple and k[0] == "window")
+            }
+            return dataclasses.replace(self, token=token, memo=memo, _stage=None), None, None
         rows_cpu = torch.nonzero(keep).flatten()
         rows = self.upload(rows_cpu)
         seqs = [b for b in range(self.num_seqs) if self.ctx[b] + self.lens[b] > self.floor[b]]
@@ -458,6 +484,7 @@ class StepContext:
             ctxs,
             [self.slots[b] for b in seqs],
             [self.floor[b] for b in seqs],
+            True,
             [b if self.block_rows is None else self.block_rows[b] for b in seqs],
             self.block_tables_cpu,
         )

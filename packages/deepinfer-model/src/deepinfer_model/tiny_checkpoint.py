@@ -52,9 +52,9 @@ TINY_SPECIAL_TOKENS: tuple[str, ...] = (
     PAD_TOKEN,
     *V41_SPECIAL_TOKENS[2:],
 )
-# Dropped by decode(skip_special_tokens=True); the role, think, DSML and task markers stay
-# visible in decoded text (DeepSeek marks them non-special so that parsers can see them).
-_SKIPPED_ON_DECODE = {BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, IMAGE_TOKEN}
+# Dropped by decode(skip_special_tokens=True); the role, think, DSML, task and image markers
+# stay visible in decoded text, as in DeepSeek's tokenizer.json, which marks them non-special.
+_SKIPPED_ON_DECODE = {BOS_TOKEN, EOS_TOKEN, PAD_TOKEN}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -80,8 +80,9 @@ def byte_level_alphabet() -> dict[int, str]:
 def v41_tokenizer(tokens: list[str], merges: list[tuple[str, str]]):
     """A byte-level BPE `tokenizers.Tokenizer` with the V4.1 special tokens at ids 0.. (in
     `TINY_SPECIAL_TOKENS` order) followed by `tokens` (byte-level strings, in id order) and the
-    BPE `merges` among them. BOS/EOS/PAD/image are special (dropped on decode); the role, think,
-    DSML and task markers are added tokens that stay visible in decoded text."""
+    BPE `merges` among them. BOS/EOS/PAD are special (dropped on decode); the role, think,
+    DSML, task and image markers are added tokens that stay visible in decoded text, as in
+    DeepSeek's tokenizer.json."""
     from tokenizers import AddedToken, decoders, models, pre_tokenizers
     from tokenizers import Tokenizer as Backend
 

@@ -93,6 +93,11 @@ class Tokenizer:
         self.bos_token_id: int = bos_id
         self.eos_token_id: int = eos_id
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        self.special_ids: frozenset[int] = frozenset(
+            i for i, t in backend.get_added_tokens_decoder().items() if t.special
+        )
+        """The ids `decode` drops with skip_special_tokens (V4.1: BOS, EOS, PAD; the role,
+        think, DSML, task and image markers are ordinary added tokens)."""
 
     @classmethod
     def from_dir(cls, path: str | os.PathLike) -> Tokenizer:
@@ -116,13 +121,34 @@ class Tokenizer:
             raise ValueError(f"text must be a str, got {type(text).__name__}")
         return self.backend.encode(text, add_special_tokens=False).ids
 
-    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
-        """Text of `ids`; special tokens are dropped unless `skip_special_tokens=False`."""
+    def decode(
+        self,
+        ids: Iterable[int],
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+    ) -> str:
+        """Text of `ids`; special tokens (`special_ids`) are dropped unless
+        `skip_special_tokens=False`, and then, with `spaces_between_special_tokens` (vLLM's
+        default), each is separated from its neighbours by one space, as Hugging Face's slow
+        tokenizers join the pieces."""
         ids = [int(i) for i in ids]
         for i in ids:
             if not 0 <= i < self.vocab_size:
                 raise ValueError(f"token id {i} is outside the vocabulary [0, {self.vocab_size})")
-        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        if skip_special_tokens or not spaces_between_special_tokens:
+            return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        pieces, run = [], []
+        for i in ids:
+            if i in self.special_ids:
+                if run:
+                    pieces.append(self.backend.decode(run, skip_special_tokens=False))
+                    run = []
+                pieces.append(self.backend.decode([i], skip_special_tokens=False))
+            else:
+                run.append(i)
+        if run:
+            pieces.append(self.backend.decode(run, skip_special_tokens=False))
+        return " ".join(pieces)
 
     def id_to_token(self, token_id: int) -> str:
         """The vocabulary string of one id (byte-level form, e.g. 'Ġ' for a space)."""

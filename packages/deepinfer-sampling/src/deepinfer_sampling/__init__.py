@@ -14,7 +14,14 @@ from .grammar import (
     tokenizer_info_from_vocab,
 )
 from .json_schema import UnsupportedJsonSchema
-from .params import SCHEMA_TYPES, SamplingParams, StructuredOutput, parse_grammar
+from .logprobs import TokenLogprobs, token_logprobs
+from .params import (
+    SCHEMA_TYPES,
+    SamplingParams,
+    StructuredOutput,
+    StructuredOutputsParams,
+    parse_grammar,
+)
 from .rng import (
     STREAM_DRAFT,
     STREAM_SAMPLE,
@@ -45,6 +52,8 @@ __all__ = [
     "SamplingParams",
     "SamplingRow",
     "StructuredOutput",
+    "StructuredOutputsParams",
+    "TokenLogprobs",
     "UnsupportedJsonSchema",
     "allocate_token_bitmask",
     "apply_token_bitmask",
@@ -52,6 +61,7 @@ __all__ = [
     "counter_uniform",
     "parse_grammar",
     "row_keys",
+    "token_logprobs",
     "tokenizer_info_from_tokenizer",
     "tokenizer_info_from_vocab",
     "uniform_from_keys",

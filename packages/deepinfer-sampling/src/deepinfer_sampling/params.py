@@ -12,7 +12,13 @@ from typing import Any, Literal
 
 from .json_schema import UnsupportedJsonSchema, json_schema_grammar
 
-__all__ = ["SCHEMA_TYPES", "SamplingParams", "StructuredOutput", "parse_grammar"]
+__all__ = [
+    "SCHEMA_TYPES",
+    "SamplingParams",
+    "StructuredOutput",
+    "StructuredOutputsParams",
+    "parse_grammar",
+]
 
 SchemaType = Literal["json_schema", "regex", "ebnf"]
 SCHEMA_TYPES: tuple[str, ...] = ("json_schema", "regex", "ebnf")
@@ -69,24 +75,138 @@ class StructuredOutput:
             )
         schema = so_args.get("schema")
         if schema_type == "json_schema":
-            if isinstance(schema, str):
-                try:
-                    schema = json.loads(schema)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"so_args.schema is not valid JSON: {e}") from e
-            if not isinstance(schema, (dict, bool)):
-                raise ValueError(
-                    f"so_args.schema for json_schema must be a dict, a bool or a JSON string, "
-                    f"got {type(schema).__name__}"
-                )
-            text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+            return StructuredOutput("json_schema", _json_schema_text(schema, "so_args.schema"))
+        if not isinstance(schema, str) or not schema:
+            raise ValueError(
+                f"so_args.schema for {schema_type} must be a non-empty string, got {schema!r}"
+            )
+        return StructuredOutput(schema_type, schema)  # type: ignore[arg-type]
+
+
+def _json_schema_text(schema: Any, name: str) -> str:
+    """A JSON schema (dict, bool or JSON string) as compact JSON text in the user's key order;
+    ValueError naming `name` otherwise."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name} is not valid JSON: {e}") from e
+    if not isinstance(schema, (dict, bool)):
+        raise ValueError(
+            f"{name} for json_schema must be a dict, a bool or a JSON string, "
+            f"got {type(schema).__name__}"
+        )
+    return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+
+
+def _ebnf_literal(text: str) -> str:
+    """`text` as an EBNF string literal (xgrammar's escapes)."""
+    escaped = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+    out = []
+    for ch in text:
+        if ch in escaped:
+            out.append(escaped[ch])
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\u{ord(ch):04x}")  # xgrammar's \x reads every hex digit after it
         else:
-            if not isinstance(schema, str) or not schema:
-                raise ValueError(
-                    f"so_args.schema for {schema_type} must be a non-empty string, got {schema!r}"
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
+_SO_KINDS = ("json", "regex", "choice", "grammar")
+# vLLM's StructuredOutputsParams fields this engine does not implement, with what they are.
+_SO_NOT_IMPLEMENTED = {
+    "json_object": "any JSON object",
+    "structural_tag": "structural tags",
+    "disable_fallback": "backend fallback control",
+    "disable_any_whitespace": "JSON without free whitespace",
+    "disable_additional_properties": "JSON objects without additional properties",
+    "whitespace_pattern": "a custom JSON whitespace pattern",
+}
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """vLLM's structured-output request, `SamplingParams(structured_outputs=...)`: exactly one
+    of `json` (a JSON schema: dict, bool or JSON string), `regex`, `choice` (a list of
+    non-empty strings: the output is one of them) and `grammar` (EBNF in xgrammar's dialect).
+
+    The other fields of vLLM's class are accepted by name and raise NotImplementedError when
+    set (json_object, structural_tag, and the backend and whitespace options).
+    """
+
+    json: str | dict | bool | None = None
+    regex: str | None = None
+    choice: Sequence[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        for name, what in _SO_NOT_IMPLEMENTED.items():
+            if getattr(self, name):
+                raise NotImplementedError(
+                    f"structured_outputs.{name} ({what}) is not implemented; use json, regex, "
+                    "choice or grammar"
                 )
-            text = schema
-        return StructuredOutput(schema_type, text)  # type: ignore[arg-type]
+        given = sorted(k for k in _SO_KINDS if getattr(self, k) is not None)
+        if len(given) != 1:
+            raise ValueError(
+                f"structured_outputs must give exactly one of {', '.join(_SO_KINDS)}; got "
+                f"{', '.join(given) or 'none'}"
+            )
+        if self.choice is not None:
+            choice = self.choice
+            if (
+                isinstance(choice, str)
+                or not isinstance(choice, Sequence)
+                or not choice
+                or not all(isinstance(c, str) and c for c in choice)
+            ):
+                raise ValueError(
+                    f"structured_outputs.choice must be a non-empty list of non-empty strings, "
+                    f"got {choice!r}"
+                )
+            object.__setattr__(self, "choice", tuple(choice))
+
+    @staticmethod
+    def normalise(value: Any) -> StructuredOutputsParams:
+        """From a StructuredOutputsParams or a dict of its fields; ValueError naming the
+        unknown keys otherwise."""
+        if isinstance(value, StructuredOutputsParams):
+            return value
+        if not isinstance(value, Mapping):
+            raise ValueError(
+                "structured_outputs must be a StructuredOutputsParams or a dict with one of "
+                f"{', '.join(_SO_KINDS)}, got {type(value).__name__}"
+            )
+        fields = {f.name for f in dataclasses.fields(StructuredOutputsParams)}
+        unknown = sorted(set(value) - fields)
+        if unknown:
+            raise ValueError(
+                f"structured_outputs has unknown keys {unknown}; allowed: {', '.join(_SO_KINDS)}"
+            )
+        return StructuredOutputsParams(**value)
+
+    def structured_output(self) -> StructuredOutput:
+        """The same constraint as a StructuredOutput (a choice becomes the EBNF grammar
+        ``root ::= "a" | "b" ...``)."""
+        if self.json is not None:
+            return StructuredOutput(
+                "json_schema", _json_schema_text(self.json, "structured_outputs.json")
+            )
+        if self.choice is not None:
+            return StructuredOutput(
+                "ebnf", "root ::= " + " | ".join(_ebnf_literal(c) for c in self.choice)
+            )
+        kind, value = ("regex", self.regex) if self.regex is not None else ("grammar", self.grammar)
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"structured_outputs.{kind} must be a non-empty string, got {value!r}")
+        return StructuredOutput("regex" if kind == "regex" else "ebnf", value)
 
 
 @functools.lru_cache(maxsize=256)
@@ -100,19 +220,19 @@ def _parse_grammar_cached(schema_type: str, schema: str) -> Any:
     return xgr.Grammar.from_ebnf(schema)
 
 
-def parse_grammar(so: StructuredOutput) -> Any:
+def parse_grammar(so: StructuredOutput, name: str = "so_args.schema") -> Any:
     """Parse `so` into an `xgrammar.Grammar` (cached by (schema_type, schema)).
 
-    Raises ValueError naming `so_args.schema` when xgrammar rejects it, or (a
-    `json_schema.UnsupportedJsonSchema`) when a JSON schema asks for what the grammar would not
-    enforce.
+    Raises ValueError naming `name` (the field the schema came from) when xgrammar rejects
+    it, or (a `json_schema.UnsupportedJsonSchema`) when a JSON schema asks for what the grammar
+    would not enforce.
     """
     try:
         return _parse_grammar_cached(so.schema_type, so.schema)
     except UnsupportedJsonSchema:
         raise
     except (RuntimeError, ValueError, TypeError) as e:
-        raise ValueError(f"so_args.schema is not a valid {so.schema_type}: {e}") from e
+        raise ValueError(f"{name} is not a valid {so.schema_type}: {e}") from e
 
 
 def _check_number(name: str, value: Any, lo: float, hi: float, *, lo_open=False, hi_open=False):
@@ -155,7 +275,11 @@ class SamplingParams:
     stop: strings that end the output (the engine matches them on detokenized text).
     stop_token_ids: token ids that end the output, besides EOS.
     ignore_eos: keep generating after EOS (the engine decides; the sampler does not mask EOS).
-    logprobs: None (none), or N >= 0: return the sampled token's logprob and the top N.
+    logprobs: None (none), or N >= 0: return the sampled token's logprob and the top N (the
+        engine also refuses N above the model's vocabulary).
+    prompt_logprobs: None (none), or N >= 0: return, for every prompt token after the first,
+        its logprob given the tokens before it and the top N there (vLLM's
+        `RequestOutput.prompt_logprobs`; the engine refuses N above the vocabulary).
     logit_bias: {token_id: bias}, bias in [-100, 100], added to the logits.
     seq_seed: None (fresh randomness) or an int in [0, 2**63): the sampled token is then a pure
         function of (seq_seed, position, logits). `seed` is an alias; after construction both hold
@@ -163,6 +287,17 @@ class SamplingParams:
     so_args: structured output `{"schema_type": "json_schema" | "json" | "regex" | "ebnf",
         "schema": ...}`; normalised to a StructuredOutput and parsed here, so a bad schema fails
         now rather than mid-generation.
+    structured_outputs: the same in vLLM's spelling, a `StructuredOutputsParams` or a dict of
+        its fields (`{"json": ...}`, `{"regex": ...}`, `{"choice": [...]}`, `{"grammar": ...}`);
+        one of `so_args` and `structured_outputs` at a time. `structured_output` is the
+        constraint either gives.
+    skip_special_tokens: drop the tokens the tokenizer marks special (V4.1: BOS, EOS, PAD)
+        from the text (as vLLM, default True). V4.1's role, think, DSML, task and image markers
+        are not special in its tokenizer: they stay in the text either way.
+    spaces_between_special_tokens: with special tokens in the text (skip_special_tokens
+        False), one space separates each from its neighbours (as vLLM's default True); the
+        output continues the prompt's text, so a special token first in it is separated from
+        the prompt's last token too.
     """
 
     n: int = 1
@@ -183,6 +318,10 @@ class SamplingParams:
     seq_seed: int | None = None
     seed: int | None = None
     so_args: StructuredOutput | Mapping[str, Any] | None = None
+    structured_outputs: StructuredOutputsParams | Mapping[str, Any] | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         set_ = functools.partial(object.__setattr__, self)
@@ -205,6 +344,10 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS, allow_none=True)
+        _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS, allow_none=True)
+        for name in ("skip_special_tokens", "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         set_("logit_bias", _normalise_logit_bias(self.logit_bias))
         _check_int("seq_seed", self.seq_seed, 0, MAX_SEED, allow_none=True)
         _check_int("seed", self.seed, 0, MAX_SEED, allow_none=True)
@@ -216,14 +359,31 @@ class SamplingParams:
         merged = self.seq_seed if self.seq_seed is not None else self.seed
         set_("seq_seed", merged)
         set_("seed", merged)
+        if self.so_args is not None and self.structured_outputs is not None:
+            raise ValueError(
+                "so_args and structured_outputs both give a structured output; pass one of them"
+            )
+        so = None
         if self.so_args is not None:
             so = StructuredOutput.normalise(self.so_args)
             parse_grammar(so)  # raises ValueError("so_args.schema ...") now, not mid-generation
             set_("so_args", so)
+        if self.structured_outputs is not None:
+            params = StructuredOutputsParams.normalise(self.structured_outputs)
+            so = params.structured_output()
+            kind = next(k for k in _SO_KINDS if getattr(params, k) is not None)
+            parse_grammar(so, f"structured_outputs.{kind}")
+            set_("structured_outputs", params)
+        object.__setattr__(self, "_structured_output", so)
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def structured_output(self) -> StructuredOutput | None:
+        """The structured-output constraint of `so_args` or `structured_outputs` (None: none)."""
+        return self._structured_output
 
     def replace(self, **changes: Any) -> SamplingParams:
         """A copy with `changes` applied, validated again."""

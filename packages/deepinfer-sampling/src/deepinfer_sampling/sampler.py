@@ -31,6 +31,7 @@ import torch
 from .batch import RowGroup, SamplingBatch, SamplingRow
 from .fused import gumbel_score, kept_weight, penalize, top_p_mask
 from .grammar import apply_token_bitmask
+from .logprobs import token_logprobs
 
 __all__ = ["Sampler", "SamplerOutput"]
 
@@ -109,13 +110,9 @@ class Sampler:
             rows = batch.grammar_rows
             out.has_allowed[rows] = (x.index_select(0, rows) > float("-inf")).any(dim=1)
         if batch.num_logprobs >= 0:
-            raw = logits.to(torch.float32)
-            lse = torch.logsumexp(raw, dim=1, keepdim=True)
-            picked = raw.gather(1, token_ids[:, None])
-            out.logprobs = (picked - lse).squeeze(1)
-            out.ranks = (raw > picked).sum(dim=1) + 1
-            top_values, out.top_token_ids = torch.topk(raw, batch.num_logprobs, dim=1)
-            out.top_logprobs = top_values - lse
+            lp = token_logprobs(logits, token_ids, batch.num_logprobs)
+            out.logprobs, out.ranks = lp.logprobs, lp.ranks
+            out.top_logprobs, out.top_token_ids = lp.top_logprobs, lp.top_token_ids
         return out
 
     def processed_logits(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -6,8 +6,9 @@ Per layer (all [T, ...] flat over the batch):
 3. Keys: the window of the last `sliding_window` positions (ring + this step's tokens), plus, for
    ratio > 0, the entries of the layer's kv source that its index source selected.
 4. ``o = sparse_sink_attention(q, keys, scale = head_dim^-0.5)``, inverse RoPE at the query
-   position, grouped ``wo_a`` (block-diagonal over `o_groups`, dequantised, no activation
-   quantisation as in the reference), then ``wo_b`` (FP8 linear).
+   position, o cast to FP8 e4m3 per token with one UE8M0 scale per 32 values (as DeepInfer's
+   output projection takes it; the inference/model.py reference leaves it unquantised), grouped
+   ``wo_a`` (block-diagonal over `o_groups`, dequantised weight), then ``wo_b`` (FP8 linear).
 kv sources run their `Compressor` and write compressed KV (RoPE at j*r, FP4 with e4m3 scale per
 16) and index keys into the pages before anyone reads them.
 """
@@ -25,11 +26,11 @@ from torch import nn
 from ..cache import KVCache
 from ..config import ModelConfig
 from ..step_context import CandidateMasks, Compressed, StepContext
-from ..training import straight_through
 from .compressor import Compressor
 from .indexer import Indexer
 from .linear import FP8Linear, RMSNorm, dense
 from .rope import layer_inv_freq, rope_tail
+from .rounding import straight_through
 
 
 def write_ring(ring: torch.Tensor, ctx: StepContext, kv: torch.Tensor) -> None:
@@ -64,6 +65,11 @@ class Projections:
         """The first n rows of every tensor (views)."""
         values = (getattr(self, f.name) for f in dataclasses.fields(self))
         return Projections(*(None if t is None else t[:n] for t in values))
+
+    def select(self, rows: torch.Tensor) -> Projections:
+        """Rows `rows` [T'] (device int64) of every tensor."""
+        values = (getattr(self, f.name) for f in dataclasses.fields(self))
+        return Projections(*(None if t is None else t.index_select(0, rows) for t in values))
 
 
 class Attention(nn.Module):
@@ -138,9 +144,13 @@ class Attention(nn.Module):
         return straight_through(ops.fake_quant_fp8_ue8m0, kv, 32) if self.fake_quant_kv else kv
 
     def output(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """o [T, H, head_dim] -> [T, D]: inverse RoPE, grouped wo_a, wo_b."""
+        """o [T, H, head_dim] -> [T, D]: inverse RoPE, FP8 cast of the context, grouped wo_a,
+        wo_b."""
         o = rope_tail(o, positions, self.inv_freq, self.rope_dim, inverse=True)
-        o = o.reshape(o.shape[0], self.n_groups, -1)
+        # DeepInfer feeds wo_a an FP8 context: e4m3 per token, one UE8M0 scale per 32 values
+        # (in training the gradient passes the rounding unchanged, as the KV fake-quant's)
+        o = straight_through(ops.fake_quant_fp8_ue8m0, o.reshape(o.shape[0], -1), 32)
+        o = o.view(o.shape[0], self.n_groups, -1)
         wo_a = self.wo_a.dequantized(o.dtype).view(self.n_groups, self.o_lora_rank, -1)
         o = torch.stack([dense(o[:, g], wo_a[g]) for g in range(self.n_groups)], dim=1)
         return self.wo_b(o.flatten(1))
@@ -171,9 +181,14 @@ class Attention(nn.Module):
         return kv, keys
 
     # -- compressed branch ----------------------------------------------------------------------
-    def _publish(self, x: torch.Tensor, p: Projections, ctx: StepContext, cache: KVCache) -> None:
+    def publish(self, x: torch.Tensor, p: Projections, ctx: StepContext, cache: KVCache) -> None:
         """kv source: compress, write index keys and compressed KV to pages, read back every
-        sequence's entries (gathers with index tensors built on the host: no sync)."""
+        sequence's entries into `ctx.compressed` (gathers with index tensors built on the host:
+        no sync). Once per step: `attend` publishes unless the step's context already holds
+        this layer's entries (the YOCO boundary publishes every token's before it cuts the rows
+        the consumer layers run). No-op on other layers."""
+        if not self.is_kv_source or self.ratio == 0 or self.layer_id in ctx.compressed:
+            return
         r, bs = self.ratio, cache.block_size
         done = ctx.completed_entries(r, bs)
         if p.entry_kv is not None:
@@ -340,8 +355,7 @@ class Attention(nn.Module):
         pool = [ring[ctx.token["slots"]].flatten(0, 1).to(x.dtype), p.kv]
         idx = [ctx.window(self.window, ring.shape[1])]
         if self.ratio > 0:
-            if self.is_kv_source:
-                self._publish(x, p, ctx, cache)
+            self.publish(x, p, ctx, cache)
             if self.is_index_source:
                 self._select(p, ctx)
             if self.observer is not None:

@@ -36,6 +36,14 @@ class AttentionInputs:
     x: torch.Tensor
     proj: Projections
 
+    def select(self, rows: torch.Tensor) -> AttentionInputs:
+        """Rows `rows` [T'] (device int64) of every tensor."""
+        return AttentionInputs(
+            *(t.index_select(0, rows) for t in (self.h, self.attn_pre, self.post, self.comb)),
+            self.x.index_select(0, rows),
+            self.proj.select(rows),
+        )
+
 
 class Block(nn.Module):
     """One layer: [Engram] -> attention site -> FFN site, single-pass mHC.

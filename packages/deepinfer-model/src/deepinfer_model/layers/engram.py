@@ -27,6 +27,7 @@ from torch import nn
 from ..cache import KVCache
 from ..config import ModelConfig
 from ..step_context import StepContext
+from . import rounding
 from .linear import SCALE_DTYPE, FP8Linear
 
 if TYPE_CHECKING:
@@ -205,9 +206,7 @@ class EngramTable(nn.Module):
         if self.master is not None:
             if self.sharded is not None:
                 raise NotImplementedError("training mode with row-sharded Engram tables")
-            from ..training import engram_rows
-
-            return engram_rows(self.master, ids, self.block).to(dtype)
+            return rounding.engram_rows(self.master, ids, self.block).to(dtype)
         if self.sharded is not None:
             return self._gathered(ids, dtype)
         v = self.weight[ids].float().unflatten(-1, (-1, self.block)) * self.scale[

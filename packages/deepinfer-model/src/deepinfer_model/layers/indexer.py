@@ -28,9 +28,9 @@ from deepinfer_kernels import ops
 from torch import nn
 
 from ..config import ModelConfig
-from ..training import straight_through
 from .linear import FP8Linear, Linear, RMSNorm
 from .rope import rope_tail
+from .rounding import straight_through
 
 
 class Indexer(nn.Module):

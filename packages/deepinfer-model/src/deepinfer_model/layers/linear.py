@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from deepinfer_kernels import REGISTRY, ops, quant
 from torch import nn
 
+from . import rounding
+
 FP8_DTYPE = torch.float8_e4m3fn
 SCALE_DTYPE = torch.float8_e8m0fnu
 
@@ -57,18 +59,14 @@ class FP8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.master is not None:
-            from ..training import fp8_linear
-
-            return fp8_linear(x, self.master)
+            return rounding.fp8_linear(x, self.master)
         y = ops.fp8_linear(x.reshape(-1, self.in_features), self.weight, self.scale)
         return y.view(*x.shape[:-1], self.out_features)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight as [out, in] `dtype` (exact)."""
         if self.master is not None:
-            from ..training import fp8_weight
-
-            return fp8_weight(self.master, dtype)
+            return rounding.fp8_weight(self.master, dtype)
         return quant.dequantize_fp8_blocks(self.weight, self.scale, dtype)
 
 

@@ -22,6 +22,7 @@ from deepinfer_kernels import REGISTRY, ops
 from torch import nn
 
 from ..config import ModelConfig
+from . import rounding
 from .linear import FP4Weight, FP8Linear, dense
 
 if TYPE_CHECKING:
@@ -180,9 +181,7 @@ class MoE(nn.Module):
                 raise NotImplementedError(
                     "training mode under expert parallelism: routed_experts needs every expert"
                 )
-            from ..training import routed_experts
-
-            routed = routed_experts(x, weights, ids, self.experts, self.limit)
+            routed = rounding.routed_experts(x, weights, ids, self.experts, self.limit)
             return (routed.float() + self.shared_experts(x).float()).to(x.dtype)
         routed = (
             self._routed(x, weights, ids)
