@@ -10,6 +10,7 @@ layouts fail before anything loads. Under torchrun every rank returns every outp
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -29,7 +30,7 @@ pytestmark = pytest.mark.timeout(240)
 PROMPTS = ["Hello there", "The cat sat on the", "Once upon a time", "1 2 3 4", "A"]
 GREEDY = SamplingParams(max_tokens=6, temperature=0)
 SEEDED = SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, seq_seed=11, n=2)
-LOGPROBS = SamplingParams(max_tokens=4, temperature=0.8, seq_seed=3, logprobs=4)
+LOGPROBS = SamplingParams(max_tokens=4, temperature=0.8, seq_seed=3, logprobs=4, prompt_logprobs=2)
 ENGINE = dict(kv_cache_bytes=8 << 20, max_num_seqs=8, collective_timeout_s=60)
 
 
@@ -37,12 +38,15 @@ def tokens(outputs):
     return [[c.token_ids for c in o.outputs] for o in outputs]
 
 
+def _values(steps):
+    return [None if s is None else {t: lp.logprob for t, lp in s.items()} for s in steps]
+
+
 def logprobs(outputs):
     return [
-        [(c.token_ids, [{t: lp.logprob for t, lp in s.items()} for s in c.logprobs])
-         for c in o.outputs]
+        (_values(o.prompt_logprobs), [(c.token_ids, _values(c.logprobs)) for c in o.outputs])
         for o in outputs
-    ]  # fmt: skip
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +95,28 @@ def test_batch_invariant_logits_are_bitwise_through_rebalances(dispatch, one_ran
         llm.shutdown()
 
 
+def _listening_addresses(pids) -> set[str]:
+    """Local addresses of the TCP sockets these processes listen on (from /proc)."""
+    inodes = set()
+    for pid in pids:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:["):
+                    inodes.add(link[8:-1])
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
+                    found.add(cols[1].split(":")[0])
+    return found
+
+
+LOOPBACK_HEX = {"0100007F", "0000000000000000FFFF00000100007F", "00000000000000000000000001000000"}
+
+
 def _gone(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -103,6 +129,10 @@ def _gone(pid: int) -> bool:
 def test_interrupt_then_a_killed_rank(one_rank):
     llm = LLM(**ENGINE, data_parallel_size=2, expert_parallel_size=2)
     pids = llm.engine.pids
+    # nothing reachable from outside: every listening socket of the driver and the ranks is
+    # on the loopback interface
+    listening = _listening_addresses([os.getpid(), *pids])
+    assert listening and listening <= LOOPBACK_HEX, listening
     long = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
     # Ctrl-C in the middle of a run (SIGINT to the main thread, as a terminal sends it): every
     # rank stops at its next step, and the next call is clean
