@@ -17,8 +17,8 @@ Engram lookups, the idle and padded rows). A warm-up generate first, then one ti
   sync ms/step   the step agreement (one all-reduce of 4 ints on the CPU group)
   load MiB, RSS MiB  checkpoint bytes each rank read (max over ranks) and its peak resident
                  memory after loading (max over ranks)
-On an H200 node run it with --device cuda (NCCL, eager: CUDA graphs are not yet taken with
-several ranks); it has not been run there yet.
+On an H200 node run it with --device cuda (NCCL; decode through CUDA graphs unless --eager);
+it has not been run there yet.
 
 Memory (--memory): the full-width 40-layer V4.1-Flash layout at E = --ep ranks, computed from
 the sharding plan (the model built on the meta device with each rank's `RankShard.plan`, no
@@ -70,8 +70,8 @@ def throughput_rows(args: argparse.Namespace, rows: list[dict]) -> None:
                 expert_parallel_size=e,
                 engram_parallel_size=g,
                 expert_dispatch=args.dispatch,
-                enforce_eager=True,
             )
+        kw["enforce_eager"] = args.eager
         llm = LLM(**kw)
         try:
             llm.generate(prompts[: max(1, d)], params, use_tqdm=False)  # warm-up
@@ -151,6 +151,7 @@ def main() -> None:
                     default=[(1, 1, 1), (2, 2, 1), (2, 2, 2), (4, 4, 2)])  # fmt: skip
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--dispatch", choices=("allgather", "alltoall", "deep_ep"), default=None)
+    ap.add_argument("--eager", action="store_true", help="no CUDA graphs (enforce_eager)")
     ap.add_argument("--prompts-per-dp-rank", type=int, default=4)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=16)

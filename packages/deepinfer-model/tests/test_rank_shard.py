@@ -63,6 +63,7 @@ def _rank_body(rank: int, world: int) -> dict:
                 same.append(bool(torch.equal(got, want)))
                 lens = [n + len(q) for n, q in zip(lens, seqs, strict=True)]
             rebalanced.append(part.model.end_step())
+    graphed = _decode_through_graph_pieces(rank, part.model, whole.model, caches, lens)
     total = CheckpointReader(builtin_checkpoint()).total_bytes
     report = part.report
     return {
@@ -72,7 +73,31 @@ def _rank_body(rank: int, world: int) -> dict:
         "engram_rows": part.model.layers[1].engram.embed.weight.shape[0],
         "bytes_fraction": report.num_bytes / total,
         "held_elsewhere": report.held_elsewhere,
+        "graphed": graphed,
     }
+
+
+def _decode_through_graph_pieces(rank, part, whole, caches, lens) -> dict:
+    """A decode step through the piecewise decode graphs (run eagerly on CPU: the pieces and
+    their collectives as a CUDA replay would run them), each rank padded to the bucket of the
+    largest batch; rank 1 has nothing to decode and runs the idle forward of that bucket."""
+    from deepinfer_model.batch import SequenceInput, build_batch
+    from deepinfer_model.cuda_graph import DecodeGraphs
+
+    graphs = DecodeGraphs(part, max_batch=4, capture=False)
+    graphs.capture_all()  # every rank, together
+    counts0 = part.shard.experts.eplb._counts.sum().item()
+    bucket = graphs.bucket_for(len(PROMPTS[0]))  # the agreed rows: rank 0's 2 sequences
+    if rank == 1:
+        part.idle_forward(bucket)
+        return {"close": True, "counted": part.shard.experts.eplb._counts.sum().item() - counts0}
+    seqs = [SequenceInput([4], n, i, [2 * i, 2 * i + 1]) for i, n in enumerate(lens)]
+    batch = build_batch(seqs, "cpu")
+    batch.collective_rows = bucket
+    got = graphs.forward(batch, caches[0]).logits
+    want = whole.forward(build_batch(seqs, "cpu"), caches[1]).logits
+    counted = part.shard.experts.eplb._counts.sum().item() - counts0
+    return {"close": bool(torch.allclose(got, want, rtol=1e-4, atol=1e-4)), "counted": counted}
 
 
 def test_two_ranks_equal_the_whole_model_bitwise_through_a_rebalance():
@@ -85,6 +110,9 @@ def test_two_ranks_equal_the_whole_model_bitwise_through_a_rebalance():
         # each): never read; half of each Engram table neither
         assert r["held_elsewhere"] == 8 * 4 * 6 and r["bytes_fraction"] < 0.85
     assert out[0]["engram_rows"] + out[1]["engram_rows"] == 48400
+    # graphed decode: the same logits, and only the 2 real rows (top-2, 8 layers) counted
+    assert out[0]["graphed"] == {"close": True, "counted": 2 * 2 * 8}
+    assert out[1]["graphed"] == {"close": True, "counted": 0}
 
 
 def test_full_width_plan_holds_an_eighth_of_experts_and_engram_rows():

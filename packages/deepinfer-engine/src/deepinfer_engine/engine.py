@@ -328,7 +328,8 @@ class Engine:
             rows = None
             if self.peers is not None:
                 prefill = any(c.start < c.seq.num_prompt_tokens for c in out.chunks)
-                rows = self.peers.agree(out.num_tokens, prefill, self.has_unfinished()).rows
+                plan = self.peers.agree(out.num_tokens, prefill, self.has_unfinished())
+                rows = self.runner.collective_rows(plan)
             prev = self._inflight
             launched = self._launch(out, prev, rows)
             self._inflight = None

@@ -52,6 +52,14 @@ class DecodeGraphRunner(Protocol):
 
     def forward(self, batch: ForwardBatch, cache: Any) -> ForwardOutput: ...
 
+    def bucket_for(self, n: int) -> int | None:
+        """The padded batch size a decode step of `n` rows replays (None: too large)."""
+        ...
+
+    def capture_all(self) -> None:
+        """Capture every bucket now (a sharded model's ranks, together, at start)."""
+        ...
+
 
 @runtime_checkable
 class EngineModel(Protocol):

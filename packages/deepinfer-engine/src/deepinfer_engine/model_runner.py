@@ -19,8 +19,10 @@ import logging
 from dataclasses import dataclass
 
 import torch
+from deepinfer_kernels import REGISTRY
 from deepinfer_model.batch import SequenceInput, build_batch
 from deepinfer_model.cuda_graph import GraphCaptureError
+from deepinfer_parallel.step_sync import StepPlan
 
 from deepinfer_engine import prompt_logprobs
 from deepinfer_engine.engine_model import EngineModel
@@ -98,13 +100,17 @@ class ModelRunner:
         self.keep_tokens, self.truncation = yoco if yoco is not None else (None, "compact")
         self.peers = peers
         self.graphs = None
+        self._bucket_for = None  # with peers and graphs: the bucket every rank pads decode to
         if device.type == "cuda" and graph_max_batch > 0:
-            if peers is not None:
-                raise NotImplementedError(
-                    "CUDA graphs with several ranks: the decode graphs do not yet pad to the "
-                    "ranks' agreed batch bucket; pass enforce_eager=True"
-                )
             self.graphs = model.decode_graphs(graph_max_batch)
+        if self.graphs is not None and peers is not None:
+            # every rank captures every bucket now, together (collectives inside the pieces)
+            self._bucket_for = self.graphs.bucket_for
+            try:
+                self.graphs.capture_all()
+            except GraphCaptureError as e:
+                logger.warning("CUDA graphs switched off, decode runs eagerly: %s", e)
+                self.graphs = None
 
     # ---- forward -----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -141,6 +147,18 @@ class ModelRunner:
         n = len(sample_chunks)
         prompt = prompt_logprobs.start(res.logits[n:], out.chunks) if rows else None
         return LaunchedStep(out, res.logits[:n] if n else None, sample_chunks, prompt)
+
+    def collective_rows(self, plan: StepPlan) -> int:
+        """The rows every rank's collectives use this step: the agreed count, rounded up to a
+        decode graph bucket on a decode step when graphs are on (every rank computes the same,
+        whether or not its own batch replays a graph)."""
+        # batch-invariant steps are never graphed
+        graphed = self._bucket_for is not None and not REGISTRY.batch_invariant
+        if plan.rows and graphed and not plan.prefill:
+            bucket = self._bucket_for(plan.rows)
+            if bucket is not None:
+                return bucket
+        return plan.rows
 
     @torch.inference_mode()
     def idle(self, rows: int) -> None:

@@ -42,12 +42,7 @@ def resolve_dispatch(name: str | None, device: str) -> str:
 
 
 def check_rank_features(config: EngineConfig, device: str) -> None:
-    """Refuse, before anything starts or loads, what ranks cannot do yet or here."""
-    if device == "cuda" and not config.enforce_eager:
-        raise NotImplementedError(
-            "CUDA graphs with several ranks: the decode graphs do not yet pad to the ranks' "
-            "agreed batch bucket; pass enforce_eager=True"
-        )
+    """Refuse, before anything starts or loads, what ranks cannot do here."""
     if config.expert_dispatch == "deep_ep":
         why = deep_ep_reason()
         if why is not None:

@@ -18,10 +18,18 @@ first time a step of its size runs (one device sync then).
 
 Without capture (`capture=False`, the default off CUDA) the same pieces run eagerly on the
 padded static buffers: that is how CPU tests check the decomposition.
+
+A model sharded over ranks (`Model.shard`) has collectives inside the pieces (the MoE dispatch,
+the Engram lookups), sized by the bucket: every rank must replay the same bucket in a step (the
+engine pads to the bucket of the ranks' agreed row count: `collective_rows`), and a capture
+runs each piece's collectives more than once, so all ranks capture every bucket together, at
+start (`capture_all`), never one rank alone mid-run. Padded rows are masked out of the EPLB
+statistics by a static count of real rows (`valid`).
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -53,7 +61,8 @@ class _Bucket:
 
     ids, positions: [n] int64 inputs; hashes: [n, engram layers, cols] int64 (models with
     Engram); o[i]: [n, H, head_dim] layer i's attention output (input of piece i+1); states[i]:
-    piece i's output (layer i's `AttentionInputs`); logits: [n, vocab] fp32 (piece L's output).
+    piece i's output (layer i's `AttentionInputs`); logits: [n, vocab] fp32 (piece L's output);
+    valid: [] int64, the real rows of the step being replayed.
     """
 
     size: int
@@ -61,6 +70,7 @@ class _Bucket:
     positions: torch.Tensor
     hashes: torch.Tensor | None
     o: list[torch.Tensor]
+    valid: torch.Tensor
     states: list[AttentionInputs | None] = field(default_factory=list)
     logits: torch.Tensor | None = None
     graphs: list[torch.cuda.CUDAGraph] = field(default_factory=list)
@@ -103,6 +113,8 @@ class DecodeGraphs:
             return "not a pure decode step (a sequence brings more than one token)"
         if b > self.sizes[-1]:
             return f"{b} sequences > the largest captured batch {self.sizes[-1]}"
+        if (batch.collective_rows or 0) > self.sizes[-1]:
+            return f"the ranks' {batch.collective_rows} rows > the largest captured batch"
         if host.yoco_floor is not None:
             window = self.model.config.sliding_window
             pairs = list(zip(host.context_lens, host.yoco_floor, strict=True))
@@ -152,11 +164,13 @@ class DecodeGraphs:
                 torch.zeros(size, heads, head_dim, dtype=m.dtype, device=dev)
                 for _ in range(self.num_layers)
             ],
+            valid=torch.zeros((), dtype=torch.int64, device=dev),
             states=[None] * self.num_layers,
         )
         if self.capture:
             try:
-                self._capture(bk)
+                with self._scope(bk):
+                    self._capture(bk)
             except RuntimeError as e:
                 raise GraphCaptureError(
                     f"DecodeGraphs: capturing the decode pieces of batch {size} failed "
@@ -184,6 +198,29 @@ class DecodeGraphs:
             # capture's outputs are uninitialised memory, e.g. NaN routing scores)
             graph.replay()
 
+    def _scope(self, bk: _Bucket):
+        """A sharded model's collectives in bucket `bk`'s pieces are sized by the bucket."""
+        shard = self.model.shard
+        return nullcontext() if shard is None else shard.forward(bk.size, valid=bk.valid)
+
+    def bucket_for(self, n: int) -> int | None:
+        """The captured batch size a step of `n` rows replays (None: larger than any)."""
+        return next((s for s in self.sizes if s >= n), None)
+
+    def capture_all(self) -> None:
+        """Capture every bucket now: a sharded model's ranks all call this at start, in
+        lockstep (see the module docstring). Raises GraphCaptureError, before any
+        collective, when the model's expert dispatch cannot run inside a graph."""
+        experts = self.model.shard.experts if self.model.shard is not None else None
+        if experts is not None and not experts.graphable:
+            raise GraphCaptureError(
+                f"expert dispatch {experts.dispatch.name!r} reads counts on the host and "
+                "cannot be captured; decode runs eagerly"
+            )
+        for size in self.sizes:
+            if size not in self.buckets:
+                self.buckets[size] = self._new_bucket(size)
+
     def _run(self, bk: _Bucket, i: int) -> None:
         if self.capture:
             bk.graphs[i].replay()
@@ -200,19 +237,25 @@ class DecodeGraphs:
             raise ValueError(f"DecodeGraphs.forward: {why}")
         m = self.model
         n = len(batch.host.cu_seqlens) - 1  # one token per sequence (`unsupported`)
-        size = next(s for s in self.sizes if s >= n)
+        size = self.bucket_for(max(n, batch.collective_rows or 0))
         bk = self.buckets.get(size)
         if bk is None:
+            if m.shard is not None:
+                raise GraphCaptureError(
+                    f"bucket {size} of a sharded model was not captured at start (capture_all)"
+                )
             bk = self.buckets[size] = self._new_bucket(size)
         ctx, _ = m.prepare(batch, cache)
         bk.ids[:n].copy_(batch.input_ids)
         bk.positions[:n].copy_(batch.positions)
+        bk.valid.fill_(n)
         if bk.hashes is not None:
             bk.hashes[:n].copy_(m.engram_hasher(batch.input_ids, ctx, cache))
-        for i, layer in enumerate(m.layers):
-            self._run(bk, i)
-            s = bk.states[i]
-            o = layer.attn.attend(s.x[:n], s.proj.rows(n), ctx, cache)
-            bk.o[i][:n].copy_(o)
-        self._run(bk, self.num_layers)
+        with self._scope(bk):
+            for i, layer in enumerate(m.layers):
+                self._run(bk, i)
+                s = bk.states[i]
+                o = layer.attn.attend(s.x[:n], s.proj.rows(n), ctx, cache)
+                bk.o[i][:n].copy_(o)
+            self._run(bk, self.num_layers)
         return ForwardOutput(logits=bk.logits[:n].index_select(0, batch.logits_indices))

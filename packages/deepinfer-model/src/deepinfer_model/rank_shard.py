@@ -32,10 +32,13 @@ from .config import ModelConfig
 @dataclass
 class ForwardScope:
     """The forward in progress: `rows`, the step's agreed token count (>= this forward's);
-    `keys`: (sequence key [T], position [T]) of its tokens, or None (replicas keyed by row)."""
+    `keys`: (sequence key [T], position [T]) of its tokens, or None (replicas keyed by row);
+    `valid`: a device scalar, the rows that are real tokens when the forward runs padded
+    static buffers (a CUDA graph), None when every row is."""
 
     rows: int = 0
     keys: tuple[torch.Tensor, torch.Tensor] | None = None
+    valid: torch.Tensor | None = None
 
 
 @dataclass
@@ -48,11 +51,14 @@ class RankShard:
 
     @contextmanager
     def forward(
-        self, rows: int, keys: tuple[torch.Tensor, torch.Tensor] | None = None
+        self,
+        rows: int,
+        keys: tuple[torch.Tensor, torch.Tensor] | None = None,
+        valid: torch.Tensor | None = None,
     ) -> Iterator[ForwardScope]:
         """Scope one forward: its collectives pad to `rows`."""
         saved = self.scope
-        self.scope = ForwardScope(rows, keys)
+        self.scope = ForwardScope(rows, keys, valid)
         try:
             yield self.scope
         finally:

@@ -148,6 +148,8 @@ class ExpertDispatch(abc.ABC):
     shard: ExpertShard
     stats: CommStats = field(default_factory=CommStats)
     name: ClassVar[str] = ""
+    graphable: ClassVar[bool] = False
+    """Runs inside a captured CUDA graph: fixed sizes, no host read."""
 
     def routed(
         self,
@@ -180,6 +182,7 @@ class AllGatherDispatch(ExpertDispatch):
     """All-gather + reduce-scatter (the default backend; see the module docstring)."""
 
     name: ClassVar[str] = "allgather"
+    graphable: ClassVar[bool] = True
 
     def _routed(self, call: RoutedCall) -> torch.Tensor:
         x, slots = call.x, call.slots

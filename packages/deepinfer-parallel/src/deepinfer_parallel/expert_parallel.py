@@ -58,6 +58,12 @@ class ExpertParallel:
         self._replicated = bool((placement.logcnt > 1).any())
 
     @property
+    def graphable(self) -> bool:
+        """The dispatch backend can run inside a captured CUDA graph (fixed sizes, no host
+        reads)."""
+        return self.dispatch.graphable
+
+    @property
     def shard(self):
         return self.dispatch.shard
 
@@ -90,10 +96,11 @@ class ExpertParallel:
             positions=pos,
         )
 
-    def record(self, layer: int, logical: torch.Tensor) -> None:
-        """Count a forward's router choices (real tokens only) when EPLB runs."""
+    def record(self, layer: int, logical: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        """Count a forward's router choices when EPLB runs: every row, or the first `valid`
+        (a device scalar: a graphed forward's real tokens)."""
         if self.eplb is not None:
-            self.eplb.record(layer, logical)
+            self.eplb.record(layer, logical, valid)
 
     def end_step(self) -> ExpertPlacement | None:
         """Close one engine step; a new placement when EPLB rebalances now."""

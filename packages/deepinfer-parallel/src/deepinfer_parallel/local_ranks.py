@@ -154,6 +154,7 @@ class LocalRanks:
         child_env = {**loopback_socket_env(), **(env or {})}
         self._conns: list[Connection] = []
         self._procs: list[mp.process.BaseProcess] = []
+        self._finished: set[int] = set()  # ranks that exited with status 0
         self._closed = False
         try:
             for rank in range(world_size):
@@ -193,26 +194,50 @@ class LocalRanks:
 
     def recv(self, timeout_s: float | None = None) -> tuple[int, bytes]:
         """The next message from any rank as (rank, payload); raises `RankFailure` if a rank
-        died or reported an error, TimeoutError if none came in `timeout_s`."""
+        died or reported an error, TimeoutError if none came in `timeout_s`. A rank that
+        exited with status 0 after its last message is done, not failed; when every rank is,
+        RuntimeError."""
         self._check_open()
-        sentinels = {p.sentinel: r for r, p in enumerate(self._procs)}
-        conns = {id(c): r for r, c in enumerate(self._conns)}
-        ready = wait([*self._conns, *sentinels], timeout_s)
-        if not ready:
-            raise TimeoutError(f"no message from the {self.world_size} ranks in {timeout_s} s")
-        # messages first: a rank that reported an error and exited has its reason in the pipe
-        for obj in ready:
-            if isinstance(obj, Connection):
-                rank = conns[id(obj)]
-                try:
-                    frame = obj.recv_bytes()
-                except (EOFError, OSError):
-                    self._raise_failure(rank)
-                if frame[:1] == _ERR:
-                    self._fail(rank, frame[1:].decode("utf-8", "replace"))
-                return rank, frame[1:]
-        self._raise_failure(sentinels[ready[0]])
-        raise AssertionError("unreachable")
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            live = [r for r in range(self.world_size) if r not in self._finished]
+            if not live:
+                raise RuntimeError("every rank process has exited; no message can come")
+            sentinels = {self._procs[r].sentinel: r for r in live}
+            conns = {id(self._conns[r]): r for r in live}
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = wait([*(self._conns[r] for r in live), *sentinels], left)
+            if not ready:
+                raise TimeoutError(f"no message from the {self.world_size} ranks in {timeout_s} s")
+            # messages first: a rank that reported an error and exited has its reason in the pipe
+            for obj in ready:
+                if isinstance(obj, Connection):
+                    rank = conns[id(obj)]
+                    try:
+                        frame = obj.recv_bytes()
+                    except (EOFError, OSError):
+                        if self._exited_cleanly(rank):
+                            continue
+                        self._raise_failure(rank)
+                    if frame[:1] == _ERR:
+                        self._fail(rank, frame[1:].decode("utf-8", "replace"))
+                    return rank, frame[1:]
+            for obj in ready:
+                if not isinstance(obj, Connection):
+                    rank = sentinels[obj]
+                    if self._conns[rank].poll(0):
+                        break  # its last messages are still in the pipe: read them first
+                    if not self._exited_cleanly(rank):
+                        self._raise_failure(rank)
+
+    def _exited_cleanly(self, rank: int) -> bool:
+        """`rank`'s process ended with status 0 (marks it finished)."""
+        p = self._procs[rank]
+        p.join(timeout=5)
+        if p.exitcode == 0:
+            self._finished.add(rank)
+            return True
+        return False
 
     def _raise_failure(self, rank: int) -> None:
         self._fail(rank, None)
@@ -234,7 +259,7 @@ class LocalRanks:
                 pass
             if r in errors:
                 failures.append((r, errors[r], False))
-            elif not p.is_alive() or r == rank:
+            elif r == rank or (not p.is_alive() and p.exitcode != 0):
                 p.join(timeout=1.0)
                 failures.append((r, self._how_it_ended(r), True))
         self.close(grace_s=0.0)

@@ -214,7 +214,7 @@ class MoE(nn.Module):
         """The routed experts over the EP group: ids [T, k] logical -> physical slots -> the
         dispatch backend, padded to the forward scope's rows (exact order when batch-invariant)."""
         ep, scope = self.shard.experts, self.shard.scope
-        ep.record(self.layer, ids)
+        ep.record(self.layer, ids, scope.valid)
         slots = ep.route(self.layer, ids, scope.keys)
         return ep.dispatch.routed(
             x, weights, slots, ids, self._routed, scope.rows, exact=REGISTRY.batch_invariant

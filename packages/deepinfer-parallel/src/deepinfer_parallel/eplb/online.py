@@ -43,10 +43,19 @@ class OnlineEPLB:
         self.steps = 0
         self.rebalances = 0
 
-    def record(self, layer: int, logical_ids: torch.Tensor) -> None:
-        """Add one forward's router choices ``[T, k]`` (logical ids) of MoE layer `layer`."""
+    def record(
+        self, layer: int, logical_ids: torch.Tensor, valid: torch.Tensor | None = None
+    ) -> None:
+        """Add one forward's router choices ``[T, k]`` (logical ids) of MoE layer `layer`;
+        with `valid` (a device scalar) only its first `valid` rows count (the others pad a
+        static buffer), still without a host read."""
+        t, k = logical_ids.shape
         flat = logical_ids.reshape(-1).to(torch.int64)
-        self._counts[layer].index_add_(0, flat, torch.ones_like(flat))
+        ones = torch.ones_like(flat)
+        if valid is not None:
+            real = torch.arange(t, device=flat.device) < valid
+            ones = real.repeat_interleave(k).to(torch.int64)
+        self._counts[layer].index_add_(0, flat, ones)
 
     def end_step(self, group: dist.ProcessGroup | None) -> ExpertPlacement | None:
         """Close one engine step; every `interval` steps return the rebalanced placement."""
