@@ -11,7 +11,8 @@ import pytest
 import torch
 from deepinfer_parallel import deep_ep_dispatch
 from deepinfer_parallel.deep_ep_dispatch import DeepEPDispatch, deep_ep_reason
-from deepinfer_parallel.expert_dispatch import ExpertShard, make_dispatch
+from deepinfer_parallel.dispatch_backends import make_dispatch
+from deepinfer_parallel.expert_dispatch import ExpertShard
 
 D, K, E = 8, 2, 4
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deepinfer_kernels.settings import KernelSettings, parse_bool, parse_overrides
-from deepinfer_parallel.expert_dispatch import DISPATCH_BACKENDS
+from deepinfer_parallel.dispatch_backends import DISPATCH_BACKENDS
 from deepinfer_parallel.layout import ParallelLayout
 
 logger = logging.getLogger("deepinfer")

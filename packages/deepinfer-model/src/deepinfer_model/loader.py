@@ -41,6 +41,7 @@ import torch
 from tqdm.auto import tqdm
 
 from deepinfer_model.hub import resolve_checkpoint
+from deepinfer_model.shard_sources import ShardSources, TensorSource
 from deepinfer_model.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -295,25 +296,6 @@ def _compatible(stored: torch.dtype, wanted: torch.dtype) -> bool:
 def _listing(names: list[str], limit: int = 5) -> str:
     shown = ", ".join(repr(n) for n in names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
-
-
-@dataclass(frozen=True)
-class TensorSource:
-    """Where a model tensor's bytes are in the checkpoint: tensor `name`, whole, or its rows
-    ``[lo, hi)`` along dim 0 (`rows`)."""
-
-    name: str
-    rows: tuple[int, int] | None = None
-
-
-@dataclass(frozen=True)
-class ShardSources:
-    """What a sharded model loads: `sources` for the tensors whose checkpoint tensor differs
-    from their own name or is a row range (the others load by name); `elsewhere`: checkpoint
-    tensors that other ranks hold, which this load leaves unread."""
-
-    sources: dict[str, TensorSource] = field(default_factory=dict)
-    elsewhere: frozenset[str] = frozenset()
 
 
 @dataclass

@@ -22,6 +22,7 @@ from .layers.block import Block
 from .layers.engram import EngramHasher
 from .layers.linear import Embedding, RMSNorm, dense
 from .layers.mhc import identity_pre
+from .shard_sources import ShardSources, TensorSource
 from .staging import HostStaging
 from .step_context import StepContext
 
@@ -112,10 +113,9 @@ class Model(nn.Module):
         return True
 
     def shard_sources(self):
-        """What this rank's part loads from the full checkpoint (`loader.ShardSources`): each
+        """What this rank's part loads from the full checkpoint (`shard_sources.ShardSources`): each
         local expert slot from its logical expert, each Engram table's rows as a row range; the
         other experts are left to their ranks."""
-        from .loader import ShardSources, TensorSource
 
         sources: dict[str, TensorSource] = {}
         elsewhere: set[str] = set()

@@ -19,9 +19,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+from deepinfer_parallel.dispatch_backends import make_dispatch
 from deepinfer_parallel.engram_shard import RowShard, ShardedRows
 from deepinfer_parallel.eplb import ExpertPlacement, OnlineEPLB, initial_placement
-from deepinfer_parallel.expert_dispatch import AllGatherDispatch, ExpertShard, make_dispatch
+from deepinfer_parallel.expert_dispatch import AllGatherDispatch, ExpertShard
 from deepinfer_parallel.expert_parallel import ExpertParallel
 from deepinfer_parallel.layout import ParallelLayout
 from deepinfer_parallel.process_groups import RankGroups
